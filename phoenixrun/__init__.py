@@ -1,0 +1,1 @@
+"""phoenixrun: fault-tolerant launcher for PyTorch training (PHOENIX hot-swap)."""
