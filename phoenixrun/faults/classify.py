@@ -1,0 +1,222 @@
+"""Signal -> (fault class, action): the paper's Table II as a pure, table-tested function.
+
+See docs/fault-model.md for the table and the reasoning behind each row.
+"""
+from __future__ import annotations
+
+import signal as _signal
+from typing import Iterable, Mapping
+
+from .taxonomy import Action, Classification, FaultClass, Signal, SignalKind
+
+DEFAULT_MAX_LOCAL_RESETS = 3
+# Signals closer together than this are one incident (several ranks of a node die within milliseconds of each
+# other); a local reset plus resume takes longer than this, so separate incidents do not merge.
+DEFAULT_INCIDENT_GAP_S = 2.0
+
+XID_GPU_MEMORY: Mapping[int, str] = {
+    48: "double-bit ECC error",
+    64: "ECC page retirement / row remap failure",
+    95: "uncontained ECC error",
+}
+XID_HOST_PCIE: Mapping[int, str] = {
+    79: "GPU has fallen off the bus",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+# Contained to the faulting context: the GPU is usable again once the processes using it exit, so a local reset
+# is enough - unless it keeps happening, which points at the hardware.
+XID_CONTAINED: Mapping[int, str] = {
+    13: "graphics engine exception",
+    31: "GPU memory page fault",
+    43: "GPU stopped processing",
+    94: "contained ECC error",
+}
+# Reported by the driver but not faults in themselves; health sources drop these instead of emitting a Signal
+# (classified, they would be "unknown Xid" and stop the job). 45 in particular follows every worker we kill.
+XID_INFORMATIONAL: Mapping[int, str] = {
+    45: "preemptive cleanup after a process was killed",
+    63: "ECC page retirement / row remap recorded",
+    92: "high single-bit ECC error rate (corrected)",
+}
+
+# Substrings (case-insensitive) of exception texts that mean "a collective failed". They are what survivors see
+# when a peer dies, so they are symptoms, never a root cause.
+COLLECTIVE_ERROR_PATTERNS: tuple[str, ...] = (
+    # NCCL / ProcessGroupNCCL
+    "Watchdog caught collective operation timeout",
+    "NCCL error",
+    "ncclInternalError",
+    "ncclSystemError",
+    "ncclRemoteError",
+    "NCCL communicator was aborted",
+    "DistBackendError",
+    "DistNetworkError",
+    # gloo / TCPStore
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Timed out waiting",
+    "Read error",
+    "Broken pipe",
+    "timed out",
+)
+# cudaErrorECCUncorrectable's message: the GPU, not the user's code, failed.
+GPU_ECC_ERROR_PATTERNS: tuple[str, ...] = ("uncorrectable ECC error encountered",)
+
+# nvml.h nvmlDeviceGpuRecoveryAction_t; hard-coded because pynvml may be absent where signals are classified.
+GPU_RECOVERY_ACTION_NAMES: Mapping[int, str] = {
+    1: "gpu_reset",
+    2: "node_reboot",
+    3: "drain_p2p",
+    4: "drain_and_reset",
+    5: "recover_imex_domain",
+    6: "bus_reset",
+    7: "system_reboot",
+}
+
+
+def _matches(text: str, patterns: Iterable[str]) -> bool:
+    low = text.lower()
+    return any(p.lower() in low for p in patterns)
+
+
+def is_collective_error_text(text: str) -> bool:
+    return _matches(text, COLLECTIVE_ERROR_PATTERNS)
+
+
+def exit_signal_number(code: int) -> int | None:
+    """The signal that killed a worker, from a Popen returncode (-N) or a shell wrapper's 128+N; else None."""
+    if code < 0:
+        return -code
+    if 128 < code < 128 + 65:
+        return code - 128
+    return None
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return _signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _c(fc: FaultClass, action: Action, reason: str, *, root_cause: bool = True, ambiguous: bool = False):
+    return Classification(fc, action, root_cause, reason, ambiguous)
+
+
+_COMM_SYMPTOM = (FaultClass.TRANSIENT_COMM, Action.LOCAL_RESET)
+
+
+def _classify_text(text: str, what: str, *, ambiguous_if_empty: bool) -> Classification:
+    """An exception/exit text: comm error (symptom), GPU ECC (hardware), else the user's code."""
+    if is_collective_error_text(text):
+        return _c(*_COMM_SYMPTOM, f"{what}: collective error", root_cause=False)
+    if _matches(text, GPU_ECC_ERROR_PATTERNS):
+        return _c(FaultClass.GPU_MEMORY, Action.NODE_REPLACE, f"{what}: uncorrectable ECC error reported by CUDA")
+    if not text.strip():
+        return _c(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, f"{what} with no exception text",
+                  ambiguous=ambiguous_if_empty)
+    return _c(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, f"{what}: exception in user code")
+
+
+def _base(sig: Signal) -> Classification:
+    """The table, without history."""
+    k = sig.kind
+    if k is SignalKind.WORKER_EXIT:
+        assert sig.code is not None
+        num = exit_signal_number(sig.code)
+        if num is not None:
+            if sig.detail and is_collective_error_text(sig.detail):  # e.g. NCCL watchdog's SIGABRT
+                return _c(*_COMM_SYMPTOM, f"worker killed by {_signal_name(num)} after a collective error",
+                          root_cause=False)
+            # The process died but the node is healthy (agent alive, host memory intact): restart its workers
+            # from local memory. Covers OOM-killer SIGKILL, native crashes (SIGSEGV/SIGBUS/SIGABRT), stray SIGTERM.
+            return _c(FaultClass.TRANSIENT_COMM, Action.LOCAL_RESET, f"worker killed by {_signal_name(num)}")
+        # A non-zero exit code is Python's way of saying "uncaught exception": the text decides what it was.
+        # Without text it may be a survivor whose collective raised, hence ambiguous.
+        return _classify_text(sig.detail, f"worker exited with code {sig.code}", ambiguous_if_empty=True)
+    if k is SignalKind.WORKER_HANG:
+        # The hung rank and the peers blocked on it look the same from progress heartbeats alone.
+        return _c(FaultClass.TRANSIENT_COMM, Action.LOCAL_RESET, "worker made no progress past the hang timeout",
+                  ambiguous=True)
+    if k is SignalKind.NODE_HEARTBEAT_LOST:
+        return _c(FaultClass.HOST_PCIE, Action.NODE_REPLACE, "agent heartbeat lost")
+    if k is SignalKind.NODE_UNREACHABLE:
+        # DESIGN.md section 5 files "partition from the master" under network/storage.
+        return _c(FaultClass.NETWORK_STORAGE, Action.NODE_REPLACE, "node unreachable")
+    if k is SignalKind.XID:
+        x = sig.code
+        assert x is not None
+        if x in XID_GPU_MEMORY:
+            return _c(FaultClass.GPU_MEMORY, Action.NODE_REPLACE, f"Xid {x}: {XID_GPU_MEMORY[x]}")
+        if x in XID_HOST_PCIE:
+            return _c(FaultClass.HOST_PCIE, Action.NODE_REPLACE, f"Xid {x}: {XID_HOST_PCIE[x]}")
+        if x in XID_CONTAINED:
+            return _c(FaultClass.GPU_MEMORY, Action.LOCAL_RESET, f"Xid {x}: {XID_CONTAINED[x]}")
+        return _c(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, f"Xid {x}: unknown Xid")
+    if k is SignalKind.ECC_UNCORRECTABLE:
+        return _c(FaultClass.GPU_MEMORY, Action.NODE_REPLACE, "uncorrectable ECC error")
+    if k is SignalKind.ROW_REMAP_FAILURE:
+        return _c(FaultClass.GPU_MEMORY, Action.NODE_REPLACE, "row remap failure")
+    if k is SignalKind.GPU_RECOVERY_ACTION:
+        assert sig.code is not None
+        # Every non-NONE value asks for a GPU reset, a drain or a reboot: none can happen under a running job.
+        name = GPU_RECOVERY_ACTION_NAMES.get(sig.code, f"value {sig.code}")
+        return _c(FaultClass.HOST_PCIE, Action.NODE_REPLACE, f"driver asks for GPU recovery action {name}")
+    if k is SignalKind.COLLECTIVE_ERROR:
+        return _c(*_COMM_SYMPTOM, "collective error", root_cause=False)
+    if k is SignalKind.NAN_LOSS:
+        return _c(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, "non-finite loss")
+    if k is SignalKind.USER_EXCEPTION:
+        return _classify_text(sig.detail, "user exception", ambiguous_if_empty=False)
+    if k is SignalKind.NIC_DOWN:
+        return _c(FaultClass.NETWORK_STORAGE, Action.NODE_REPLACE, "NIC down")
+    if k is SignalKind.STORAGE_ERROR:
+        return _c(FaultClass.NETWORK_STORAGE, Action.NODE_REPLACE, "storage error")
+    raise AssertionError(f"unhandled signal kind {k!r}")  # SignalKind is closed; a new kind must be added here
+
+
+def count_incidents(timestamps: Iterable[float], gap_s: float = DEFAULT_INCIDENT_GAP_S) -> int:
+    """Number of clusters of timestamps, a new cluster starting after a gap longer than ``gap_s``."""
+    n, last = 0, None
+    for t in sorted(timestamps):
+        if last is None or t - last > gap_s:
+            n += 1
+        last = t
+    return n
+
+
+def classify(
+    signal: Signal,
+    history: Iterable[Signal] = (),
+    *,
+    max_local_resets: int = DEFAULT_MAX_LOCAL_RESETS,
+    incident_gap_s: float = DEFAULT_INCIDENT_GAP_S,
+) -> Classification:
+    """Classify one signal; ``history`` holds earlier signals of the same node (any order, others ignored).
+
+    A signal whose table action is local_reset escalates to node_replace when the node already had
+    ``max_local_resets`` earlier local-reset incidents: the "transient" fault keeps coming back, so the node is
+    suspect. Signals within ``incident_gap_s`` of each other count as one incident, and those within
+    ``incident_gap_s`` of ``signal`` belong to the current incident, not to the past.
+    """
+    base = _base(signal)
+    if base.action is not Action.LOCAL_RESET:
+        return base
+    past = [
+        h.timestamp
+        for h in history
+        if (h.node is None or signal.node is None or h.node == signal.node)
+        and h.timestamp < signal.timestamp - incident_gap_s
+        and _base(h).action is Action.LOCAL_RESET
+    ]
+    repeats = count_incidents(past, incident_gap_s)
+    if repeats < max_local_resets:
+        return base
+    return Classification(
+        base.fault_class,
+        Action.NODE_REPLACE,
+        base.root_cause,
+        f"{base.reason}; escalated after {repeats} earlier local resets (limit {max_local_resets})",
+        base.ambiguous,
+    )
