@@ -1,1 +1,16 @@
-"""phoenixrun: fault-tolerant launcher for PyTorch training (PHOENIX hot-swap)."""
+"""phoenixrun: fault-tolerant launcher for PyTorch training (PHOENIX hot-swap).
+
+The worker API is imported lazily so that the launcher (`phoenixrun` CLI, master, agents)
+starts without importing torch.
+"""
+__version__ = "0.1.0"
+
+
+def init(*args, **kwargs):
+    from phoenixrun.runtime.api import init as _init
+    return _init(*args, **kwargs)
+
+
+def protect(*args, **kwargs):
+    from phoenixrun.runtime.api import protect as _protect
+    return _protect(*args, **kwargs)

@@ -1,0 +1,434 @@
+"""The per-node agent: supervises this node's workers, owns their snapshot memory, replicates
+it to peer agents, and carries out the master's directives (run, quiesce, restore, restart, stop).
+
+Threads: a directive long-poll, a heartbeat, the worker channel (one reader per worker), the
+peer server; the main loop applies directives and watches worker processes. All state changes
+happen under one lock.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.slot_format import SlotHeader, crc_shared
+from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
+from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
+from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
+from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
+
+log = logging.getLogger("phoenixrun.agent")
+
+
+@dataclass
+class AgentConfig:
+    endpoint: str                  # master host:port
+    secret: str
+    spec: WorkerSpec
+    nproc_per_node: int
+    host: str = "127.0.0.1"        # address peers and workers use to reach this node
+    fault_domain: str = ""
+    heartbeat_interval: float = 0.5
+    log_dir: Path | None = None
+    tee: bool = True
+    node_id: str = ""
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.client = ControlClient(cfg.endpoint, cfg.secret)
+        self.lock = threading.RLock()
+        self.directives: queue.Queue[dict] = queue.Queue()
+        self.slots = LocalSlots(prefix=f"phoenixrun-{self.node_id}")
+        self.replicas = ReplicaStore()
+        self.peers = PeerClient(cfg.secret)
+        self.workers: dict[int, Worker] = {}
+        self.conns: dict[int, WorkerConn] = {}
+        self.waiting_hello: dict[int, WorkerConn] = {}
+        self.done: set[int] = set()
+        self.reported_exit: set[int] = set()
+        self.api = False
+        self.role = "unknown"
+        self.slot: int | None = None
+        self.generation = 0
+        self.restart_count = 0
+        self.world: dict = {}
+        self.job: dict = {}
+        self.restore_step: int | None = None
+        self.pending_quiesce: set[int] = set()
+        self.pending_resume: set[int] = set()
+        self.resume_timings: dict[str, float] = {}
+        self.protection: dict[int, dict] = {}
+        self.exit_code: int | None = None
+        self._version = -1
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ startup
+    def run(self) -> int:
+        sock_dir = Path(os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
+        self.sock_path = str(sock_dir / f"phoenixrun-{self.node_id}.sock")
+        self.channel = WorkerChannelServer(self.sock_path, self._on_worker_message, self._on_worker_close)
+        self.peer_server = PeerServer(self.cfg.host, self.cfg.secret, {
+            "put": self._peer_put, "get_private": self._peer_get_private,
+            "get_shared": self._peer_get_shared, "ping": lambda h, p: ({}, b"")})
+        try:
+            reg = self._register()
+        except ControlError as e:
+            log.error("%s", e)
+            self._cleanup()
+            return 2
+        self.job = reg
+        self.role, self.slot = reg["role"], reg["slot"]
+        log.info("agent %s registered as %s%s", self.node_id, self.role,
+                 f" (slot {self.slot})" if self.slot is not None else "")
+        for target in (self._poll_directives, self._heartbeat):
+            threading.Thread(target=target, daemon=True, name=target.__name__).start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            while not self._stop.is_set():
+                try:
+                    d = self.directives.get(timeout=0.05)
+                    self._apply(d)
+                except queue.Empty:
+                    pass
+                self._watch_workers()
+        finally:
+            self._cleanup()
+        return self.exit_code or 0
+
+    def _register(self) -> dict:
+        deadline = time.time() + 60
+        while True:
+            try:
+                return self.client.post("/v1/register", {
+                    "node_id": self.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
+                    "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
+                    "nproc_per_node": self.cfg.nproc_per_node})
+            except ControlError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _on_signal(self, signum, frame) -> None:
+        log.warning("agent got signal %d: stopping workers", signum)
+        self.exit_code = 128 + signum
+        self._report({"kind": "left", "detail": f"agent got signal {signum}"})
+        self._stop.set()
+
+    def _cleanup(self) -> None:
+        for w in list(self.workers.values()):
+            w.kill_tree()
+        self.slots.clear()
+        self.channel.close()
+        self.peer_server.close()
+
+    # ------------------------------------------------------------------ master link
+    def _poll_directives(self) -> None:
+        while not self._stop.is_set():
+            try:
+                d = self.client.post("/v1/directive", {"node_id": self.node_id, "version": self._version,
+                                                       "timeout": 10.0}, timeout=15.0)
+            except ControlError as e:
+                log.debug("directive poll failed: %s", e)
+                time.sleep(0.2)
+                continue
+            if d.get("version", -1) > self._version:
+                self._version = d["version"]
+                self.directives.put(d)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                payload = {"node_id": self.node_id,
+                           "worker_pids": [w.pid for w in self.workers.values() if w.poll() is None],
+                           "snapshots": self.slots.available(), "replicas": self.replicas.available(),
+                           "protection": self.protection, "api": self.api}
+            try:
+                self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
+            except ControlError as e:
+                log.debug("heartbeat failed: %s", e)
+            self._stop.wait(self.cfg.heartbeat_interval)
+
+    def _report(self, ev: dict) -> None:
+        ev = {"node_id": self.node_id, "generation": self.generation, "slot": self.slot, **ev}
+        for _ in range(3):
+            try:
+                self.client.post("/v1/report", ev)
+                return
+            except ControlError as e:
+                log.warning("report %s failed: %s", ev.get("kind"), e)
+                time.sleep(0.2)
+
+    # ------------------------------------------------------------------ directives
+    def _apply(self, d: dict) -> None:
+        cmd = d["command"]
+        if cmd == "noop":
+            return
+        log.debug("directive %s gen %s", cmd, d.get("generation"))
+        with self.lock:
+            self.generation = d.get("generation", self.generation)
+            if "slot" in d:
+                self.slot = d["slot"]
+            if "world" in d:
+                self.world = d["world"]
+            self.restart_count = d.get("restart_count", self.restart_count)
+        if cmd == "wait":
+            if d.get("warm") and not self.workers:
+                self._spawn_all(rank_known=False)
+        elif cmd == "run":
+            with self.lock:
+                self.role = "active"
+                self.slots.frozen = self.replicas.frozen = False
+                if not d.get("resume"):
+                    self.restore_step = None
+                    self._kill_all()   # a spare's warm workers carry no rank: start real ones
+                    self._spawn_all(rank_known=True)
+        elif cmd == "restart":
+            with self.lock:
+                self.role = "active"
+                self._kill_all()
+                self.restore_step = None
+                self.slots.clear()
+                self.slots.frozen = self.replicas.frozen = False
+                self._spawn_all(rank_known=True)
+        elif cmd == "quiesce":
+            self._quiesce()
+        elif cmd == "restore":
+            threading.Thread(target=self._restore, args=(d,), daemon=True, name="restore").start()
+        elif cmd == "stop":
+            self.exit_code = d.get("exit_code", 0)
+            self._stop.set()
+
+    def _rank(self, local_rank: int) -> int:
+        return self.slot * self.cfg.nproc_per_node + local_rank
+
+    def _placement(self, local_rank: int, rank_known: bool) -> Placement:
+        return Placement(
+            local_rank=local_rank, nproc_per_node=self.cfg.nproc_per_node, nnodes=self.job["nnodes"],
+            slot=self.slot if rank_known else None, rank=self._rank(local_rank) if rank_known else None,
+            master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=self.job["store_port"],
+            run_id=self.job["run_id"], restart_count=self.restart_count, max_restarts=self.job["max_restarts"],
+            generation=self.generation, agent_sock=self.sock_path,
+            error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{self.node_id}-{local_rank}.json"))
+
+    def _spawn(self, local_rank: int, rank_known: bool) -> None:
+        p = self._placement(local_rank, rank_known)
+        env = worker_env(dict(os.environ), p)
+        env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.job["tp"]), str(self.job["pp"])
+        self.workers[local_rank] = Worker(self.cfg.spec, p, env, sys.stdout, self.cfg.log_dir, self.cfg.tee)
+        self.done.discard(local_rank)
+        self.reported_exit.discard(local_rank)
+
+    def _spawn_all(self, rank_known: bool) -> None:
+        with self.lock:
+            for lr in range(self.cfg.nproc_per_node):
+                self._spawn(lr, rank_known)
+
+    def _kill_all(self) -> None:
+        for w in list(self.workers.values()):
+            w.kill_tree()
+        self.workers.clear()
+        self.conns.clear()
+        self.waiting_hello.clear()
+
+    def _assignment(self, local_rank: int) -> dict:
+        return {"op": "assign", "rank": self._rank(local_rank), "local_rank": local_rank,
+                "slot": self.slot, "nnodes": self.job["nnodes"], "nproc_per_node": self.cfg.nproc_per_node,
+                "world_size": self.job["nnodes"] * self.cfg.nproc_per_node, "generation": self.generation,
+                "restart_count": self.restart_count, "restore_step": self.restore_step,
+                "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": self.job["store_port"],
+                "tp": self.job["tp"], "pp": self.job["pp"], "run_id": self.job["run_id"]}
+
+    def _quiesce(self) -> None:
+        with self.lock:
+            self.slots.frozen = self.replicas.frozen = True
+            live = {lr for lr, w in self.workers.items() if w.poll() is None and lr in self.conns}
+            self.pending_quiesce = set(live)
+            g = self.generation
+            for lr in live:
+                self.conns[lr].send({"op": "quiesce", "generation": g})
+        self._maybe_quiesced()
+
+    def _maybe_quiesced(self) -> None:
+        with self.lock:
+            if self.pending_quiesce or not self.slots.frozen:
+                return
+            self.pending_quiesce = {-1}  # report once
+            ev = {"kind": "quiesced", "snapshots": self.slots.available(), "replicas": self.replicas.available()}
+        self._report(ev)
+
+    def _restore(self, d: dict) -> None:
+        t0 = time.time()
+        step = d["restore_step"]
+        timings: dict[str, float] = {}
+        try:
+            for rank, src in d.get("fetch", {}).items():
+                rank = int(rank)
+                _, private = self.peers.call(src["private_addr"], {"op": "get_private", "rank": rank, "step": step})
+                t1 = time.time()
+                _, shared = self.peers.call(src["shared_addr"], {"op": "get_shared", "rank": src["shared_rank"],
+                                                                "step": step})
+                timings["params_fetch_s"] = round(time.time() - t1, 4)
+                self.slots.install(rank, bytes(private), bytes(shared), step)
+            if d.get("fetch"):
+                timings["fetch_s"] = round(time.time() - t0, 4)
+            with self.lock:
+                self.role = "active"
+                self.restore_step = step
+                for lr in range(self.cfg.nproc_per_node):
+                    self.slots.restore_point(self._rank(lr), step)
+                self.replicas.restore_point(step)
+                self.pending_resume = set(range(self.cfg.nproc_per_node))
+                self.resume_timings = timings
+                for lr in range(self.cfg.nproc_per_node):
+                    w = self.workers.get(lr)
+                    if w is None or w.poll() is not None:
+                        self._spawn(lr, rank_known=True)       # local reset: a fresh process restores locally
+                    elif w.rank is None:                        # warm spare worker: assign it now or on hello
+                        w.rank = self._rank(lr)
+                        conn = self.waiting_hello.pop(lr, None)
+                        if conn is not None:
+                            self.conns[lr] = conn
+                            conn.send(self._assignment(lr))
+                    elif lr in self.conns:
+                        self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step})
+        except (PeerError, SlotError, OSError) as e:
+            log.error("restore failed: %s", e)
+            self._report({"kind": "restore_failed", "reason": str(e)})
+
+    # ------------------------------------------------------------------ workers
+    def _watch_workers(self) -> None:
+        with self.lock:
+            for lr, w in list(self.workers.items()):
+                rc = w.poll()
+                if rc is None or lr in self.reported_exit:
+                    continue
+                self.reported_exit.add(lr)
+                self.conns.pop(lr, None)
+                self.pending_quiesce.discard(lr)
+                if w.rank is None:
+                    log.warning("warm spare worker %d exited with %s", lr, rc)
+                    continue
+                if rc == 0:
+                    self.done.add(lr)
+                    if self.done >= set(range(self.cfg.nproc_per_node)):
+                        threading.Thread(target=self._report, args=({"kind": "workers_done"},), daemon=True).start()
+                    continue
+                detail = f"rank {w.rank} exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}"
+                log.warning("%s", detail)
+                threading.Thread(target=self._report, args=({"kind": "worker_exit", "rank": w.rank,
+                                                            "returncode": rc, "detail": detail,
+                                                            "t": time.time()},), daemon=True).start()
+        self._maybe_quiesced()
+
+    def _on_worker_close(self, conn: WorkerConn) -> None:
+        pass  # process exit is what counts; _watch_workers sees it
+
+    def _on_worker_message(self, conn: WorkerConn, msg: dict) -> None:
+        op = msg.get("op")
+        if op == "hello":
+            lr = int(msg["local_rank"])
+            with self.lock:
+                conn.local_rank, conn.pid = lr, msg.get("pid")
+                self.api = self.api or bool(msg.get("api"))
+                w = self.workers.get(lr)
+                if w is not None and w.rank is None:
+                    self.waiting_hello[lr] = conn   # warm spare: its assignment comes with a restore
+                else:
+                    self.conns[lr] = conn
+                    conn.send(self._assignment(lr))
+        elif op == "alloc":
+            paths = self.slots.allocate(self._rank(conn.local_rank), int(msg["nbytes"]))
+            conn.send({"op": "reply", "id": msg["id"], "paths": paths})
+        elif op == "slots":
+            try:
+                paths = self.slots.paths(self._rank(conn.local_rank))
+                conn.send({"op": "reply", "id": msg["id"], "paths": paths})
+            except SlotError as e:
+                conn.send({"op": "reply", "id": msg["id"], "error": str(e)})
+        elif op == "write":
+            try:
+                idx = self.slots.begin_write(self._rank(conn.local_rank))
+                conn.send({"op": "reply", "id": msg["id"], "slot": idx})
+            except SlotError as e:
+                conn.send({"op": "reply", "id": msg["id"], "error": str(e)})
+        elif op == "written":
+            self._commit(conn, int(msg["slot"]), int(msg["step"]), msg.get("stats", {}))
+        elif op == "quiesced":
+            with self.lock:
+                self.pending_quiesce.discard(conn.local_rank)
+            self._maybe_quiesced()
+        elif op == "resumed":
+            with self.lock:
+                self.pending_resume.discard(conn.local_rank)
+                for k, v in msg.get("timings", {}).items():
+                    self.resume_timings[k] = max(v, self.resume_timings.get(k, 0.0))
+                done = not self.pending_resume
+                self.pending_resume = self.pending_resume if not done else {-1}
+                timings = dict(self.resume_timings)
+            if done:
+                self._report({"kind": "resumed", "timings": timings})
+        elif op == "comm_error":
+            self._report({"kind": "comm_error", "rank": self._rank(conn.local_rank), "text": msg.get("text", ""),
+                          "step": msg.get("step"), "t": time.time()})
+        elif op == "stats":
+            with self.lock:
+                self.protection[self._rank(conn.local_rank)] = msg.get("stats", {})
+
+    def _commit(self, conn: WorkerConn, idx: int, step: int, stats: dict) -> None:
+        """Seal the local slot, replicate its private part to the holders, then commit."""
+        rank = self._rank(conn.local_rank)
+        t0 = time.time()
+        try:
+            h = self.slots.finish_write(rank, idx, step)
+            holders = self.world.get("placement", {}).get(str(rank), self.world.get("placement", {}).get(rank, []))
+            if holders:
+                data = self.slots.view(rank, idx)[:h.replicated_len]
+                for holder in holders:
+                    addr = self.world["slots"].get(str(holder), self.world["slots"].get(holder))
+                    self.peers.call(addr, {"op": "put", "rank": rank, "step": step}, data)
+            self.slots.commit(rank, idx, step)
+        except (PeerError, SlotError) as e:
+            conn.send({"op": "commit_failed", "step": step, "error": str(e)})
+            if not self.slots.frozen:
+                self._report({"kind": "comm_error", "rank": rank, "text": f"replication failed: {e}",
+                              "step": step, "t": time.time()})
+            return
+        h2h = time.time() - t0
+        conn.send({"op": "committed", "step": step})
+        with self.lock:
+            self.protection[rank] = {**stats, "committed_step": step, "h2h_s": round(h2h, 5),
+                                     "replicated_bytes": h.replicated_len if holders else 0,
+                                     "replica_store_bytes": self.replicas.nbytes()}
+
+    # ------------------------------------------------------------------ peer requests
+    def _peer_put(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+        self.replicas.put(int(h["rank"]), int(h["step"]), bytes(payload))
+        return {}, b""
+
+    def _peer_get_private(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+        return {}, self.replicas.get(int(h["rank"]), int(h["step"]))
+
+    def _peer_get_shared(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+        rank, step = int(h["rank"]), int(h["step"])
+        idx = self.slots.slot_of(rank, step)
+        if idx is None:
+            raise SlotError(f"no local snapshot of rank {rank} at step {step}")
+        mm = self.slots.view(rank, idx)
+        hdr = SlotHeader.unpack(mm)
+        data = bytes(mm[hdr.shared_off:hdr.shared_off + hdr.shared_len])
+        if crc_shared(mm, hdr) != hdr.crc_shared:
+            raise SlotError(f"local snapshot of rank {rank} step {step} fails its checksum")
+        return {}, data

@@ -1,0 +1,139 @@
+"""Worker processes of one node: the torchrun env contract, spawning, output, teardown.
+
+Workers start in their own session so a signal to the agent's process group does not hit
+them by accident; teardown therefore walks each worker's whole process tree (psutil) so
+nothing is orphaned on any exit path.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker of a job runs (the part of the command line after the flags)."""
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+    no_python: bool = False
+
+    def argv(self) -> list[str]:
+        if self.no_python:
+            return [self.entrypoint, *self.args]
+        if self.module:
+            return [sys.executable, "-u", "-m", self.entrypoint, *self.args]
+        return [sys.executable, "-u", self.entrypoint, *self.args]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker sits in the job, for one generation. rank None = warm spare, unassigned."""
+    local_rank: int
+    nproc_per_node: int
+    nnodes: int
+    slot: int | None
+    rank: int | None
+    master_addr: str
+    master_port: int
+    run_id: str
+    restart_count: int
+    max_restarts: int
+    generation: int
+    agent_sock: str
+    error_file: str
+
+
+def worker_env(base: dict[str, str], p: Placement) -> dict[str, str]:
+    """Everything torchrun sets, plus phoenixrun's own variables. Pure."""
+    env = dict(base)
+    env.update({
+        "LOCAL_RANK": str(p.local_rank), "LOCAL_WORLD_SIZE": str(p.nproc_per_node),
+        "GROUP_WORLD_SIZE": str(p.nnodes), "ROLE_NAME": "default",
+        "MASTER_ADDR": p.master_addr, "MASTER_PORT": str(p.master_port),
+        "TORCHELASTIC_RUN_ID": p.run_id, "TORCHELASTIC_RESTART_COUNT": str(p.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(p.max_restarts), "TORCHELASTIC_ERROR_FILE": p.error_file,
+        # workers join the store the master hosts instead of rank 0 starting one (fresh prefix per attempt)
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "PHOENIXRUN_AGENT_SOCK": p.agent_sock, "PHOENIXRUN_GENERATION": str(p.generation),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if "OMP_NUM_THREADS" not in base and p.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    if p.rank is None:  # warm spare: the runtime waits for its assignment from the agent
+        env["PHOENIXRUN_WARM_SPARE"] = "1"
+        for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "PHOENIXRUN_SLOT"):
+            env.pop(k, None)
+    else:
+        world = p.nnodes * p.nproc_per_node
+        env.pop("PHOENIXRUN_WARM_SPARE", None)
+        env.update({"RANK": str(p.rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(p.slot),
+                    "ROLE_RANK": str(p.rank), "ROLE_WORLD_SIZE": str(world), "PHOENIXRUN_SLOT": str(p.slot)})
+    return env
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, placement: Placement, env: dict[str, str], out: IO[str],
+                 log_dir: Path | None, tee: bool):
+        self.placement = placement
+        self.rank = placement.rank
+        self.local_rank = placement.local_rank
+        log_file = None
+        if log_dir is not None:
+            d = Path(log_dir) / f"attempt_{placement.restart_count}" / f"gen{placement.generation}" / str(placement.local_rank)
+            d.mkdir(parents=True, exist_ok=True)
+            log_file = open(d / "stdout.log", "a", buffering=1)
+        self.proc = subprocess.Popen(spec.argv(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+        self.pid = self.proc.pid
+        self.started = time.time()
+        threading.Thread(target=self._pump, args=(out, log_file, tee or log_file is None), daemon=True).start()
+
+    def _prefix(self) -> str:
+        return f"[rank{self.rank}]:" if self.rank is not None else f"[spare{self.local_rank}]:"
+
+    def _pump(self, out: IO[str], log_file, to_console: bool) -> None:
+        for line in self.proc.stdout:
+            if log_file:
+                log_file.write(line)
+            if to_console:
+                out.write(f"{self._prefix()}{line}")
+                out.flush()
+        if log_file:
+            log_file.close()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill_tree(self, grace: float = 2.0) -> None:
+        try:
+            procs = [psutil.Process(self.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=grace)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass

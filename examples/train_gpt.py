@@ -1,0 +1,123 @@
+"""A tiny GPT trained with DDP + ZeroRedundancyOptimizer(AdamW) over gloo, deterministically.
+
+Runs unmodified under torchrun and under phoenixrun:
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --steps 20 --out A
+    phoenixrun --standalone --nnodes 2 --nproc-per-node 2 examples/train_gpt.py --steps 20 --out B
+Every rank writes OUT/rank{R}.json: losses, step times and digests of its parameters and of its
+own optimizer shard, so runs can be compared bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import phoenixrun
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, dropout=0.0)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.seq = seq
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(self.ln(x))
+
+
+def batch(step: int, rank: int, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step-indexed synthetic data: the same (step, rank) always gives the same batch."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous()
+        h.update((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+    return h.hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--out", default="out")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    ctx = phoenixrun.init()
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(args.seed)
+    model = DDP(GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq), find_unused_parameters=True)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
+    progress: dict = {"losses": {}, "step_seconds": {}}
+    job = phoenixrun.protect(model, opt, state=progress)
+
+    for step in job.steps(args.steps):
+        with job.step(step):
+            t0 = time.perf_counter()
+            x, y = batch(step, rank, args)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            progress["losses"][str(step)] = loss.item()
+            progress["step_seconds"][str(step)] = time.perf_counter() - t0
+
+    shard = opt.optim.state_dict()["state"]
+    result = {
+        "rank": rank, "world_size": world, "steps": args.steps,
+        "losses": [progress["losses"][str(s)] for s in range(args.steps)],
+        "step_seconds": [progress["step_seconds"][str(s)] for s in range(args.steps)],
+        "param_sha256": digest(model.module.state_dict().values()),
+        "optim_sha256": digest(v for i in sorted(shard) for k, v in sorted(shard[i].items()) if torch.is_tensor(v)),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

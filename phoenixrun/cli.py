@@ -1,0 +1,281 @@
+"""`phoenixrun`: a torchrun-compatible launcher, plus `master`, `agent`, `status`, `simulate`.
+
+    phoenixrun [torchrun flags] [phoenixrun flags] script.py [script args]
+    phoenixrun master|agent|status|simulate ...
+
+The CLI only parses and validates; the work lives in launcher.py, control/, agents/ and sim/.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import click
+
+from phoenixrun import auth
+
+SUBCOMMANDS = ("master", "agent", "status", "simulate")
+
+
+def _opt(*names, env: str | None = None, **kw):
+    """An option spelled with dashes and with underscores (torchrun accepts both), PET_* env."""
+    decls = list(names)
+    for n in names:
+        if n.startswith("--") and "-" in n[2:]:
+            decls.append("--" + n[2:].replace("-", "_"))
+    if env:
+        kw.setdefault("envvar", env)
+        kw.setdefault("show_envvar", True)
+    return click.option(*decls, **kw)
+
+
+def _parse_nnodes(value: str) -> int:
+    lo, _, hi = value.partition(":")
+    try:
+        lo_n, hi_n = int(lo), int(hi or lo)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a node count (N or N:N)", param_hint="--nnodes") from None
+    if lo_n != hi_n:
+        raise click.BadParameter(
+            f"elastic ranges ({value}) are not supported: phoenixrun keeps the world size fixed and replaces "
+            "failed nodes from a spare pool; use --nnodes N --spares S", param_hint="--nnodes")
+    if lo_n < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--nnodes")
+    return lo_n
+
+
+def _parse_nproc(value: str) -> int:
+    if value in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    if value == "gpu":
+        import torch
+        if not torch.cuda.is_available():
+            raise click.BadParameter("'gpu' given but no CUDA device is visible", param_hint="--nproc-per-node")
+        return torch.cuda.device_count()
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number (or auto/cpu/gpu)", param_hint="--nproc-per-node") from None
+    if n < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
+    return n
+
+
+def _timeouts(f):
+    for opt in reversed([
+        _opt("--heartbeat-interval", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
+             help="Seconds between agent heartbeats."),
+        _opt("--node-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+             help="A node whose agent misses heartbeats this long is lost."),
+        _opt("--hang-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+             help="A worker making no progress this long counts as hung (collective timeout)."),
+        _opt("--spare-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
+             help="How long a recovery waits for a spare to register before giving up."),
+        _opt("--recovery-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+             help="Deadline of each recovery phase."),
+        _opt("--max-local-resets", type=click.IntRange(min=0), default=3, show_default=True,
+             help="Local resets of one node before it is replaced instead."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command("phoenixrun", context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+               epilog="Subcommands: phoenixrun master|agent|status|simulate --help")
+@_opt("--nnodes", default="1", show_default=True, env="PET_NNODES", help="Active nodes (N; N:N also accepted).")
+@_opt("--nproc-per-node", default="1", show_default=True, env="PET_NPROC_PER_NODE",
+      help="Workers per node (a number, or auto/cpu/gpu).")
+@_opt("--standalone", is_flag=True, env="PET_STANDALONE",
+      help="Run the master and nnodes + spares agents on this machine (each agent simulates one node).")
+@_opt("--rdzv-endpoint", default="", env="PET_RDZV_ENDPOINT", help="host:port of the phoenixrun master.")
+@_opt("--rdzv-id", default="", env="PET_RDZV_ID", help="Job id (TORCHELASTIC_RUN_ID).")
+@_opt("--rdzv-backend", default="c10d", show_default=True, env="PET_RDZV_BACKEND",
+      help="c10d or static; both mean phoenixrun's own master.")
+@_opt("--rdzv-conf", default="", env="PET_RDZV_CONF", help="Accepted for compatibility; ignored.")
+@_opt("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True, env="PET_MAX_RESTARTS",
+      help="Full restarts allowed when in-memory recovery is impossible (and for scripts without the API).")
+@_opt("--node-rank", type=int, default=0, show_default=True, env="PET_NODE_RANK",
+      help="Rank of this node; node 0 also runs the master.")
+@_opt("--master-addr", default="127.0.0.1", show_default=True, env="PET_MASTER_ADDR",
+      help="Master address when no --rdzv-endpoint is given.")
+@_opt("--master-port", type=click.IntRange(0, 65535), default=29500, show_default=True, env="PET_MASTER_PORT",
+      help="Master port when no --rdzv-endpoint is given.")
+@_opt("--log-dir", default=None, env="PET_LOG_DIR", help="Write each worker's output under this directory.")
+@_opt("--tee", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
+@_opt("--redirects", "-r", default=None, env="PET_REDIRECTS", help="With --log-dir, only write files (torchrun: 0-3).")
+@_opt("--monitor-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
+      env="PET_MONITOR_INTERVAL", help="Accepted for compatibility (agents watch workers every 50 ms).")
+@click.option("-m", "--module", is_flag=True, help="Run the entry point as a Python module (python -m).")
+@_opt("--no-python", is_flag=True, help="Run the entry point as an executable, not with python.")
+@_opt("--spares", type=click.IntRange(min=0), default=0, show_default=True, help="Warm spare nodes (standalone).")
+@_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+      help="Events, master.json and the job secret go here [default: .phoenixrun/RUN_ID].")
+@_opt("--replicas", type=click.IntRange(min=0), default=1, show_default=True,
+      help="Peer copies of each rank's optimizer shard.")
+@_opt("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
+@_opt("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size.")
+@_opt("--fault-domain", default="", help="Fault-domain label of this node (replicas avoid sharing one).")
+@_opt("--collective-timeout", type=click.FloatRange(min=1), default=30.0, show_default=True,
+      help="Timeout of the workers' process groups.")
+@_timeouts
+@click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
+def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf, max_restarts,
+           node_rank, master_addr, master_port, log_dir, tee, redirects, monitor_interval, module, no_python,
+           spares, run_dir, replicas, tp, pp, fault_domain, collective_timeout, heartbeat_interval, node_timeout,
+           hang_timeout, spare_wait, recovery_timeout, max_local_resets, entry):
+    """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
+    from phoenixrun.launcher import LaunchConfig, run
+    from phoenixrun.topology import Layout
+
+    n = _parse_nnodes(nnodes)
+    nproc = _parse_nproc(nproc_per_node)
+    if rdzv_backend not in ("c10d", "static"):
+        raise click.BadParameter(f"{rdzv_backend!r} is not supported: phoenixrun runs its own rendezvous master; "
+                                 "use c10d (the default) or static", param_hint="--rdzv-backend")
+    if module and no_python:
+        raise click.UsageError("-m/--module and --no-python cannot be combined")
+    if not module and not no_python and not Path(entry[0]).is_file():
+        raise click.UsageError(f"training script {entry[0]!r} not found")
+    if spares and not standalone:
+        raise click.UsageError("--spares starts local spare agents and needs --standalone; on a cluster start "
+                               "extra nodes with `phoenixrun agent` (they join as spares)")
+    try:
+        Layout(n, nproc, tp, pp)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if replicas > n - 1 and n > 1:
+        raise click.BadParameter(f"{replicas} replicas need at least {replicas + 1} nodes (have {n})",
+                                 param_hint="--replicas")
+    run_id = rdzv_id or ("standalone-" + uuid.uuid4().hex[:8] if standalone else "phoenixrun")
+    endpoint = rdzv_endpoint or f"{master_addr}:{master_port}"
+    cfg = LaunchConfig(
+        nnodes=n, nproc_per_node=nproc, entry=list(entry), module=module, no_python=no_python,
+        standalone=standalone, spares=spares, run_dir=run_dir or Path(".phoenixrun") / run_id, run_id=run_id,
+        endpoint=None if standalone else endpoint, node_rank=node_rank,
+        host="127.0.0.1" if standalone else endpoint.rsplit(":", 1)[0], replicas=min(replicas, max(0, n - 1)),
+        tp=tp, pp=pp, max_restarts=max_restarts, fault_domain=fault_domain, log_dir=log_dir,
+        tee=not (redirects and not tee), heartbeat_interval=heartbeat_interval, node_timeout=node_timeout,
+        spare_wait=spare_wait, recovery_timeout=recovery_timeout, collective_timeout=min(collective_timeout, hang_timeout),
+        max_local_resets=max_local_resets)
+    sys.exit(run(cfg))
+
+
+@click.group("phoenixrun")
+def commands():
+    """phoenixrun subcommands."""
+
+
+@commands.command("master")
+@_opt("--nnodes", type=click.IntRange(min=1), required=True)
+@_opt("--nproc-per-node", type=click.IntRange(min=1), required=True)
+@_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@_opt("--rdzv-id", default="phoenixrun")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True)
+@click.option("--store-port", type=click.IntRange(0, 65535), default=0, help="TCPStore port [default: any].")
+@_opt("--replicas", type=click.IntRange(min=0), default=1)
+@_opt("--tp", type=click.IntRange(min=1), default=1)
+@_opt("--pp", type=click.IntRange(min=1), default=1)
+@_opt("--max-restarts", type=click.IntRange(min=0), default=0)
+@_opt("--node-timeout", type=click.FloatRange(min=0.1), default=5.0)
+@_opt("--spare-wait", type=click.FloatRange(min=0), default=30.0)
+@_opt("--recovery-timeout", type=click.FloatRange(min=1), default=60.0)
+@_opt("--max-local-resets", type=click.IntRange(min=0), default=3)
+def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port, replicas, tp, pp, max_restarts,
+               node_timeout, spare_wait, recovery_timeout, max_local_resets):
+    """Run the rendezvous master (control plane) in the foreground."""
+    from phoenixrun.control.master import Master, MasterConfig
+    _logging()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    secret = auth.read_secret(run_dir) or auth.new_secret()
+    auth.write_secret(run_dir, secret)
+    try:
+        cfg = MasterConfig(run_dir=run_dir, nnodes=nnodes, nproc_per_node=nproc_per_node, run_id=rdzv_id, tp=tp,
+                           pp=pp, replicas=replicas, max_restarts=max_restarts, host=host, port=port,
+                           store_port=store_port, node_timeout=node_timeout, spare_wait=spare_wait,
+                           recovery_timeout=recovery_timeout, max_local_resets=max_local_resets)
+        m = Master(cfg, secret)
+        m.start()
+    except (ValueError, OSError) as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(m.wait())
+
+
+@commands.command("agent")
+@_opt("--rdzv-endpoint", required=True, help="host:port of the master.")
+@_opt("--nproc-per-node", type=click.IntRange(min=1), required=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address peers use to reach this node.")
+@_opt("--fault-domain", default="")
+@_opt("--heartbeat-interval", type=click.FloatRange(min=0.01), default=0.5)
+@_opt("--log-dir", default=None)
+@click.option("--no-tee", is_flag=True, help="With --log-dir, do not also print worker output.")
+@_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+      help="File holding the job secret [default: $PHOENIXRUN_SECRET].")
+@click.option("-m", "--module", is_flag=True)
+@_opt("--no-python", is_flag=True)
+@click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
+def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_interval, log_dir, no_tee, secret_file,
+              module, no_python, entry):
+    """Run one node's agent: it joins the master as an active node or a spare."""
+    from phoenixrun.agents.agent import Agent, AgentConfig
+    from phoenixrun.agents.workers import WorkerSpec
+    _logging()
+    secret = auth.read_secret(secret_file=secret_file)
+    if not secret:
+        raise click.UsageError(f"no job secret: set ${auth.SECRET_ENV} or pass --secret-file "
+                               "(the master writes it to RUN_DIR/secret)")
+    spec = WorkerSpec(entry[0], tuple(entry[1:]), module=module, no_python=no_python)
+    agent = Agent(AgentConfig(endpoint=rdzv_endpoint, secret=secret, spec=spec, nproc_per_node=nproc_per_node,
+                              host=host, fault_domain=fault_domain, heartbeat_interval=heartbeat_interval,
+                              log_dir=Path(log_dir) if log_dir else None, tee=not no_tee))
+    sys.exit(agent.run())
+
+
+@commands.command("status")
+@_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--endpoint", default=None, help="host:port of the master (with --secret-file or $PHOENIXRUN_SECRET).")
+@_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print the raw state JSON.")
+@click.option("--watch", is_flag=True, help="Refresh live.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
+    """Show the job, its nodes and recent events."""
+    from phoenixrun.status import show
+    sys.exit(show(run_dir, endpoint, secret_file, as_json, watch, interval))
+
+
+def _register_simulate() -> None:
+    from phoenixrun.sim.cli import simulate
+    commands.add_command(simulate)
+
+
+def _logging() -> None:
+    logging.basicConfig(level=os.environ.get("PHOENIXRUN_LOG_LEVEL", "INFO"),
+                        format="[phoenixrun %(name)s %(asctime)s] %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = launch
+    if argv and argv[0] in SUBCOMMANDS:
+        _register_simulate()
+        cmd = commands
+    try:
+        cmd.main(args=argv, prog_name="phoenixrun", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help())
+        sys.exit(2)
+    except click.UsageError as e:
+        click.echo(f"phoenixrun: error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.Abort:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,615 @@
+"""The rendezvous master: membership, spare pool, generations, recovery driver, event log, status API.
+
+Agents talk to it over authenticated JSON/HTTP: register, heartbeat, report (faults and phase
+acknowledgements) and a long-polled `directive` that tells each agent what to do now. The
+master also hosts the TCPStore the workers' process groups rendezvous on (one key prefix
+per generation). Decisions are the pure functions of control/state.py; this module is the
+side-effecting shell around them: one controller thread handles faults one at a time, so
+recovery cycles are serialized and a second fault arriving mid-recovery restarts the cycle
+with a new generation instead of being dropped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from phoenixrun import auth
+from phoenixrun.control import metrics
+from phoenixrun.control.events import EventLog
+from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit,
+                                      pick_spare, plan_recovery)
+from phoenixrun.faults.classify import classify
+from phoenixrun.faults.taxonomy import Action, Signal
+from phoenixrun.topology import Layout, place_replicas
+
+log = logging.getLogger("phoenixrun.master")
+
+
+@dataclass
+class MasterConfig:
+    run_dir: Path
+    nnodes: int
+    nproc_per_node: int
+    run_id: str = "phoenixrun"
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1
+    max_restarts: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+    store_port: int = 0
+    node_timeout: float = 5.0
+    spare_wait: float = 30.0
+    recovery_timeout: float = 60.0
+    correlation_window: float = 0.5
+    max_local_resets: int = 3
+    fault_domains: dict[int, str] = field(default_factory=dict)
+
+
+class Cascade(Exception):
+    """A new fault arrived while a recovery was in flight: start over at QUIESCE."""
+
+
+class Stop(Exception):
+    def __init__(self, exit_code: int, reason: str):
+        super().__init__(reason)
+        self.exit_code, self.reason = exit_code, reason
+
+
+class Master:
+    def __init__(self, cfg: MasterConfig, secret: str):
+        self.cfg = cfg
+        self.secret = secret
+        self.layout = Layout(cfg.nnodes, cfg.nproc_per_node, cfg.tp, cfg.pp)
+        self.placement = place_replicas(self.layout, min(cfg.replicas, cfg.nnodes - 1), cfg.fault_domains)
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.cv = threading.Condition()
+        self.nodes: dict[str, NodeRecord] = {}
+        self.slots: dict[int, str] = {}          # slot -> node id, current generation
+        self.generation = 0
+        self.phase = Phase.WAITING
+        self.restart_count = 0
+        self.recoveries = 0
+        self.exit_code: int | None = None
+        self.reason = ""
+        self.done_nodes: set[str] = set()
+        self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
+        self._directives: dict[str, dict] = {}
+        self._version = 0
+        self._inbox: queue.Queue[dict] = queue.Queue()
+        self._progress: list[tuple[float, int]] = []
+        self._stopped = threading.Event()
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        from torch.distributed import TCPStore  # the workers' rendezvous store lives here
+        self.store = TCPStore(self.cfg.host, self.cfg.store_port, is_master=True, wait_for_workers=False,
+                              use_libuv=True)
+        self.store_port = self.store.port
+        handler = type("Handler", (_Handler,), {"master": self})
+        self.http = ThreadingHTTPServer((self.cfg.host, self.cfg.port), handler)
+        self.http.daemon_threads = True
+        self.endpoint = f"{self.cfg.host}:{self.http.server_address[1]}"
+        for target in (self.http.serve_forever, self._monitor, self._controller):
+            threading.Thread(target=target, daemon=True, name=target.__name__).start()
+        info = {"endpoint": self.endpoint, "pid": os.getpid(), "store_port": self.store_port,
+                "run_id": self.cfg.run_id}
+        tmp = self.run_dir / "master.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.run_dir / "master.json")
+        self.events.emit("master_started", self.generation, endpoint=self.endpoint, pid=os.getpid(),
+                         nnodes=self.cfg.nnodes, nproc_per_node=self.cfg.nproc_per_node)
+        log.info("master listening on %s (store port %d)", self.endpoint, self.store_port)
+
+    def wait(self) -> int:
+        self._stopped.wait()
+        # give agents a moment to collect their stop directive before the server goes away
+        deadline = time.time() + 3.0
+        with self.cv:
+            while time.time() < deadline and any(
+                    n.role != Role.FAILED and not self._directives.get(n.node_id, {}).get("acked")
+                    for n in self.nodes.values()):
+                self.cv.wait(0.1)
+        self.http.shutdown()
+        self.events.close()
+        return self.exit_code or 0
+
+    # ---------------------------------------------------------------- API handlers (HTTP threads)
+    def register(self, p: dict) -> dict:
+        with self.cv:
+            role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING)
+            node = NodeRecord(node_id=p["node_id"], host=p["host"], agent_pid=int(p["agent_pid"]),
+                              peer_addr=p["peer_addr"], fault_domain=p.get("fault_domain") or p["node_id"],
+                              role=role, slot=slot)
+            self.nodes[node.node_id] = node
+            if slot is not None:
+                self.slots[slot] = node.node_id
+            self.events.emit("node_joined", self.generation, node=node.node_id, host=node.host,
+                             role=role.value, slot=slot, agent_pid=node.agent_pid, fault_domain=node.fault_domain)
+            if role == Role.SPARE:
+                self._set_directive(node.node_id, command="wait", warm=self._api_mode())
+            self._inbox.put({"kind": "joined", "node_id": node.node_id})
+            return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id,
+                    "store_port": self.store_port, "nnodes": self.cfg.nnodes,
+                    "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
+                    "max_restarts": self.cfg.max_restarts}
+
+    def heartbeat(self, p: dict) -> dict:
+        with self.cv:
+            node = self.nodes.get(p.get("node_id", ""))
+            if node is None:
+                return {"error": "unknown node: register first"}
+            node.last_heartbeat = time.time()
+            node.worker_pids = list(p.get("worker_pids", []))
+            node.snapshots = {int(k): v for k, v in p.get("snapshots", {}).items()}
+            node.replicas = {int(k): v for k, v in p.get("replicas", {}).items()}
+            node.protection = {int(k): v for k, v in p.get("protection", {}).items()}
+            if p.get("api") and not node.api:
+                node.api = True
+                for n in self.nodes.values():
+                    if n.role == Role.SPARE and not self._directives.get(n.node_id, {}).get("warm"):
+                        self._set_directive(n.node_id, command="wait", warm=True)
+            self._note_progress()
+            return {"ok": True, "role": node.role.value}
+
+    def report(self, p: dict) -> dict:
+        if p.get("node_id") not in self.nodes:
+            return {"error": "unknown node"}
+        p.setdefault("t", time.time())
+        self._inbox.put(p)
+        return {"ok": True}
+
+    def directive(self, p: dict) -> dict:
+        node_id, known = p.get("node_id", ""), int(p.get("version", -1))
+        timeout = min(float(p.get("timeout", 10.0)), 30.0)
+        deadline = time.time() + timeout
+        with self.cv:
+            if known >= 0 and node_id in self._directives and self._directives[node_id]["version"] == known:
+                self._directives[node_id]["acked"] = True
+                self.cv.notify_all()
+            while True:
+                d = self._directives.get(node_id)
+                if d is not None and d["version"] > known:
+                    return d
+                left = deadline - time.time()
+                if left <= 0:
+                    return {"version": known, "command": "noop"}
+                self.cv.wait(left)
+
+    def state(self) -> dict:
+        with self.cv:
+            now = time.time()
+            steps = [max(s) for n in self.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
+            return {
+                "run_id": self.cfg.run_id, "endpoint": self.endpoint, "master_pid": os.getpid(),
+                "phase": self.phase.value, "generation": self.generation,
+                "step": min(steps) if len(steps) == self.layout.world_size else None,
+                "steps_per_s": self._steps_per_s(), "restart_count": self.restart_count,
+                "recoveries": self.recoveries, "exit_code": self.exit_code, "reason": self.reason,
+                "nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
+                "world_size": self.layout.world_size, "replicas": self.cfg.replicas,
+                "nodes": sorted((n.to_json(now) for n in self.nodes.values()),
+                                key=lambda d: (d["slot"] is None, d["slot"] or 0, d["node_id"])),
+                "events": list(self.events.recent)[-15:],
+            }
+
+    # ---------------------------------------------------------------- helpers (call with self.cv held)
+    def _set_directive(self, node_id: str, **d) -> None:
+        self._version += 1
+        d.update(version=self._version, generation=self.generation, acked=False)
+        self._directives[node_id] = d
+        self.cv.notify_all()
+
+    def _api_mode(self) -> bool:
+        active = [n for n in self.nodes.values() if n.role == Role.ACTIVE]
+        return bool(active) and all(n.api for n in active)
+
+    def _world(self) -> dict:
+        return {"slots": {s: self.nodes[nid].peer_addr for s, nid in self.slots.items()},
+                "placement": self.placement, "store_port": self.store_port}
+
+    def _note_progress(self) -> None:
+        steps = [max(s) for n in self.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
+        if steps:
+            self._progress.append((time.time(), min(steps)))
+            self._progress = self._progress[-50:]
+
+    def _steps_per_s(self) -> float | None:
+        pts = [p for p in self._progress if p[0] > time.time() - 10]
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+            return None
+        return round(max(0, pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), 3)
+
+    # ---------------------------------------------------------------- failure detection
+    def _monitor(self) -> None:
+        while not self._stopped.is_set():
+            time.sleep(min(0.25, self.cfg.node_timeout / 4))
+            now = time.time()
+            with self.cv:
+                for n in self.nodes.values():
+                    if n.role != Role.FAILED and now - n.last_heartbeat > self.cfg.node_timeout:
+                        self._inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": now,
+                                         "detail": f"no heartbeat for {now - n.last_heartbeat:.1f}s"})
+                        n.last_heartbeat = now  # report once per timeout period
+
+    def _probe(self, node: NodeRecord, timeout: float = 0.5) -> bool:
+        """Is the agent's peer server accepting connections? Fast root-cause check."""
+        host, port = node.peer_addr.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return True
+        except OSError:
+            return False
+
+    # ---------------------------------------------------------------- controller
+    def _controller(self) -> None:
+        try:
+            self._wait_for_start()
+            while True:
+                ev = self._inbox.get()
+                self._dispatch(ev)
+        except Stop as s:
+            self._finish(s.exit_code, s.reason)
+        except Exception as e:  # a bug in the master must still end the job visibly
+            log.exception("master controller crashed")
+            self._finish(70, f"master error: {e}")
+
+    def _wait_for_start(self) -> None:
+        while True:
+            ev = self._inbox.get()
+            self._absorb(ev)
+            with self.cv:
+                if len(self.slots) == self.cfg.nnodes:
+                    self.phase = Phase.RUNNING
+                    for slot, nid in self.slots.items():
+                        self._set_directive(nid, command="run", slot=slot, restart_count=0,
+                                            world=self._world(), restore_step=None)
+                    self.events.emit("job_started", self.generation, world_size=self.layout.world_size,
+                                     slots={s: n for s, n in self.slots.items()})
+                    return
+
+    def _absorb(self, ev: dict) -> None:
+        """Bookkeeping any event needs whatever the phase; faults are left to the caller."""
+        kind = ev.get("kind")
+        with self.cv:
+            node = self.nodes.get(ev.get("node_id", ""))
+            if kind == "node_lost" and node is not None and node.role == Role.SPARE:
+                node.role = Role.FAILED
+                node.last_fault = "heartbeat lost"
+                self.events.emit("spare_lost", self.generation, node=node.node_id)
+            elif kind == "left" and node is not None and node.role == Role.SPARE:
+                node.role = Role.FAILED
+
+    def _dispatch(self, ev: dict) -> None:
+        self._absorb(ev)
+        kind = ev.get("kind")
+        with self.cv:
+            node = self.nodes.get(ev.get("node_id", ""))
+            active = node is not None and node.role == Role.ACTIVE and node.slot is not None
+        if kind == "workers_done" and active and ev.get("generation") == self.generation:
+            self.done_nodes.add(node.node_id)
+            if all(nid in self.done_nodes for nid in self.slots.values()):
+                raise Stop(0, "all workers finished")
+            return
+        if not active or kind not in ("node_lost", "worker_exit", "comm_error", "left"):
+            return
+        if kind == "comm_error":
+            ev = self._correlate(ev)
+            if ev is None:
+                return
+            with self.cv:
+                node = self.nodes[ev["node_id"]]
+        self._handle_fault(node, ev)
+
+    def _signal_of(self, ev: dict, slot: int | None) -> Signal:
+        kind = ev.get("kind")
+        if kind == "node_lost":
+            return Signal(kind="node_heartbeat_lost", node=slot, detail=ev.get("detail", ""), timestamp=ev["t"])
+        if kind == "left":
+            return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=ev["t"])
+        if kind == "worker_exit":
+            return Signal(kind="worker_exit", node=slot, rank=ev.get("rank"), code=ev.get("returncode"),
+                          detail=ev.get("text") or ev.get("detail", ""), timestamp=ev["t"])
+        return Signal(kind="collective_error", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
+                      timestamp=ev["t"])
+
+    def _correlate(self, ev: dict) -> dict | None:
+        """A comm error is usually a symptom: look for the root cause before acting on it."""
+        deadline = time.time() + self.cfg.correlation_window
+        with self.cv:
+            actives = [n for n in self.nodes.values() if n.role == Role.ACTIVE]
+        for n in actives:
+            if not self._probe(n):
+                return {"kind": "node_lost", "node_id": n.node_id, "t": time.time(), "detail": "agent unreachable"}
+        while time.time() < deadline:
+            try:
+                other = self._inbox.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                break
+            self._absorb(other)
+            if other.get("kind") in ("node_lost", "worker_exit", "left"):
+                return other
+        return ev  # no root cause in the window: transient, local reset of the reporter
+
+    def _handle_fault(self, node: NodeRecord, ev: dict) -> None:
+        ev.setdefault("t", time.time())
+        with self.cv:
+            history = list(self.fault_history.get(node.slot, []))
+        signal = self._signal_of(ev, node.slot)
+        verdict = classify(signal, history, max_local_resets=self.cfg.max_local_resets)
+        with self.cv:
+            self.fault_history.setdefault(node.slot, []).append(signal)
+        with self.cv:
+            node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
+            self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
+                             signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
+                             detail=(ev.get("detail") or ev.get("text") or "")[:300],
+                             **{"class": verdict.fault_class.value}, action=verdict.action.value,
+                             kind=verdict.fault_class.value)
+            api = self._api_mode()
+        failing_code = _exit_code(ev)
+        if verdict.action == Action.EXTERNAL_FALLBACK:
+            raise Stop(failing_code or 1, f"{verdict.reason} (rank {ev.get('rank')} on slot {node.slot})")
+        lost = {node.slot} if verdict.action == Action.NODE_REPLACE else set()
+        if api:
+            self._hot_swap(lost, node, ev, verdict.action, failing_code)
+        else:
+            self._restart(lost, failing_code, f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')}")
+
+    # ---------------------------------------------------------------- torchrun-style restart
+    def _restart(self, lost: set[int], failing_code: int | None, why: str) -> None:
+        if self.restart_count >= self.cfg.max_restarts:
+            raise Stop(failing_code or 1, f"{why}; no restarts left (--max-restarts {self.cfg.max_restarts})")
+        self._replace_slots(lost)
+        with self.cv:
+            self.restart_count += 1
+            self.generation += 1
+            self.phase = Phase.RESTARTING
+            self.done_nodes.clear()
+            self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why)
+            for slot, nid in self.slots.items():
+                self._set_directive(nid, command="restart", slot=slot, restart_count=self.restart_count,
+                                    world=self._world(), restore_step=None)
+            self.phase = Phase.RUNNING
+        self._drain_stale()
+
+    def _drain_stale(self) -> None:
+        """Drop reports about the generation that was just torn down."""
+        keep = []
+        while True:
+            try:
+                ev = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if ev.get("kind") == "node_lost" or ev.get("generation", self.generation) >= self.generation:
+                keep.append(ev)
+        for ev in keep:
+            self._inbox.put(ev)
+
+    def _replace_slots(self, lost: set[int]) -> dict[int, str]:
+        """Promote a spare into every lost slot (waiting up to --spare-wait for one)."""
+        out: dict[int, str] = {}
+        for slot in sorted(lost):
+            deadline = time.time() + self.cfg.spare_wait
+            while True:
+                with self.cv:
+                    failed_id = self.slots[slot]
+                    failed = self.nodes[failed_id]
+                    spare = pick_spare(self.nodes, avoid_domains=[failed.fault_domain])
+                    if spare is not None:
+                        failed.role, failed.slot = Role.FAILED, None
+                        spare.role, spare.slot = Role.ACTIVE, slot
+                        self.slots[slot] = spare.node_id
+                        self.fault_history.pop(slot, None)   # escalation history belongs to the old node
+                        self.events.emit("spare_promoted", self.generation, slot=slot, node=spare.node_id,
+                                         replaces=failed_id)
+                        out[slot] = spare.node_id
+                        break
+                if time.time() > deadline:
+                    raise Stop(75, f"node in slot {slot} lost and no spare registered within "
+                                   f"--spare-wait {self.cfg.spare_wait:g}s")
+                self._wait_event(lambda: False, min(0.5, max(0.01, deadline - time.time())), lost)
+        return out
+
+    # ---------------------------------------------------------------- hot swap
+    def _hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
+                  failing_code: int | None) -> None:
+        t0 = time.time()
+        cause = ev.get("detail") or ev.get("text") or ev.get("kind")
+        with self.cv:
+            self.events.emit("recovery_started", self.generation + 1, failed_node=node.node_id,
+                             slot=node.slot, cause=cause, action=action.value)
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                plan, phases = self._recovery_cycle(lost)
+                break
+            except Cascade as c:
+                log.warning("fault during recovery, restarting at quiesce: %s", c)
+                if attempts > 5:
+                    raise Stop(1, f"recovery kept failing: {c}")
+            except PlanError as e:
+                self.events.emit("recovery_failed", self.generation, reason=str(e))
+                # no in-memory state to resume from: torchrun-style restart if allowed
+                self._restart(set(), failing_code, f"in-memory recovery impossible: {e}")
+                return
+        with self.cv:
+            self.recoveries += 1
+            self.phase = Phase.RUNNING
+            self.done_nodes.clear()
+            steps_done = ev.get("step")
+            self.events.emit("recovery_done", self.generation, restored_step=plan.restore_step,
+                             replayed_steps=self._replayed(plan.restore_step),
+                             duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
+                             replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases,
+                             failed_at_step=steps_done)
+            for slot, nid in self.slots.items():
+                self._set_directive(nid, command="run", slot=slot, restart_count=self.restart_count,
+                                    world=self._world(), restore_step=None, resume=True)
+        self._drain_stale()
+
+    def _replayed(self, restore_step: int) -> int:
+        """Steps the slowest rank had finished beyond the restore point (what must be recomputed)."""
+        steps = [max(s) for n in self.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
+        return max(0, (max(steps) if steps else restore_step) - restore_step)
+
+    def _recovery_cycle(self, lost: set[int]) -> tuple[RecoveryPlan, dict]:
+        phases: dict[str, float] = {}
+        t = time.time()
+        with self.cv:
+            self.generation += 1
+            g = self.generation
+            self.phase = Phase.QUIESCE
+            survivors = {s: nid for s, nid in self.slots.items() if s not in lost}
+            for slot, nid in survivors.items():
+                self._set_directive(nid, command="quiesce")
+        acked: dict[str, dict] = {}
+
+        def quiesced() -> bool:
+            return all(nid in acked for nid in survivors.values())
+        self._wait_event(quiesced, self.cfg.recovery_timeout, lost, acks=("quiesced", g, acked))
+        phases["quiesce_s"] = round(time.time() - t, 4)
+        t = time.time()
+        replacements = self._replace_slots(lost)
+        with self.cv:
+            old_slots = {**survivors, **{s: self.slots[s] for s in lost}}
+            nodes_view = dict(self.nodes)
+            plan = plan_recovery(self.layout, nodes_view, survivors | {s: old_slots[s] for s in lost},
+                                 lost, self.placement, replacements)
+            self.phase = Phase.RESTORE
+            phases["plan_s"] = round(time.time() - t, 4)
+            self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=replacements,
+                             fetch={r: vars(s) for r, s in plan.fetch.items()})
+            for slot, nid in plan.slots.items():
+                ranks = self.layout.ranks_of_slot(slot)
+                self._set_directive(nid, command="restore", slot=slot, restart_count=self.restart_count,
+                                    world=self._world(), restore_step=plan.restore_step,
+                                    fetch={r: vars(plan.fetch[r]) for r in ranks if r in plan.fetch})
+        t = time.time()
+        resumed: dict[str, dict] = {}
+        self._wait_event(lambda: all(nid in resumed for nid in plan.slots.values()),
+                         self.cfg.recovery_timeout, set(), acks=("resumed", g, resumed))
+        phases["restore_s"] = round(time.time() - t, 4)
+        for key in ("rebuild_s", "params_s", "optimizer_s", "fetch_s", "spawn_s"):
+            vals = [r.get("timings", {}).get(key) for r in resumed.values() if r.get("timings", {}).get(key) is not None]
+            if vals:
+                phases[key] = round(max(vals), 4)
+        return plan, phases
+
+    def _wait_event(self, done, timeout: float, lost: set[int], acks: tuple | None = None) -> None:
+        """Consume reports until done() holds. A new fault on an active node -> Cascade."""
+        deadline = time.time() + timeout
+        while not done():
+            left = deadline - time.time()
+            if left <= 0:
+                raise Cascade("phase deadline passed")
+            try:
+                ev = self._inbox.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            self._absorb(ev)
+            kind = ev.get("kind")
+            with self.cv:
+                node = self.nodes.get(ev.get("node_id", ""))
+            if acks and kind == acks[0] and ev.get("generation") == acks[1]:
+                acks[2][ev["node_id"]] = ev
+                continue
+            if kind in ("restore_failed",):
+                raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}")
+            if node is None or node.role != Role.ACTIVE or node.slot in lost:
+                continue
+            if kind in ("node_lost", "left"):
+                with self.cv:
+                    lost.add(node.slot)
+                    self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
+                                     signal=kind, detail=ev.get("detail", ""), action="node_replace",
+                                     **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
+                raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery")
+            # worker exits and comm errors of the old generation are expected while quiescing
+
+    def _finish(self, exit_code: int, reason: str) -> None:
+        with self.cv:
+            self.exit_code = exit_code
+            self.reason = reason
+            self.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED
+            self.events.emit("job_finished", self.generation, exit_code=exit_code, reason=reason,
+                             restarts=self.restart_count, recoveries=self.recoveries)
+            for n in self.nodes.values():
+                if n.role != Role.FAILED:
+                    self._set_directive(n.node_id, command="stop", exit_code=exit_code, reason=reason)
+        if exit_code:
+            log.error("job failed (exit %d): %s", exit_code, reason)
+        self._stopped.set()
+
+
+def _exit_code(ev: dict) -> int | None:
+    rc = ev.get("returncode")
+    if rc is None:
+        return None
+    return 128 - rc if rc < 0 else rc
+
+
+class _Handler(BaseHTTPRequestHandler):
+    master: Master
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # requests are not worth a log line each
+        pass
+
+    def _reply(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _authorized(self) -> bool:
+        if auth.check(self.master.secret, self.headers.get("Authorization")):
+            return True
+        log.warning("rejected unauthenticated %s %s from %s", self.command, self.path, self.client_address[0])
+        self.master.events.emit("rejected_request", self.master.generation, path=self.path,
+                                peer=self.client_address[0], reason="bad or missing secret")
+        self._reply(401, b'{"error": "unauthorized: missing or wrong job secret"}')
+        return False
+
+    def do_GET(self):
+        if not self._authorized():
+            return
+        if self.path == "/v1/state":
+            self._reply(200, json.dumps(self.master.state()).encode())
+        elif self.path == "/metrics":
+            self._reply(200, metrics.render(self.master.state()).encode(), "text/plain; version=0.0.4")
+        else:
+            self._reply(404, b'{"error": "no such endpoint"}')
+
+    def do_POST(self):
+        if not self._authorized():
+            return
+        routes = {"/v1/register": self.master.register, "/v1/heartbeat": self.master.heartbeat,
+                  "/v1/report": self.master.report, "/v1/directive": self.master.directive}
+        fn = routes.get(self.path)
+        if fn is None:
+            self._reply(404, b'{"error": "no such endpoint"}')
+            return
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+            payload = json.loads(self.rfile.read(n) or b"{}")
+            if not isinstance(payload, dict):
+                raise ValueError("body must be a JSON object")
+            self._reply(200, json.dumps(fn(payload)).encode())
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("rejected malformed %s: %s", self.path, e)
+            self.master.events.emit("rejected_request", self.master.generation, path=self.path,
+                                    peer=self.client_address[0], reason=f"malformed: {e}")
+            self._reply(400, json.dumps({"error": f"malformed request: {e}"}).encode())

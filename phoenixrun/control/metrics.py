@@ -1,0 +1,25 @@
+"""Prometheus text exposition of the master's state (pure: state dict in, text out)."""
+from __future__ import annotations
+
+
+def render(state: dict) -> str:
+    lines = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP phoenixrun_{name} {help_}")
+        lines.append(f"# TYPE phoenixrun_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"phoenixrun_{name}{labels} {value}")
+
+    metric("generation", "gauge", "Process-group generation.", [("", state["generation"])])
+    metric("step", "gauge", "Last step committed on every rank.", [("", state.get("step") or 0)])
+    metric("steps_per_second", "gauge", "Recent training throughput.", [("", state.get("steps_per_s") or 0.0)])
+    metric("restarts_total", "counter", "Torchrun-style full restarts.", [("", state["restart_count"])])
+    metric("recoveries_total", "counter", "Completed hot-swap recoveries.", [("", state["recoveries"])])
+    roles: dict[str, int] = {}
+    for n in state["nodes"]:
+        roles[n["role"]] = roles.get(n["role"], 0) + 1
+    metric("nodes", "gauge", "Agents by role.", [(f'{{role="{r}"}}', c) for r, c in sorted(roles.items())])
+    metric("node_heartbeat_age_seconds", "gauge", "Seconds since each agent's last heartbeat.",
+           [(f'{{node="{n["node_id"]}",slot="{n["slot"]}"}}', n["heartbeat_age_s"]) for n in state["nodes"]])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,156 @@
+"""The master's view of the job, and its decisions as pure functions.
+
+Nothing here touches a socket or a process: the master (control/master.py) feeds
+reports in and carries the decisions out, so every decision is table-tested.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Iterable, Mapping
+
+from phoenixrun.topology import Layout
+
+
+class Role(str, Enum):
+    ACTIVE = "active"
+    SPARE = "spare"
+    FAILED = "failed"
+
+
+class Phase(str, Enum):
+    WAITING = "waiting"        # not enough agents yet
+    RUNNING = "running"
+    QUIESCE = "quiesce"
+    RESTORE = "restore"        # plan made: rebuild groups, restore state, resume
+    RESTARTING = "restarting"  # torchrun-style restart of every worker
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    host: str
+    agent_pid: int
+    peer_addr: str             # host:port of the agent's replica server
+    fault_domain: str
+    role: Role
+    slot: int | None = None
+    worker_pids: list[int] = field(default_factory=list)
+    last_heartbeat: float = field(default_factory=time.time)
+    last_fault: str | None = None
+    # rank -> steps of intact snapshots in this agent's own slots / its replica store
+    snapshots: dict[int, list[int]] = field(default_factory=dict)
+    replicas: dict[int, list[int]] = field(default_factory=dict)
+    protection: dict[int, dict] = field(default_factory=dict)  # rank -> figures for status
+    api: bool = False          # its workers use the phoenixrun API (hot-swap capable)
+
+    def to_json(self, now: float) -> dict:
+        d = asdict(self)
+        d["role"] = self.role.value
+        d["heartbeat_age_s"] = round(now - self.last_heartbeat, 3)
+        return d
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Who is where in one generation: slot -> node id."""
+    generation: int
+    slots: dict[int, str]
+
+
+def admit(layout: Layout, nodes: Mapping[str, NodeRecord], started: bool) -> tuple[Role, int | None]:
+    """Role and slot of a newly registered agent: fill free slots before the start, spares after."""
+    if started:
+        return Role.SPARE, None
+    taken = {n.slot for n in nodes.values() if n.role == Role.ACTIVE}
+    for slot in range(layout.nnodes):
+        if slot not in taken:
+            return Role.ACTIVE, slot
+    return Role.SPARE, None
+
+
+def pick_spare(nodes: Mapping[str, NodeRecord], avoid_domains: Iterable[str] = ()) -> NodeRecord | None:
+    """The spare to promote: prefer one outside the failed node's fault domain, then earliest joined."""
+    spares = [n for n in nodes.values() if n.role == Role.SPARE]
+    if not spares:
+        return None
+    avoid = set(avoid_domains)
+    spares.sort(key=lambda n: (n.fault_domain in avoid, n.node_id))
+    return spares[0]
+
+
+@dataclass(frozen=True)
+class RankSource:
+    """Where a rank that lost its process memory gets state S_r from."""
+    private_addr: str      # agent holding its replica (or its own agent for a local reset)
+    shared_addr: str       # agent of a healthy DP peer with the same (tp, pp)
+    shared_rank: int       # that peer's rank
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    restore_step: int
+    slots: dict[int, str]                   # slot -> node id in the new generation
+    fetch: dict[int, RankSource]            # ranks whose node lost its snapshots
+    replaced_slots: dict[int, str]          # slot -> node id promoted from the spare pool
+
+
+class PlanError(Exception):
+    """In-memory recovery is impossible; the message says why."""
+
+
+def restore_step(available: Mapping[int, Iterable[int]]) -> int | None:
+    """The last step whose snapshot every rank can get: max of the intersection."""
+    common: set[int] | None = None
+    for steps in available.values():
+        common = set(steps) if common is None else common & set(steps)
+    return max(common) if common else None
+
+
+def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mapping[int, str],
+                  lost_slots: Iterable[int], placement: Mapping[int, list[int]],
+                  replacements: Mapping[int, str]) -> RecoveryPlan:
+    """Plan a hot swap.
+
+    lost_slots: slots whose agent (and so its host memory) is gone; each must have an
+    entry in `replacements` (a spare's node id). Ranks on surviving slots restore from
+    their own agent's slots (this covers a local reset: the agent outlives its workers).
+    Ranks on lost slots take their private state from a replica holder and their
+    parameters from a surviving DP peer, at the same step.
+    """
+    lost = set(lost_slots)
+    missing = lost - set(replacements)
+    if missing:
+        raise PlanError(f"no spare node for slot(s) {sorted(missing)}")
+    by_slot = {s: nodes[nid] for s, nid in slots.items() if s not in lost}
+    available: dict[int, set[int]] = {}
+    candidates: dict[int, dict[int, tuple[str, str, int]]] = {}
+    for rank in range(layout.world_size):
+        slot = layout.slot_of(rank)
+        if slot not in lost:
+            available[rank] = set(by_slot[slot].snapshots.get(rank, []))
+            continue
+        options: dict[int, tuple[str, str, int]] = {}
+        holders = [by_slot[h] for h in placement.get(rank, []) if h in by_slot]
+        peers = [(p, by_slot[layout.slot_of(p)]) for p in layout.dp_peers(rank) if layout.slot_of(p) in by_slot]
+        for h in holders:
+            for step in h.replicas.get(rank, []):
+                for peer_rank, peer in peers:
+                    if step in peer.snapshots.get(peer_rank, []) and step not in options:
+                        options[step] = (h.peer_addr, peer.peer_addr, peer_rank)
+        if not holders:
+            raise PlanError(f"rank {rank}: every replica holder of its optimizer shard is lost")
+        if not peers:
+            raise PlanError(f"rank {rank}: no surviving data-parallel peer holds its parameters")
+        available[rank] = set(options)
+        candidates[rank] = options
+    step = restore_step(available)
+    if step is None:
+        raise PlanError("no snapshot step is available on every rank")
+    fetch = {rank: RankSource(*opts[step]) for rank, opts in candidates.items()}
+    new_slots = dict(slots)
+    new_slots.update(replacements)
+    return RecoveryPlan(restore_step=step, slots=new_slots, fetch=fetch, replaced_slots=dict(replacements))

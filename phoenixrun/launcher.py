@@ -1,0 +1,168 @@
+"""Process orchestration for the CLI: start a master and/or agents as their own processes.
+
+`--standalone` runs a master plus nnodes + spares agents on this machine, each agent simulating
+one node. Multi-node use runs the master on node rank 0 and one agent per node (torchrun style),
+or `phoenixrun master` / `phoenixrun agent` separately (as the Slurm templates do).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from phoenixrun import auth
+
+
+@dataclass
+class LaunchConfig:
+    nnodes: int
+    nproc_per_node: int
+    entry: list[str]                   # script/module and its args, after the launcher flags
+    module: bool = False
+    no_python: bool = False
+    standalone: bool = False
+    spares: int = 0
+    run_dir: Path = Path(".phoenixrun/job")
+    run_id: str = "phoenixrun"
+    endpoint: str | None = None        # host:port of the master (non-standalone)
+    node_rank: int = 0
+    host: str = "127.0.0.1"
+    master_port: int = 0
+    replicas: int = 1
+    tp: int = 1
+    pp: int = 1
+    max_restarts: int = 0
+    fault_domain: str = ""
+    log_dir: str | None = None
+    tee: bool = True
+    heartbeat_interval: float = 0.5
+    node_timeout: float = 5.0
+    spare_wait: float = 30.0
+    recovery_timeout: float = 60.0
+    collective_timeout: float = 30.0
+    max_local_resets: int = 3
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _py() -> list[str]:
+    return [sys.executable, "-m", "phoenixrun.cli"]
+
+
+def master_argv(c: LaunchConfig, port: int) -> list[str]:
+    return _py() + ["master", "--nnodes", str(c.nnodes), "--nproc-per-node", str(c.nproc_per_node),
+                    "--run-dir", str(c.run_dir), "--rdzv-id", c.run_id, "--host", c.host, "--port", str(port),
+                    "--replicas", str(c.replicas), "--tp", str(c.tp), "--pp", str(c.pp),
+                    "--max-restarts", str(c.max_restarts), "--node-timeout", str(c.node_timeout),
+                    "--spare-wait", str(c.spare_wait), "--recovery-timeout", str(c.recovery_timeout),
+                    "--max-local-resets", str(c.max_local_resets)]
+
+
+def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
+    argv = _py() + ["agent", "--rdzv-endpoint", endpoint, "--nproc-per-node", str(c.nproc_per_node),
+                    "--host", c.host, "--heartbeat-interval", str(c.heartbeat_interval)]
+    if domain:
+        argv += ["--fault-domain", domain]
+    if c.log_dir:
+        argv += ["--log-dir", c.log_dir] + ([] if c.tee else ["--no-tee"])
+    if c.module:
+        argv.append("-m")
+    if c.no_python:
+        argv.append("--no-python")
+    return argv + ["--"] + c.entry
+
+
+def wait_for_master(run_dir: Path, proc: subprocess.Popen, timeout: float = 60.0) -> dict:
+    path = Path(run_dir) / "master.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the master exited with code {proc.returncode} before it was ready")
+        if path.exists():
+            info = json.loads(path.read_text())
+            if info.get("pid") == proc.pid:
+                return info
+        time.sleep(0.05)
+    raise RuntimeError(f"the master did not start within {timeout:.0f}s")
+
+
+class ProcessSet:
+    """Children of the launcher; all are torn down on any exit path."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        p = subprocess.Popen(argv, env=env)
+        self.procs.append(p)
+        return p
+
+    def terminate(self, grace: float = 5.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + grace
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run(c: LaunchConfig) -> int:
+    """Run a job: master (standalone or node rank 0) and this node's agent(s). Returns the exit code."""
+    c.run_dir.mkdir(parents=True, exist_ok=True)
+    secret = auth.read_secret(secret_file=c.run_dir / auth.SECRET_FILE) if not c.standalone else None
+    secret = secret or os.environ.get(auth.SECRET_ENV) or auth.new_secret()
+    auth.write_secret(c.run_dir, secret)
+    env = {**os.environ, **c.extra_env, auth.SECRET_ENV: secret,
+           "PHOENIXRUN_COLLECTIVE_TIMEOUT": str(c.collective_timeout)}
+    procs = ProcessSet()
+    master = None
+    stop = {"sig": None}
+
+    def on_signal(signum, frame):
+        stop["sig"] = signum
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if c.standalone or c.node_rank == 0:
+            port = c.master_port if not c.standalone else 0
+            if c.endpoint and not c.standalone:
+                port = int(c.endpoint.rsplit(":", 1)[1])
+            master = procs.start(master_argv(c, port), env)
+            info = wait_for_master(c.run_dir, master)
+            endpoint = info["endpoint"]
+            print(f"phoenixrun: run {c.run_id}: master {endpoint}, run dir {c.run_dir} "
+                  f"(watch with: phoenixrun status --run-dir {c.run_dir} --watch)", file=sys.stderr, flush=True)
+        else:
+            endpoint = c.endpoint
+        count = c.nnodes + c.spares if c.standalone else 1
+        agents = []
+        for i in range(count):
+            domain = c.fault_domain or (f"local{i}" if c.standalone else "")
+            agents.append(procs.start(agent_argv(c, endpoint, domain), env))
+        watched = master if master is not None else agents[0]
+        while watched.poll() is None and stop["sig"] is None:
+            time.sleep(0.1)
+        if stop["sig"] is not None:
+            return 128 + stop["sig"]
+        if master is not None:
+            # agents exit once they read the stop directive; give them a moment
+            for a in agents:
+                try:
+                    a.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        return watched.returncode
+    except RuntimeError as e:
+        print(f"phoenixrun: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        procs.terminate()
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,91 @@
+"""The worker's end of the channel to its node agent (Unix socket, JSON lines).
+
+A reader thread sorts incoming messages: replies to requests, commit acknowledgements, and
+control orders (assign, quiesce, rebuild). A quiesce is acted on immediately from the reader
+thread (the training thread may be blocked inside a collective), through `on_quiesce`.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import socket
+import threading
+from typing import Callable
+
+
+class AgentGone(RuntimeError):
+    """The node agent closed the channel: this worker cannot be protected or recovered."""
+
+
+class AgentLink:
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self._wlock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, queue.Queue] = {}
+        self.orders: queue.Queue[dict] = queue.Queue()     # assign / rebuild, for the training thread
+        self.cv = threading.Condition()
+        self.committed_step = -1
+        self.commit_error: str | None = None
+        self.quiesce_generation = -1                       # highest generation we were told to quiesce for
+        self.closed = False
+        self.on_quiesce: Callable[[int], None] = lambda g: None
+        threading.Thread(target=self._read, daemon=True, name="phoenixrun-agent-link").start()
+
+    def send(self, msg: dict) -> None:
+        data = (json.dumps(msg) + "\n").encode()
+        with self._wlock:
+            try:
+                self.sock.sendall(data)
+            except OSError as e:
+                raise AgentGone(f"lost the node agent: {e}") from None
+
+    def request(self, msg: dict, timeout: float = 60.0) -> dict:
+        rid = next(self._ids)
+        q: queue.Queue = queue.Queue()
+        self._replies[rid] = q
+        self.send({**msg, "id": rid})
+        try:
+            reply = q.get(timeout=timeout)
+        except queue.Empty:
+            raise AgentGone(f"node agent did not answer {msg.get('op')} within {timeout}s") from None
+        finally:
+            self._replies.pop(rid, None)
+        if reply.get("error"):
+            raise RuntimeError(f"node agent refused {msg.get('op')}: {reply['error']}")
+        return reply
+
+    def _read(self) -> None:
+        f = self.sock.makefile("rb")
+        try:
+            for line in f:
+                msg = json.loads(line)
+                op = msg.get("op")
+                if op == "reply":
+                    q = self._replies.get(msg.get("id"))
+                    if q is not None:
+                        q.put(msg)
+                elif op in ("committed", "commit_failed"):
+                    with self.cv:
+                        if op == "committed":
+                            self.committed_step = max(self.committed_step, int(msg["step"]))
+                        else:
+                            self.commit_error = msg.get("error", "replication failed")
+                        self.cv.notify_all()
+                elif op == "quiesce":
+                    g = int(msg["generation"])
+                    with self.cv:
+                        self.quiesce_generation = max(self.quiesce_generation, g)
+                        self.cv.notify_all()
+                    self.on_quiesce(g)
+                    self.orders.put(msg)
+                else:
+                    self.orders.put(msg)
+        except (OSError, ValueError):
+            pass
+        self.closed = True
+        with self.cv:
+            self.cv.notify_all()
+        self.orders.put({"op": "agent_gone"})

@@ -1,0 +1,363 @@
+"""The training-script API: `phoenixrun.init()` and `phoenixrun.protect()`.
+
+    ctx = phoenixrun.init()                        # torch.distributed set up through phoenixrun
+    model = DDP(GPT(...), find_unused_parameters=True)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4)
+    job = phoenixrun.protect(model, opt, state=progress)   # progress: a JSON-able dict you own
+    for step in job.steps(total):
+        with job.step(step):
+            loss = model(batch(step)).mean(); loss.backward(); opt.step(); opt.zero_grad()
+
+Under plain torchrun, or with PHOENIXRUN_PROTECT=0, init() is `dist.init_process_group` and
+protect() returns a pass-through whose step() is a null context: no wrapper code runs per step.
+Under phoenixrun, the state after each step is snapshotted into the node agent's memory while the
+next step computes; `opt.step()` waits until that snapshot is committed (locally and at the
+replica holders). A collective error or a quiesce order from the master makes the `with` block
+abandon the step, rebuild the process group for the next generation, roll back to the restore
+step and continue: `job.steps()` then yields that step again.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from phoenixrun.faults.classify import is_collective_error_text
+from phoenixrun.runtime.agent_link import AgentGone, AgentLink
+from phoenixrun.runtime.process_group import (Generation, ReconfigurableProcessGroup, _socket_inodes,
+                                              abort_sockets_since, install_default_group)
+from phoenixrun.runtime.snapshot import (BackgroundCopier, SlotMap, SnapshotWriter, StateBinding, local_optimizer,
+                                         read_slot, restore_into)
+from phoenixrun.topology import Coords, Layout
+
+log = logging.getLogger("phoenixrun.runtime")
+
+
+class Quiesced(RuntimeError):
+    """Raised inside a step when the master ordered this generation to stop."""
+
+
+@dataclass
+class Context:
+    rank: int
+    world_size: int
+    local_rank: int
+    coords: Coords
+    tp: int
+    pp: int
+    dp: int
+    managed: bool                   # running under a phoenixrun agent with protection on
+    process_group: dist.ProcessGroup | None = None
+
+
+_ctx: Context | None = None
+_runtime: "_Runtime | None" = None
+
+
+def _protection_enabled() -> bool:
+    return bool(os.environ.get("PHOENIXRUN_AGENT_SOCK")) and os.environ.get("PHOENIXRUN_PROTECT", "1") != "0"
+
+
+def init(backend: str = "gloo") -> Context:
+    """Set up torch.distributed (through phoenixrun when launched by it). Idempotent."""
+    global _ctx, _runtime
+    if _ctx is not None:
+        return _ctx
+    tp, pp = int(os.environ.get("PHOENIXRUN_TP", "1")), int(os.environ.get("PHOENIXRUN_PP", "1"))
+    if not _protection_enabled():
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        managed = False
+    else:
+        _runtime = _Runtime(os.environ["PHOENIXRUN_AGENT_SOCK"], int(os.environ.get("LOCAL_RANK", "0")))
+        rank, world, local = _runtime.rank, _runtime.world_size, _runtime.local_rank
+        managed = True
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    layout = Layout(max(1, world // max(1, nproc)), nproc, tp, pp) if world % max(1, nproc) == 0 \
+        else Layout(1, world, tp, pp)
+    _ctx = Context(rank=rank, world_size=world, local_rank=local, coords=layout.coords(rank), tp=tp, pp=pp,
+                   dp=layout.dp, managed=managed, process_group=dist.group.WORLD)
+    return _ctx
+
+
+def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None,
+            every: int = 1) -> "Job | PassThroughJob":
+    """Protect (model, optimizer, state) with per-step in-memory snapshots; see the module doc.
+
+    state: a JSON-serialisable dict you own (data position, metrics...). It is snapshotted with
+    the step and restored in place (cleared and refilled) when the job rolls back.
+    """
+    ctx = init()
+    if not ctx.managed:
+        return PassThroughJob()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if isinstance(model, DDP) and not (model.find_unused_parameters or model.static_graph):
+        raise ValueError(
+            "phoenixrun.protect: wrap the model with DDP(..., find_unused_parameters=True). DDP otherwise "
+            "rebuilds its gradient buckets after the first step, and a replacement process would start with "
+            "a different bucket layout than the survivors (gloo then aborts on a size mismatch).")
+    return Job(_runtime, model, optimizer, state if state is not None else {}, every)
+
+
+class PassThroughJob:
+    """Protection off: plain loop, nothing runs per step."""
+
+    def steps(self, total: int) -> Iterator[int]:
+        return iter(range(total))
+
+    def step(self, k: int):
+        return contextlib.nullcontext()
+
+
+class _Runtime:
+    """The worker's link to its agent and its reconfigurable process group."""
+
+    def __init__(self, sock_path: str, local_rank: int):
+        self.link = AgentLink(sock_path)
+        self.link.on_quiesce = self._on_quiesce
+        self.link.send({"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "api": True})
+        assign = self._next_order({"assign"})
+        self.rank, self.world_size = assign["rank"], assign["world_size"]
+        self.local_rank = local_rank
+        self.master_addr, self.master_port = assign["master_addr"], int(assign["master_port"])
+        self.generation = assign["generation"]
+        self.restore_step = assign["restore_step"]
+        self.timeout = timedelta(seconds=float(os.environ.get("PHOENIXRUN_COLLECTIVE_TIMEOUT", "30")))
+        # a warm spare learns its identity only now: give the script what torchrun would have
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                           "GROUP_RANK": str(assign["slot"]), "ROLE_RANK": str(self.rank),
+                           "ROLE_WORLD_SIZE": str(self.world_size), "PHOENIXRUN_SLOT": str(assign["slot"])})
+        self._baseline: set[str] = set(_socket_inodes())
+        self._gen: Generation | None = None
+        self.pg: ReconfigurableProcessGroup = install_default_group(self.rank, self.world_size)
+        if self.restore_step is None:
+            self.connect(self.generation)   # fresh start: everyone meets now (DDP init syncs for real)
+
+    @property
+    def quiesce_pending(self) -> bool:
+        return self.link.quiesce_generation >= self.generation and self._gen_stale()
+
+    def _gen_stale(self) -> bool:
+        return self._gen is None or self._gen.generation < self.link.quiesce_generation
+
+    def _next_order(self, ops: set[str]) -> dict:
+        while True:
+            msg = self.link.orders.get()
+            if msg.get("op") == "agent_gone":
+                raise AgentGone("the node agent went away")
+            if msg.get("op") in ops:
+                return msg
+
+    def _on_quiesce(self, generation: int) -> None:
+        # called on the reader thread: unblock whatever the training thread is stuck in
+        abort_sockets_since(self._baseline)
+
+    def abort(self) -> None:
+        abort_sockets_since(self._baseline)
+
+    def connect(self, generation: int) -> None:
+        """Rendezvous generation `generation` (blocks until the whole world has joined)."""
+        self.pg.set_backend(None)
+        self._gen = None
+        self._baseline = set(_socket_inodes())
+        gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout)
+        self._gen, self.generation = gen, generation
+        self.pg.set_backend(gen.backend)
+
+
+class Job:
+    """A protected training loop (see the module doc)."""
+
+    def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                 every: int):
+        self.rt, self.link = rt, rt.link
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self.every = max(1, every)
+        self.next_step = 0
+        self.current = -1
+        self.binding: StateBinding | None = None
+        self.writer: SnapshotWriter | None = None
+        self.slots: list[SlotMap] = []
+        self.copier = BackgroundCopier()
+        self.awaited_step = -1          # step of the last snapshot submitted: opt.step waits for its commit
+        self.stall_s = 0.0
+        self._submit_t = 0.0
+        optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if rt.restore_step is not None:
+            self._join(rt.generation, rt.restore_step)
+
+    # ---------------------------------------------------------------- the loop
+    def steps(self, total: int) -> Iterator[int]:
+        while True:
+            while self.next_step < total:
+                yield self.next_step
+            try:  # nobody leaves while a peer might still need to replay a step with them
+                dist.barrier()
+                self.copier.wait()
+                return
+            except Exception as e:  # noqa: BLE001 - any failure here is a recovery
+                self._recover(e)
+
+    def step(self, k: int) -> "_StepScope":
+        return _StepScope(self, k)
+
+    # ---------------------------------------------------------------- snapshot path
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.awaited_step < 0:
+            return
+        t0 = time.perf_counter()
+        self.copier.wait()
+        if self.copier.error is not None:
+            err, self.copier.error = self.copier.error, None
+            raise Quiesced(f"snapshot of step {self.awaited_step} failed: {err}")
+        with self.link.cv:
+            while (self.link.committed_step < self.awaited_step and not self.rt.quiesce_pending
+                   and self.link.commit_error is None and not self.link.closed):
+                self.link.cv.wait(0.5)
+            ok = self.link.committed_step >= self.awaited_step
+            err, self.link.commit_error = self.link.commit_error, None
+        self.stall_s = time.perf_counter() - t0
+        if not ok:
+            raise Quiesced(f"snapshot of step {self.awaited_step} not committed: {err or 'recovery in progress'}")
+
+    def _snapshot(self, step: int) -> None:
+        if step % self.every:
+            return
+        if self.binding is None:
+            self._bind()
+        self.binding.refresh_volatile()
+        extra = json.dumps(self.state)                      # on this thread: the script mutates it next step
+        groups = local_optimizer(self.optimizer).state_dict()["param_groups"]
+        writer, slots, link = self.writer, self.slots, self.link
+        compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
+        stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
+                 "step_s": round(compute_t, 5), "every": self.every, "slot_bytes": writer.total_len}
+        self._submit_t = time.perf_counter()
+
+        def copy() -> None:
+            idx = link.request({"op": "write"})["slot"]
+            writer.write(slots[idx], step, json.loads(extra), groups)
+            link.send({"op": "written", "slot": idx, "step": step, "stats": stats})
+        self.awaited_step = step
+        self.copier.submit(copy)
+
+    def _bind(self) -> None:
+        self.binding = StateBinding(self.model, self.optimizer)
+        meta_cap = 64 * 1024 + 256 * (len(self.binding.private) + len(self.binding.shared))
+        self.writer = SnapshotWriter(self.binding, meta_cap)
+        paths = self.link.request({"op": "alloc", "nbytes": self.writer.total_len})["paths"]
+        self.slots = [SlotMap(p, self.writer.total_len) for p in paths]
+
+    # ---------------------------------------------------------------- recovery
+    def _recover(self, exc: BaseException | None) -> None:
+        t0 = time.time()
+        if not self.rt.quiesce_pending:
+            self.link.send({"op": "comm_error", "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.current})
+            self.rt.abort()   # let peers blocked on us fail now instead of at their timeout
+        self.copier.wait()
+        self.copier.error = None
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._await_rebuild(t0)
+
+    def _await_rebuild(self, t0: float) -> None:
+        """Report quiesced, wait for the master's rebuild order, rejoin, restore. Repeats on cascades."""
+        reported = -1
+        while True:
+            with self.link.cv:
+                while self.link.quiesce_generation <= reported and not self.link.closed:
+                    self.link.cv.wait(0.5)
+                g = self.link.quiesce_generation
+            if self.link.closed:
+                raise AgentGone("the node agent went away during recovery")
+            self.link.send({"op": "quiesced", "generation": g, "step": self.current})
+            reported = g
+            order = self.rt._next_order({"rebuild", "quiesce"})
+            if order["op"] == "quiesce" or order["generation"] < self.link.quiesce_generation:
+                continue
+            try:
+                t1 = time.time()
+                self.rt.connect(order["generation"])
+                t2 = time.time()
+                self._restore(order["restore_step"])
+                t3 = time.time()
+            except (RuntimeError, ValueError) as e:
+                log.warning("rejoin of generation %s failed (%s); waiting for the next", order["generation"], e)
+                continue
+            self.link.send({"op": "resumed", "generation": order["generation"], "timings": {
+                "rebuild_s": round(t2 - t1, 4), "optimizer_s": round(t3 - t2, 4), "params_s": round(t3 - t2, 4),
+                "worker_recovery_s": round(t3 - t0, 4)}})
+            return
+
+    def _join(self, generation: int, restore_step: int) -> None:
+        """A replacement process (spare or local reset): restore from the agent's slot, then rendezvous."""
+        t0 = time.time()
+        self._restore(restore_step)
+        t1 = time.time()
+        if self.link.quiesce_generation >= generation:
+            self._await_rebuild(t0)
+            return
+        try:
+            self.rt.connect(generation)
+        except (RuntimeError, ValueError):
+            self._await_rebuild(t0)
+            return
+        self.link.send({"op": "resumed", "generation": generation, "timings": {
+            "optimizer_s": round(t1 - t0, 4), "params_s": round(t1 - t0, 4), "rebuild_s": round(time.time() - t1, 4),
+            "worker_recovery_s": round(time.time() - t0, 4)}})
+
+    def _restore(self, step: int) -> None:
+        paths = self.link.request({"op": "slots"})["paths"]
+        for p in paths:
+            slot = SlotMap(p)
+            found = read_slot(slot, step)
+            if found is None:
+                continue
+            h, meta = found
+            restore_into(slot, h, meta, self.model, self.optimizer)
+            self.state.clear()
+            self.state.update(meta["extra"])
+            self.next_step = step
+            self.binding = None             # optimizer state tensors were replaced: bind again
+            self.slots = []
+            self.awaited_step = step        # S_step is committed: nothing to wait for beyond it
+            self.link.committed_step = max(self.link.committed_step, step)
+            return
+        raise RuntimeError(f"no intact snapshot of step {step} in this node's memory")
+
+
+class _StepScope:
+    def __init__(self, job: Job, k: int):
+        self.job, self.k = job, k
+
+    def __enter__(self) -> int:
+        self.job.current = self.k
+        return self.k
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        job = self.job
+        if exc is None and not job.rt.quiesce_pending:
+            job.next_step = self.k + 1
+            job._snapshot(self.k + 1)
+            return False
+        if exc is not None and not job.rt.quiesce_pending and not _recoverable(exc):
+            return False                      # the script's own error: not ours to hide
+        job._recover(exc)
+        return True
+
+
+def _recoverable(exc: BaseException) -> bool:
+    if isinstance(exc, (Quiesced, dist.DistError)):
+        return True
+    return isinstance(exc, RuntimeError) and is_collective_error_text(str(exc))

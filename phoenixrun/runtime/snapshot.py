@@ -1,0 +1,211 @@
+"""The snapshot engine: copy a rank's state into its agent-owned slot every step, off the hot path.
+
+The layout is computed once: each live tensor (optimizer shard state, RNG, parameters) gets a
+fixed offset in the slot, so a snapshot is a sequence of plain copies into pre-faulted shared
+memory, no pickling. On CPU the copy runs on a background thread (tensor copies release the
+GIL) and overlaps the next forward/backward; on CUDA it would be one async D2H copy on a side
+stream into the mapping registered as pinned memory (`CudaCopier`).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_private, crc_shared
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int          # within its region
+    nbytes: int
+
+    def to_json(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+    @classmethod
+    def from_json(cls, j: list) -> "Entry":
+        return cls(j[0], j[1], tuple(j[2]), j[3], j[4])
+
+
+def _is_zero(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def local_optimizer(optimizer):
+    """The optimizer that holds this rank's state (ZeRO's local shard optimizer)."""
+    return optimizer.optim if _is_zero(optimizer) else optimizer
+
+
+class StateBinding:
+    """Where each live tensor of the rank goes: private (replicated) or shared (DP-redundant)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.local_opt = local_optimizer(optimizer)
+        # Optimizer state is rank-private only when it is sharded (ZeRO); a plain optimizer under DDP
+        # is identical on every DP peer, so it travels with the parameters and is never replicated.
+        self.optimizer_private = _is_zero(optimizer)
+        self.private: list[tuple[str, torch.Tensor]] = []
+        self.shared: list[tuple[str, torch.Tensor]] = []
+        self.scalars: dict[str, Any] = {}
+        opt_sd = self.local_opt.state_dict()
+        opt_list = self.private if self.optimizer_private else self.shared
+        for idx, st in opt_sd["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    opt_list.append((f"optim/{idx}/{k}", v))
+                else:
+                    self.scalars[f"{idx}/{k}"] = v
+        for name, t in model.state_dict().items():
+            self.shared.append((f"model/{name}", t))
+        self.private.append(("rng/cpu", torch.get_rng_state()))
+        self.private_entries = _entries(self.private)
+        self.shared_entries = _entries(self.shared)
+        self.signature = (tuple(e.to_json().__repr__() for e in self.private_entries),
+                          tuple(e.to_json().__repr__() for e in self.shared_entries))
+
+    def refresh_volatile(self) -> None:
+        """Tensors that are re-created rather than updated in place (RNG state)."""
+        self.private[-1] = ("rng/cpu", torch.get_rng_state())
+
+    def nbytes(self) -> tuple[int, int]:
+        return (sum(e.nbytes for e in self.private_entries), sum(e.nbytes for e in self.shared_entries))
+
+
+def _entries(items: list[tuple[str, torch.Tensor]]) -> list[Entry]:
+    out, off = [], 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        out.append(Entry(name, str(t.dtype), tuple(t.shape), off, n))
+        off += (n + 63) // 64 * 64
+    return out
+
+
+def _region_len(entries: list[Entry]) -> int:
+    return entries[-1].offset + entries[-1].nbytes if entries else 0
+
+
+class SlotMap:
+    """A worker's mapping of one agent-owned slot file."""
+
+    def __init__(self, path: str, nbytes: int | None = None):
+        import os
+        self.path = path
+        self.nbytes = nbytes or os.path.getsize(path)
+        self.buf = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
+
+    def memview(self):
+        import ctypes
+        return (ctypes.c_uint8 * self.nbytes).from_address(self.buf.data_ptr())
+
+    def view(self, region_off: int, e: Entry) -> torch.Tensor:
+        start = region_off + e.offset
+        return self.buf[start:start + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
+
+
+class SnapshotWriter:
+    """Writes S_k into a slot: header, metadata, private region, shared region."""
+
+    def __init__(self, binding: StateBinding, meta_cap: int):
+        self.b = binding
+        pl, sl = _region_len(binding.private_entries), _region_len(binding.shared_entries)
+        self.meta_cap = meta_cap
+        self.proto = SlotHeader(step=0, meta_cap=meta_cap, meta_len=0, private_len=pl, shared_len=sl)
+        self.total_len = self.proto.total_len
+
+    def write(self, slot: SlotMap, step: int, extra: dict, param_groups: list) -> None:
+        b = self.b
+        meta = json.dumps({
+            "step": step, "extra": extra, "param_groups": param_groups, "scalars": b.scalars,
+            "optimizer_private": b.optimizer_private,
+            "private": [e.to_json() for e in b.private_entries],
+            "shared": [e.to_json() for e in b.shared_entries]}).encode()
+        if len(meta) > self.meta_cap:
+            raise ValueError(f"snapshot metadata ({len(meta)} bytes) outgrew its slot; extra state too large")
+        h = SlotHeader(step, self.meta_cap, len(meta), self.proto.private_len, self.proto.shared_len)
+        with torch.no_grad():
+            for (_, t), e in zip(b.private, b.private_entries):
+                slot.view(h.private_off, e).copy_(t)
+            for (_, t), e in zip(b.shared, b.shared_entries):
+                slot.view(h.shared_off, e).copy_(t)
+        slot.buf[HEADER_SIZE:HEADER_SIZE + len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        # header last: a slot whose header names step k holds all of S_k
+        slot.buf[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8))
+
+
+def read_slot(slot: SlotMap, step: int) -> tuple[SlotHeader, dict] | None:
+    """Header and metadata of the slot if it holds a checksum-valid S_step."""
+    mv = slot.memview()
+    try:
+        h = SlotHeader.unpack(mv)
+    except ValueError:
+        return None
+    if h.step != step or crc_private(mv, h) != h.crc_private or crc_shared(mv, h) != h.crc_shared:
+        return None
+    return h, json.loads(bytes(mv[HEADER_SIZE:HEADER_SIZE + h.meta_len]))
+
+
+def restore_into(slot: SlotMap, h: SlotHeader, meta: dict, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+    """Load S_step from a slot into the live model/optimizer/RNG (survivor or replacement alike)."""
+    private = [Entry.from_json(j) for j in meta["private"]]
+    shared = [Entry.from_json(j) for j in meta["shared"]]
+    tensors = {e.name: slot.view(h.private_off, e).clone() for e in private}
+    tensors.update({e.name: slot.view(h.shared_off, e).clone() for e in shared})
+    model_sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    model.load_state_dict(model_sd)
+    state: dict[int, dict[str, Any]] = {}
+    for k, v in tensors.items():
+        if k.startswith("optim/"):
+            _, idx, name = k.split("/", 2)
+            state.setdefault(int(idx), {})[name] = v
+    for k, v in meta["scalars"].items():
+        idx, name = k.split("/", 1)
+        state.setdefault(int(idx), {})[name] = v
+    local = local_optimizer(optimizer)
+    local.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    if local is not optimizer:  # ZeRO syncs outer -> inner at every step: make the outer agree
+        for outer, inner in zip(optimizer.param_groups, local.param_groups):
+            for key, value in inner.items():
+                if key != "params":
+                    outer[key] = value
+    torch.set_rng_state(tensors["rng/cpu"])
+
+
+class BackgroundCopier:
+    """Runs one snapshot at a time on a helper thread; `wait()` joins the one in flight."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_seconds = 0.0
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.wait()
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except BaseException as e:  # surfaced to the training thread at the next wait
+                self.error = e
+            self.last_seconds = time.perf_counter() - t0
+        self._thread = threading.Thread(target=run, daemon=True, name="phoenixrun-snapshot")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

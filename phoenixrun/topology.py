@@ -1,0 +1,100 @@
+"""Rank coordinates and replica placement: pure functions, no processes.
+
+Rank order follows Megatron: tp fastest, then dp, then pp. Node slots host
+`nproc_per_node` consecutive ranks. A shard's logical id is its (pp, tp, dp)
+coordinate; placement is keyed by logical id and node slot, never by a
+physical host, so a spare that adopts a slot inherits its role unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class Layout:
+    nnodes: int
+    nproc_per_node: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or self.nproc_per_node < 1 or self.tp < 1 or self.pp < 1:
+            raise ValueError("nnodes, nproc-per-node, tp and pp must all be >= 1")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"world size {self.world_size} (nnodes x nproc-per-node) is not divisible by "
+                f"tp x pp = {self.tp * self.pp}; pick tp/pp that divide it")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    def coords(self, rank: int) -> "Coords":
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coords(pp=pp, tp=tp, dp=dp)
+
+    def rank_of(self, c: "Coords") -> int:
+        return c.pp * self.tp * self.dp + c.dp * self.tp + c.tp
+
+    def slot_of(self, rank: int) -> int:
+        return rank // self.nproc_per_node
+
+    def ranks_of_slot(self, slot: int) -> list[int]:
+        return list(range(slot * self.nproc_per_node, (slot + 1) * self.nproc_per_node))
+
+    def dp_peers(self, rank: int) -> list[int]:
+        """Ranks holding the same (tp, pp) shard, in DP-ring order starting after `rank`."""
+        c = self.coords(rank)
+        return [self.rank_of(Coords(c.pp, c.tp, (c.dp + i) % self.dp)) for i in range(1, self.dp)]
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    tp: int
+    dp: int
+
+
+def place_replicas(layout: Layout, k: int, domains: Mapping[int, str] | None = None) -> dict[int, list[int]]:
+    """For each rank, the k node slots that hold a replica of its private state.
+
+    Holders are the nodes of its DP-ring peers (ring order, so load spreads
+    evenly), never the owner's node, preferring fault domains not used yet by
+    the owner or earlier holders. Falls back to any other node when DP peers
+    are all local (dp within one node). Deterministic.
+    """
+    if k < 0:
+        raise ValueError("replicas must be >= 0")
+    if k > layout.nnodes - 1:
+        raise ValueError(f"--replicas {k} needs at least {k + 1} nodes (have {layout.nnodes})")
+    domains = dict(domains or {})
+    dom = lambda slot: domains.get(slot, f"node{slot}")  # noqa: E731 - unlabelled nodes are their own domain
+    out: dict[int, list[int]] = {}
+    for rank in range(layout.world_size):
+        owner = layout.slot_of(rank)
+        ring = [layout.slot_of(p) for p in layout.dp_peers(rank)]
+        others = [(owner + i) % layout.nnodes for i in range(1, layout.nnodes)]
+        candidates = _unique([s for s in ring + others if s != owner])
+        holders: list[int] = []
+        used = {dom(owner)}
+        for s in candidates:  # first pass: new fault domains only
+            if len(holders) < k and dom(s) not in used:
+                holders.append(s)
+                used.add(dom(s))
+        for s in candidates:  # not enough domains: any other node
+            if len(holders) < k and s not in holders:
+                holders.append(s)
+        out[rank] = holders
+    return out
+
+
+def _unique(xs: Sequence[int]) -> list[int]:
+    seen: set[int] = set()
+    return [x for x in xs if not (x in seen or seen.add(x))]
