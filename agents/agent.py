@@ -67,6 +67,7 @@ class Agent:
         self.job: dict = {}
         self.restore_step: int | None = None
         self.pending_quiesce: set[int] = set()
+        self.quiesced_next_step = 0          # furthest step any local worker had completed when quiesced
         self.pending_resume: set[int] = set()
         self.resume_timings: dict[str, float] = {}
         self.protection: dict[int, dict] = {}
@@ -256,6 +257,7 @@ class Agent:
             self.slots.frozen = self.replicas.frozen = True
             live = {lr for lr, w in self.workers.items() if w.poll() is None and lr in self.conns}
             self.pending_quiesce = set(live)
+            self.quiesced_next_step = 0
             g = self.generation
             for lr in live:
                 self.conns[lr].send({"op": "quiesce", "generation": g})
@@ -266,7 +268,8 @@ class Agent:
             if self.pending_quiesce or not self.slots.frozen:
                 return
             self.pending_quiesce = {-1}  # report once
-            ev = {"kind": "quiesced", "snapshots": self.slots.available(), "replicas": self.replicas.available()}
+            ev = {"kind": "quiesced", "snapshots": self.slots.available(), "replicas": self.replicas.available(),
+                  "next_step": self.quiesced_next_step}
         self._report(ev)
 
     def _restore(self, d: dict) -> None:
@@ -369,6 +372,7 @@ class Agent:
         elif op == "quiesced":
             with self.lock:
                 self.pending_quiesce.discard(conn.local_rank)
+                self.quiesced_next_step = max(self.quiesced_next_step, int(msg.get("next_step", 0)))
             self._maybe_quiesced()
         elif op == "resumed":
             with self.lock:

@@ -418,7 +418,7 @@ class Master:
                 if time.time() > deadline:
                     raise Stop(75, f"node in slot {slot} lost and no spare registered within "
                                    f"--spare-wait {self.cfg.spare_wait:g}s")
-                self._wait_event(lambda: False, min(0.5, max(0.01, deadline - time.time())), lost)
+                self._pump(min(0.5, max(0.01, deadline - time.time())), lost)
         return out
 
     # ---------------------------------------------------------------- hot swap
@@ -430,10 +430,11 @@ class Master:
             self.events.emit("recovery_started", self.generation + 1, failed_node=node.node_id,
                              slot=node.slot, cause=cause, action=action.value)
         attempts = 0
+        fresh: dict[int, str] = {}    # slot -> spare promoted during this recovery (holds no state yet)
         while True:
             attempts += 1
             try:
-                plan, phases = self._recovery_cycle(lost)
+                plan, phases, reached = self._recovery_cycle(lost, fresh)
                 break
             except Cascade as c:
                 log.warning("fault during recovery, restarting at quiesce: %s", c)
@@ -448,48 +449,51 @@ class Master:
             self.recoveries += 1
             self.phase = Phase.RUNNING
             self.done_nodes.clear()
-            steps_done = ev.get("step")
             self.events.emit("recovery_done", self.generation, restored_step=plan.restore_step,
-                             replayed_steps=self._replayed(plan.restore_step),
+                             replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
                              duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
-                             replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases,
-                             failed_at_step=steps_done)
+                             replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
             for slot, nid in self.slots.items():
                 self._set_directive(nid, command="run", slot=slot, restart_count=self.restart_count,
                                     world=self._world(), restore_step=None, resume=True)
         self._drain_stale()
 
-    def _replayed(self, restore_step: int) -> int:
-        """Steps the slowest rank had finished beyond the restore point (what must be recomputed)."""
-        steps = [max(s) for n in self.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
-        return max(0, (max(steps) if steps else restore_step) - restore_step)
+    def _recovery_cycle(self, lost: set[int], fresh: dict[int, str]) -> tuple[RecoveryPlan, dict, int]:
+        """One attempt: quiesce survivors, fill lost slots from spares, plan, order the restore.
 
-    def _recovery_cycle(self, lost: set[int]) -> tuple[RecoveryPlan, dict]:
+        lost: slots whose node is gone (emptied here as spares are promoted); fresh: slots filled
+        by a spare during this recovery, which must fetch their state from peers.
+        """
         phases: dict[str, float] = {}
         t = time.time()
         with self.cv:
             self.generation += 1
             g = self.generation
             self.phase = Phase.QUIESCE
-            survivors = {s: nid for s, nid in self.slots.items() if s not in lost}
+            for slot in list(fresh):            # a promoted spare that died is lost again
+                if self.slots.get(slot) != fresh[slot]:
+                    del fresh[slot]
+            survivors = {s: nid for s, nid in self.slots.items() if s not in lost and s not in fresh}
             for slot, nid in survivors.items():
                 self._set_directive(nid, command="quiesce")
         acked: dict[str, dict] = {}
-
-        def quiesced() -> bool:
-            return all(nid in acked for nid in survivors.values())
-        self._wait_event(quiesced, self.cfg.recovery_timeout, lost, acks=("quiesced", g, acked))
+        self._wait_event(lambda: all(nid in acked for nid in survivors.values()), self.cfg.recovery_timeout,
+                         lost, acks=("quiesced", g, acked))
         phases["quiesce_s"] = round(time.time() - t, 4)
+        with self.cv:  # the quiesced reports carry the freshest snapshot inventory
+            for ack in acked.values():
+                n = self.nodes[ack["node_id"]]
+                n.snapshots = {int(k): v for k, v in ack.get("snapshots", {}).items()}
+                n.replicas = {int(k): v for k, v in ack.get("replicas", {}).items()}
+        reached = max((a.get("next_step", 0) for a in acked.values()), default=0)
         t = time.time()
-        replacements = self._replace_slots(lost)
+        fresh.update(self._replace_slots(lost))
+        lost.clear()
         with self.cv:
-            old_slots = {**survivors, **{s: self.slots[s] for s in lost}}
-            nodes_view = dict(self.nodes)
-            plan = plan_recovery(self.layout, nodes_view, survivors | {s: old_slots[s] for s in lost},
-                                 lost, self.placement, replacements)
+            plan = plan_recovery(self.layout, dict(self.nodes), self.slots, set(fresh), self.placement, fresh)
             self.phase = Phase.RESTORE
             phases["plan_s"] = round(time.time() - t, 4)
-            self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=replacements,
+            self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
                              fetch={r: vars(s) for r, s in plan.fetch.items()})
             for slot, nid in plan.slots.items():
                 ranks = self.layout.ranks_of_slot(slot)
@@ -505,38 +509,42 @@ class Master:
             vals = [r.get("timings", {}).get(key) for r in resumed.values() if r.get("timings", {}).get(key) is not None]
             if vals:
                 phases[key] = round(max(vals), 4)
-        return plan, phases
+        return plan, phases, reached
 
     def _wait_event(self, done, timeout: float, lost: set[int], acks: tuple | None = None) -> None:
-        """Consume reports until done() holds. A new fault on an active node -> Cascade."""
+        """Consume reports until done() holds; past the deadline -> Cascade."""
         deadline = time.time() + timeout
         while not done():
             left = deadline - time.time()
             if left <= 0:
                 raise Cascade("phase deadline passed")
-            try:
-                ev = self._inbox.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            self._absorb(ev)
-            kind = ev.get("kind")
+            self._pump(min(left, 0.5), lost, acks)
+
+    def _pump(self, timeout: float, lost: set[int], acks: tuple | None = None) -> None:
+        """Handle one report (or none within timeout). A new fault on an active node -> Cascade."""
+        try:
+            ev = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._absorb(ev)
+        kind = ev.get("kind")
+        with self.cv:
+            node = self.nodes.get(ev.get("node_id", ""))
+        if acks and kind == acks[0] and ev.get("generation") == acks[1]:
+            acks[2][ev["node_id"]] = ev
+            return
+        if kind == "restore_failed":
+            raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}")
+        if node is None or node.role != Role.ACTIVE or node.slot in lost:
+            return
+        if kind in ("node_lost", "left"):
             with self.cv:
-                node = self.nodes.get(ev.get("node_id", ""))
-            if acks and kind == acks[0] and ev.get("generation") == acks[1]:
-                acks[2][ev["node_id"]] = ev
-                continue
-            if kind in ("restore_failed",):
-                raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}")
-            if node is None or node.role != Role.ACTIVE or node.slot in lost:
-                continue
-            if kind in ("node_lost", "left"):
-                with self.cv:
-                    lost.add(node.slot)
-                    self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
-                                     signal=kind, detail=ev.get("detail", ""), action="node_replace",
-                                     **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
-                raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery")
-            # worker exits and comm errors of the old generation are expected while quiescing
+                lost.add(node.slot)
+                self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
+                                 signal=kind, detail=ev.get("detail", ""), action="node_replace",
+                                 **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
+            raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery")
+        # worker exits and comm errors of the old generation are expected while quiescing
 
     def _finish(self, exit_code: int, reason: str) -> None:
         with self.cv:
@@ -568,11 +576,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _reply(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the caller went away (an agent killed mid-poll): nothing to answer
+            self.close_connection = True
 
     def _authorized(self) -> bool:
         if auth.check(self.master.secret, self.headers.get("Authorization")):

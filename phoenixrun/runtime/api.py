@@ -40,6 +40,11 @@ from phoenixrun.runtime.snapshot import (BackgroundCopier, SlotMap, SnapshotWrit
 from phoenixrun.topology import Coords, Layout
 
 log = logging.getLogger("phoenixrun.runtime")
+if not log.handlers:  # the training script may not configure logging; recovery must still be visible
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("[phoenixrun %(levelname)s] %(message)s"))
+    log.addHandler(_h)
+    log.propagate = False
 
 
 class Quiesced(RuntimeError):
@@ -275,17 +280,15 @@ class Job:
         """Report quiesced, wait for the master's rebuild order, rejoin, restore. Repeats on cascades."""
         reported = -1
         while True:
-            with self.link.cv:
-                while self.link.quiesce_generation <= reported and not self.link.closed:
-                    self.link.cv.wait(0.5)
-                g = self.link.quiesce_generation
-            if self.link.closed:
-                raise AgentGone("the node agent went away during recovery")
-            self.link.send({"op": "quiesced", "generation": g, "step": self.current})
-            reported = g
+            g = self.link.quiesce_generation
+            if g > self.rt.generation and g > reported:
+                self.link.send({"op": "quiesced", "generation": g, "next_step": self.next_step})
+                reported = g
             order = self.rt._next_order({"rebuild", "quiesce"})
             if order["op"] == "quiesce" or order["generation"] < self.link.quiesce_generation:
                 continue
+            log.warning("rank %d: rejoining as generation %d, restoring step %d", self.rt.rank,
+                        order["generation"], order["restore_step"])
             try:
                 t1 = time.time()
                 self.rt.connect(order["generation"])
