@@ -21,6 +21,7 @@ from pathlib import Path
 
 from phoenixrun.control.client import ControlClient, ControlError
 from phoenixrun.slot_format import SlotHeader, crc_shared
+from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
@@ -277,6 +278,8 @@ class Agent:
         step = d["restore_step"]
         timings: dict[str, float] = {}
         try:
+            if d.get("fetch"):
+                pause_point("fetch", step)   # tests: a spare that dies while restoring
             for rank, src in d.get("fetch", {}).items():
                 rank = int(rank)
                 _, private = self.peers.call(src["private_addr"], {"op": "get_private", "rank": rank, "step": step})

@@ -16,6 +16,8 @@ import threading
 import zlib
 from typing import Callable
 
+from phoenixrun.testing import pause_point
+
 log = logging.getLogger("phoenixrun.agent.peer")
 _LEN = struct.Struct("!I")
 CHUNK = 4 << 20
@@ -139,7 +141,13 @@ class PeerClient:
         with lock:
             try:
                 sock = self._conns.get(addr) or self._connect(addr)
-                send_frame(sock, {**header, "auth": self.secret, "nbytes": len(payload)}, payload)
+                if header.get("op") == "put":  # tests: die with the transfer half sent
+                    half = len(payload) // 2
+                    send_frame(sock, {**header, "auth": self.secret, "nbytes": len(payload)}, payload[:half])
+                    pause_point("h2h", header.get("step"))
+                    sock.sendall(payload[half:])
+                else:
+                    send_frame(sock, {**header, "auth": self.secret, "nbytes": len(payload)}, payload)
                 reply, data = recv_frame(sock)
             except (OSError, PeerError, ValueError) as e:
                 self._drop(addr)

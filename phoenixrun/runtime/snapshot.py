@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from phoenixrun.testing import pause_point
 from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_private, crc_shared
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -138,6 +139,7 @@ class SnapshotWriter:
         with torch.no_grad():
             for (_, t), e in zip(b.private, b.private_entries):
                 slot.view(h.private_off, e).copy_(t)
+            pause_point("d2h", step)   # tests: die with the slot half written
             for (_, t), e in zip(b.shared, b.shared_entries):
                 slot.view(h.shared_off, e).copy_(t)
         slot.buf[HEADER_SIZE:HEADER_SIZE + len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))

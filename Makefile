@@ -1,0 +1,35 @@
+# Two commands for a newcomer:  make demo  (set up + run the main job)  and  make test.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+RUN_DIR ?= demo-run
+
+.PHONY: install demo test test-all test-gpu bench clean
+
+$(BIN)/phoenixrun: pyproject.toml setup.cfg
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch first, pinned: the CPU build on this machine's disk (a looser pin pulls a multi-GB CUDA build)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(BIN)/phoenixrun
+
+install: $(BIN)/phoenixrun
+
+# A standalone job: 3 nodes x 2 workers + 1 warm spare; one node is SIGKILLed mid-run and the
+# spare hot-swaps in. Events in $(RUN_DIR)/events.jsonl; results in $(RUN_DIR)-out.
+demo: install
+	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
+
+# Default test run (< 15 min on 2 cores): unit tests + end-to-end fault tests with real processes.
+test: install
+	$(BIN)/python -m pytest -q -m "not gpu" tests
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu tests
+
+bench: install
+	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/recovery.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache demo-run demo-run-out

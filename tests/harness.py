@@ -1,0 +1,122 @@
+"""Helpers for end-to-end tests: real phoenixrun/torchrun jobs as subprocesses, faults by signal."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+BIN = Path(sys.executable).parent
+# a small model keeps each job to seconds on 2 cores; the code paths are those of the full example
+SMALL = ["--layers", "1", "--d-model", "64", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "4"]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("PHOENIXRUN_", "PET_", "TORCHELASTIC_"))}
+    e.update({"PHOENIXRUN_LOG_LEVEL": "WARNING", **extra})
+    return e
+
+
+class Job:
+    def __init__(self, run_dir: Path, out: Path, proc: subprocess.Popen):
+        self.run_dir, self.out, self.proc = run_dir, out, proc
+
+    def state(self) -> dict | None:
+        try:
+            r = subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(self.run_dir), "--json"],
+                               capture_output=True, text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return None
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def wait_for(self, predicate, timeout: float = 120.0, what: str = "condition") -> dict:
+        """Poll the master's state until predicate(state) holds (the job's own progress is the event)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job exited ({self.proc.returncode}) before {what}:\n{self.log()[-3000:]}")
+            s = self.state()
+            if s is not None and predicate(s):
+                return s
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}:\n{self.log()[-3000:]}")
+
+    def wait_step(self, step: int, timeout: float = 120.0) -> dict:
+        return self.wait_for(lambda s: s.get("step") is not None and s["step"] >= step, timeout, f"step {step}")
+
+    def wait_file(self, path: Path, timeout: float = 120.0) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if path.exists() and path.read_text():
+                return path.read_text()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job exited before {path.name} appeared:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"{path} did not appear:\n{self.log()[-3000:]}")
+
+    def finish(self, timeout: float = 240.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"job did not finish in {timeout}s:\n{self.log()[-3000:]}")
+
+    def events(self) -> list[dict]:
+        p = self.run_dir / "events.jsonl"
+        return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+    def log(self) -> str:
+        p = self.run_dir.parent / (self.run_dir.name + ".log")
+        return p.read_text(errors="replace") if p.exists() else ""
+
+
+def launch(tmp: Path, name: str, nnodes: int = 2, nproc: int = 2, spares: int = 0, steps: int = 30,
+           extra_flags: list[str] | None = None, script_args: list[str] | None = None, **env_extra: str) -> Job:
+    run_dir, out = tmp / f"{name}-run", tmp / f"{name}-out"
+    log = open(tmp / f"{name}-run.log", "w")
+    e = env(PHOENIXRUN_TEST_PAUSE_DIR=str(tmp), **env_extra)
+    cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+           "--spares", str(spares), "--run-dir", str(run_dir), *(extra_flags or []), str(EXAMPLE),
+           "--steps", str(steps), "--out", str(out), *SMALL, *(script_args or [])]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=tmp)
+    return Job(run_dir, out, proc)
+
+
+def torchrun(tmp: Path, name: str, nproc: int, steps: int) -> Path:
+    out = tmp / f"{name}-out"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE),
+           "--steps", str(steps), "--out", str(out), *SMALL]
+    subprocess.run(cmd, check=True, env=env(), cwd=tmp, capture_output=True, timeout=300)
+    return out
+
+
+def results(out: Path) -> dict[int, dict]:
+    return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
+
+
+def assert_identical(a: Path, b: Path) -> None:
+    ra, rb = results(a), results(b)
+    assert ra.keys() == rb.keys() and ra, f"rank files differ: {sorted(ra)} vs {sorted(rb)}"
+    for r in ra:
+        for key in ("param_sha256", "optim_sha256", "losses"):
+            assert ra[r][key] == rb[r][key], f"rank {r}: {key} differs"
+
+
+def kill_node(state: dict, slot: int) -> dict:
+    node = next(n for n in state["nodes"] if n["slot"] == slot and n["role"] == "active")
+    for pid in [node["agent_pid"], *node["worker_pids"]]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return node
+
+
+def by_event(events: list[dict], name: str) -> list[dict]:
+    return [e for e in events if e["event"] == name]
