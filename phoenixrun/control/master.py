@@ -503,7 +503,7 @@ class Master:
         t = time.time()
         resumed: dict[str, dict] = {}
         self._wait_event(lambda: all(nid in resumed for nid in plan.slots.values()),
-                         self.cfg.recovery_timeout, set(), acks=("resumed", g, resumed))
+                         self.cfg.recovery_timeout, lost, acks=("resumed", g, resumed))
         phases["restore_s"] = round(time.time() - t, 4)
         for key in ("rebuild_s", "params_s", "optimizer_s", "fetch_s", "spawn_s"):
             vals = [r.get("timings", {}).get(key) for r in resumed.values() if r.get("timings", {}).get(key) is not None]
@@ -514,11 +514,20 @@ class Master:
     def _wait_event(self, done, timeout: float, lost: set[int], acks: tuple | None = None) -> None:
         """Consume reports until done() holds; past the deadline -> Cascade."""
         deadline = time.time() + timeout
+        next_probe = time.time() + 0.3
         while not done():
             left = deadline - time.time()
             if left <= 0:
                 raise Cascade("phase deadline passed")
-            self._pump(min(left, 0.5), lost, acks)
+            self._pump(min(left, 0.1), lost, acks)
+            if time.time() >= next_probe:   # a node dying mid-recovery must not cost a heartbeat timeout
+                next_probe = time.time() + 0.3
+                with self.cv:
+                    active = [n for n in self.nodes.values() if n.role == Role.ACTIVE and n.slot not in lost]
+                for n in active:
+                    if not self._probe(n, timeout=0.2):
+                        self._inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
+                                         "detail": "agent unreachable during recovery"})
 
     def _pump(self, timeout: float, lost: set[int], acks: tuple | None = None) -> None:
         """Handle one report (or none within timeout). A new fault on an active node -> Cascade."""

@@ -1,0 +1,61 @@
+"""CLI parsing: torchrun spellings, PET_* env, one-line errors with exit 2."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import BIN, EXAMPLE, env
+
+
+def run(*args, **extra_env):
+    return subprocess.run([str(BIN / "phoenixrun"), *args], capture_output=True, text=True, env=env(**extra_env),
+                          timeout=60)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--nnodes", "1:4", str(EXAMPLE)], "elastic ranges"),
+    (["--nnodes", "0", str(EXAMPLE)], "--nnodes"),
+    (["--nproc-per-node", "x", str(EXAMPLE)], "not a number"),
+    (["--rdzv-backend", "etcd", str(EXAMPLE)], "not supported"),
+    (["--standalone", "no_such_script.py"], "not found"),
+    (["--standalone", "--nnodes", "3", "--tp", "2", str(EXAMPLE)], "not divisible"),
+    (["--standalone", "--nnodes", "2", "--replicas", "2", str(EXAMPLE)], "need at least 3 nodes"),
+    (["--spares", "1", str(EXAMPLE)], "needs --standalone"),
+    (["--bogus-flag", str(EXAMPLE)], "No such option"),
+    (["-m", "--no-python", "x"], "cannot be combined"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_lists_both_spellings_and_env():
+    r = run("--help")
+    assert r.returncode == 0
+    for flag in ("--nproc-per-node", "--nproc_per_node", "--rdzv-endpoint", "--max-restarts", "--spares",
+                 "--replicas", "--fault-domain", "--run-dir", "--node-timeout", "PET_NPROC_PER_NODE"):
+        assert flag in r.stdout, flag
+
+
+def test_pet_env_is_read():
+    r = run(str(EXAMPLE), PET_NNODES="1:2")          # the env var reaches the same validation
+    assert r.returncode == 2 and "elastic ranges" in r.stderr
+
+
+@pytest.mark.parametrize("sub", ["master", "agent", "status", "simulate"])
+def test_subcommands_have_help(sub):
+    assert run(sub, "--help").returncode == 0
+
+
+def test_status_without_job_is_clear(tmp_path):
+    r = run("status", "--run-dir", str(tmp_path))
+    assert r.returncode == 1 and "master.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_agent_without_secret_is_clear():
+    r = run("agent", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "1", str(EXAMPLE))
+    assert r.returncode == 2 and "secret" in r.stderr

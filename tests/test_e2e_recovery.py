@@ -1,0 +1,118 @@
+"""End to end with real processes: kill nodes and workers of running jobs, check bit-identical results.
+
+Each job is a standalone phoenixrun cluster on this machine (agents = nodes, gloo on CPU). The
+reference is torchrun on the same world size: a fault-free run of the unmodified example.
+"""
+import os
+import signal
+
+import pytest
+
+from tests.harness import assert_identical, by_event, kill_node, launch, torchrun
+
+STEPS = 24
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def ref4(tmp_path_factory):
+    return torchrun(tmp_path_factory.mktemp("ref4"), "ref", nproc=4, steps=STEPS)
+
+
+def _recovered(job, n=1):
+    done = by_event(job.events(), "recovery_done")
+    assert len(done) >= n, job.log()[-3000:]
+    for d in done:
+        assert d["replayed_steps"] <= 1
+    return done
+
+
+def test_standalone_matches_torchrun_and_shows_status(tmp_path, ref4):
+    job = launch(tmp_path, "ok", nnodes=2, spares=1, steps=STEPS)
+    state = job.wait_step(3)
+    roles = sorted(n["role"] for n in state["nodes"])
+    assert roles == ["active", "active", "spare"]
+    for n in state["nodes"]:
+        assert n["agent_pid"] > 0 and n["slot"] in (0, 1, None)
+        if n["role"] == "active":
+            assert len(n["worker_pids"]) == 2
+    assert job.finish() == 0, job.log()[-3000:]
+    ev = job.events()
+    assert len(by_event(ev, "node_joined")) == 3
+    assert by_event(ev, "job_finished")[-1]["exit_code"] == 0
+    assert_identical(job.out, ref4)
+
+
+def test_node_kill_hot_swap_three_nodes(tmp_path):
+    ref6 = torchrun(tmp_path, "ref6", nproc=6, steps=STEPS)
+    job = launch(tmp_path, "node", nnodes=3, spares=1, steps=STEPS)
+    kill_node(job.wait_step(8), slot=1)
+    assert job.finish() == 0, job.log()[-3000:]
+    d = _recovered(job)[0]
+    assert d["replaced_slots"] and d["phases"]["quiesce_s"] >= 0
+    started = by_event(job.events(), "recovery_started")[0]
+    assert started["slot"] == 1 and started["action"] == "node_replace"
+    assert_identical(job.out, ref6)
+
+
+def test_worker_kill_local_reset(tmp_path, ref4):
+    job = launch(tmp_path, "worker", nnodes=2, steps=STEPS)
+    state = job.wait_step(8)
+    victim = next(n for n in state["nodes"] if n["slot"] == 1)["worker_pids"][0]
+    os.kill(victim, signal.SIGKILL)
+    assert job.finish() == 0, job.log()[-3000:]
+    _recovered(job)
+    fault = by_event(job.events(), "fault_detected")[0]
+    assert fault["action"] == "local_reset" and fault["slot"] == 1
+    assert_identical(job.out, ref4)
+
+
+def test_kill_node_hosting_rank0(tmp_path, ref4):
+    job = launch(tmp_path, "rank0", nnodes=2, spares=1, steps=STEPS)
+    kill_node(job.wait_step(6), slot=0)
+    assert job.finish() == 0, job.log()[-3000:]
+    assert _recovered(job)[0]["replaced_slots"] == {"0": by_event(job.events(), "spare_promoted")[0]["node"]}
+    assert_identical(job.out, ref4)
+
+
+def test_two_failures_in_a_row(tmp_path, ref4):
+    job = launch(tmp_path, "two", nnodes=2, spares=2, steps=STEPS)
+    kill_node(job.wait_step(5), slot=1)
+    state = job.wait_for(lambda s: s["recoveries"] >= 1 and (s["step"] or 0) >= 12, what="first recovery")
+    kill_node(state, slot=0)
+    assert job.finish() == 0, job.log()[-3000:]
+    assert len(_recovered(job, 2)) == 2
+    assert_identical(job.out, ref4)
+
+
+def test_spare_killed_during_recovery(tmp_path, ref4):
+    job = launch(tmp_path, "cascade", nnodes=2, spares=2, steps=STEPS, PHOENIXRUN_TEST_PAUSE="fetch")
+    kill_node(job.wait_step(6), slot=1)
+    spare_pid = int(job.wait_file(tmp_path / "paused-fetch"))     # the promoted spare, mid-restore
+    os.kill(spare_pid, signal.SIGKILL)
+    assert job.finish() == 0, job.log()[-3000:]
+    assert _recovered(job)[0]["attempts"] >= 2
+    assert len(by_event(job.events(), "spare_promoted")) == 2
+    assert_identical(job.out, ref4)
+
+
+def test_worker_killed_mid_snapshot_copy(tmp_path, ref4):
+    """SIGKILL in the middle of a D2H copy: the committed slot (previous step) is what restores."""
+    job = launch(tmp_path, "d2h", nnodes=2, steps=STEPS, PHOENIXRUN_TEST_PAUSE="d2h:9")
+    pid = int(job.wait_file(tmp_path / "paused-d2h"))
+    os.kill(pid, signal.SIGKILL)
+    assert job.finish() == 0, job.log()[-3000:]
+    assert _recovered(job)[0]["restored_step"] == 8                # S_9 was never committed anywhere
+    assert_identical(job.out, ref4)
+
+
+def test_agent_killed_mid_replication(tmp_path, ref4):
+    """SIGKILL a node while its agent is halfway through sending a replica: the holder keeps S_8."""
+    job = launch(tmp_path, "h2h", nnodes=2, spares=1, steps=STEPS, PHOENIXRUN_TEST_PAUSE="h2h:9")
+    agent_pid = int(job.wait_file(tmp_path / "paused-h2h"))
+    state = job.state()
+    node = next(n for n in state["nodes"] if n["agent_pid"] == agent_pid)
+    kill_node(state, slot=node["slot"])
+    assert job.finish() == 0, job.log()[-3000:]
+    assert _recovered(job)[0]["restored_step"] == 8
+    assert_identical(job.out, ref4)

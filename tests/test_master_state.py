@@ -1,0 +1,83 @@
+"""Master decisions as pure functions: admission, spare choice, restore step, recovery plans."""
+import pytest
+
+from phoenixrun.control.state import (NodeRecord, PlanError, RankSource, Role, admit, pick_spare, plan_recovery,
+                                      restore_step)
+from phoenixrun.topology import Layout, place_replicas
+
+
+def node(nid, role, slot=None, snapshots=None, replicas=None, domain=None):
+    return NodeRecord(node_id=nid, host="h", agent_pid=1, peer_addr=f"{nid}:1", fault_domain=domain or nid,
+                      role=role, slot=slot, snapshots=snapshots or {}, replicas=replicas or {})
+
+
+def test_admit_fills_slots_then_spares():
+    lay = Layout(2, 1)
+    nodes = {}
+    assert admit(lay, nodes, started=False) == (Role.ACTIVE, 0)
+    nodes["a"] = node("a", Role.ACTIVE, 0)
+    assert admit(lay, nodes, started=False) == (Role.ACTIVE, 1)
+    nodes["b"] = node("b", Role.ACTIVE, 1)
+    assert admit(lay, nodes, started=False) == (Role.SPARE, None)
+    assert admit(lay, {}, started=True) == (Role.SPARE, None)     # a repaired node joins as a spare
+
+
+def test_pick_spare_avoids_failed_domain():
+    nodes = {"s1": node("s1", Role.SPARE, domain="rack1"), "s2": node("s2", Role.SPARE, domain="rack2"),
+             "x": node("x", Role.FAILED)}
+    assert pick_spare(nodes, ["rack1"]).node_id == "s2"
+    assert pick_spare(nodes).node_id == "s1"
+    assert pick_spare({"x": node("x", Role.ACTIVE, 0)}) is None
+
+
+@pytest.mark.parametrize("available,expected", [
+    ({0: [4, 5], 1: [5, 6], 2: [5]}, 5),
+    ({0: [4, 5], 1: [3, 4]}, 4),
+    ({0: [5], 1: [6]}, None),
+    ({0: [], 1: [1]}, None),
+])
+def test_restore_step_is_last_common(available, expected):
+    assert restore_step(available) == expected
+
+
+def _cluster():
+    # 3 nodes x 1 rank, replicas k=1 on the DP ring: rank r's replica lives on slot r+1
+    lay = Layout(3, 1)
+    placement = place_replicas(lay, 1)
+    nodes = {
+        "a": node("a", Role.ACTIVE, 0, snapshots={0: [6, 7]}, replicas={2: [6, 7]}),
+        "b": node("b", Role.ACTIVE, 1, snapshots={1: [7, 8]}, replicas={0: [7]}),
+        "c": node("c", Role.ACTIVE, 2, snapshots={2: [7]}, replicas={1: [6, 7]}),
+        "s": node("s", Role.SPARE),
+    }
+    return lay, placement, nodes, {0: "a", 1: "b", 2: "c"}
+
+
+def test_plan_replaces_lost_node_from_replica_and_dp_peer():
+    lay, placement, nodes, slots = _cluster()
+    plan = plan_recovery(lay, nodes, slots, lost_slots={1}, placement=placement, replacements={1: "s"})
+    assert plan.restore_step == 7
+    assert plan.slots == {0: "a", 1: "s", 2: "c"}                     # survivors keep their slots
+    assert plan.fetch == {1: RankSource(private_addr="c:1", shared_addr="c:1", shared_rank=2)}
+
+
+def test_plan_local_reset_needs_no_fetch():
+    lay, placement, nodes, slots = _cluster()
+    plan = plan_recovery(lay, nodes, slots, lost_slots=set(), placement=placement, replacements={})
+    assert plan.restore_step == 7 and plan.fetch == {}
+
+
+def test_plan_refuses_without_spare_or_common_step():
+    lay, placement, nodes, slots = _cluster()
+    with pytest.raises(PlanError, match="no spare"):
+        plan_recovery(lay, nodes, slots, {1}, placement, {})
+    nodes["c"].replicas = {1: [5]}                                    # replica too old for the survivors
+    with pytest.raises(PlanError, match="no snapshot step"):
+        plan_recovery(lay, nodes, slots, {1}, placement, {1: "s"})
+
+
+def test_plan_refuses_when_owner_and_holders_lost():
+    lay, placement, nodes, slots = _cluster()
+    nodes["s2"] = node("s2", Role.SPARE)
+    with pytest.raises(PlanError, match="replica holder"):
+        plan_recovery(lay, nodes, slots, {1, 2}, placement, {1: "s", 2: "s2"})

@@ -1,0 +1,70 @@
+"""Agent-owned snapshot memory: commit protocol and replica store invariants (no processes)."""
+import pytest
+
+from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
+from phoenixrun.slot_format import SlotHeader, crc_private
+
+
+def write(slots: LocalSlots, rank: int, step: int, fill: int) -> int:
+    idx = slots.begin_write(rank)
+    mm = slots.view(rank, idx)
+    h = SlotHeader(step=step, meta_cap=64, meta_len=2, private_len=100, shared_len=100)
+    mm[64:66] = b"{}"
+    mm[h.private_off:h.private_off + 100] = bytes([fill]) * 100
+    mm[h.shared_off:h.shared_off + 100] = bytes([fill + 1]) * 100
+    mm[:64] = h.pack()
+    slots.finish_write(rank, idx, step)
+    return idx
+
+
+@pytest.fixture
+def slots():
+    s = LocalSlots(prefix="phoenixrun-test-slots")
+    s.allocate(0, SlotHeader(0, 64, 0, 100, 100).total_len)
+    yield s
+    s.clear()
+
+
+def test_ping_pong_keeps_committed_slot_while_writing(slots):
+    a = write(slots, 0, 1, 10)
+    slots.commit(0, a, 1)
+    b = slots.begin_write(0)                 # a writer now owns the other slot
+    assert b != a
+    assert slots.available() == {0: [1]}     # the half-written slot is never offered for restore
+    assert slots.begin_write(0) == b         # a crashed writer's slot is reused, the committed one never
+    assert slots.committed_step(0) == 1
+
+
+def test_restore_point_discards_newer_timeline(slots):
+    a = write(slots, 0, 1, 10)
+    slots.commit(0, a, 1)
+    b = write(slots, 0, 2, 20)
+    slots.commit(0, b, 2)
+    assert slots.available() == {0: [1, 2]}
+    assert slots.restore_point(0, 1) == a
+    assert slots.available() == {0: [1]}
+    with pytest.raises(SlotError):
+        slots.restore_point(0, 2)
+
+
+def test_frozen_slots_refuse_writes(slots):
+    slots.frozen = True
+    with pytest.raises(SlotError, match="frozen"):
+        slots.begin_write(0)
+
+
+def test_replica_store_verifies_checksum_and_keeps_previous(slots):
+    a = write(slots, 0, 1, 10)
+    slots.commit(0, a, 1)
+    h = SlotHeader.unpack(slots.view(0, a))
+    data = bytes(slots.view(0, a)[:h.replicated_len])
+    store = ReplicaStore()
+    store.put(0, 1, data)
+    corrupt = bytearray(data)
+    corrupt[h.private_off] ^= 0xFF
+    h2 = SlotHeader(2, h.meta_cap, h.meta_len, h.private_len, h.shared_len, h.crc_private, 0)
+    corrupt[:64] = h2.pack()
+    with pytest.raises(SlotError, match="checksum"):
+        store.put(0, 2, bytes(corrupt))
+    assert store.available() == {0: [1]}     # the failed write left the good copy alone
+    assert crc_private(store.get(0, 1), h) == h.crc_private
