@@ -402,7 +402,7 @@ class Agent:
             h = self.slots.finish_write(rank, idx, step)
             holders = self.world.get("placement", {}).get(str(rank), self.world.get("placement", {}).get(rank, []))
             if holders:
-                data = self.slots.view(rank, idx)[:h.replicated_len]
+                data = memoryview(self.slots.view(rank, idx))[:h.replicated_len]   # no copy: sent from shm
                 for holder in holders:
                     addr = self.world["slots"].get(str(holder), self.world["slots"].get(holder))
                     self.peers.call(addr, {"op": "put", "rank": rank, "step": step}, data)
@@ -414,7 +414,8 @@ class Agent:
                               "step": step, "t": time.time()})
             return
         h2h = time.time() - t0
-        conn.send({"op": "committed", "step": step})
+        conn.send({"op": "committed", "step": step, "h2h_s": round(h2h, 6),
+                   "replicated_bytes": h.replicated_len if holders else 0})
         with self.lock:
             self.protection[rank] = {**stats, "committed_step": step, "h2h_s": round(h2h, 5),
                                      "replicated_bytes": h.replicated_len if holders else 0,
@@ -422,7 +423,7 @@ class Agent:
 
     # ------------------------------------------------------------------ peer requests
     def _peer_put(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
-        self.replicas.put(int(h["rank"]), int(h["step"]), bytes(payload))
+        self.replicas.put(int(h["rank"]), int(h["step"]), payload)
         return {}, b""
 
     def _peer_get_private(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:

@@ -190,7 +190,8 @@ class ReplicaStore:
         self._bufs: dict[int, list[bytearray | None]] = {}
         self._steps: dict[int, list[int | None]] = {}
 
-    def put(self, rank: int, step: int, data: bytes) -> None:
+    def put(self, rank: int, step: int, data: bytearray) -> None:
+        """Store a received replica (the buffer is kept as is, not copied)."""
         h = SlotHeader.unpack(data)
         if h.step != step or len(data) != h.replicated_len:
             raise SlotError(f"replica of rank {rank}: header says step {h.step}/{h.replicated_len} bytes")
@@ -205,7 +206,7 @@ class ReplicaStore:
         if crc_private(data, h) != h.crc_private:
             raise SlotError(f"replica of rank {rank} step {step} fails its checksum")
         with self._lock:
-            bufs[idx] = bytearray(data)
+            bufs[idx] = data if isinstance(data, bytearray) else bytearray(data)
             steps[idx] = step
 
     def get(self, rank: int, step: int) -> bytes:

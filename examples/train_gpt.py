@@ -70,6 +70,33 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
+def save_checkpoint(args, rank: int, step: int, model, opt, progress: dict) -> None:
+    """Baseline checkpoint-restart: every rank saves its state; rank 0 marks the step complete."""
+    d = os.path.join(args.ckpt_dir, f"step{step}")
+    os.makedirs(d, exist_ok=True)
+    state = {"model": model.module.state_dict(), "optim": opt.optim.state_dict(), "rng": torch.get_rng_state(),
+             "progress": progress}
+    torch.save(state, os.path.join(d, f"rank{rank}.pt.tmp"))
+    os.replace(os.path.join(d, f"rank{rank}.pt.tmp"), os.path.join(d, f"rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        open(os.path.join(d, "complete"), "w").close()
+
+
+def load_checkpoint(args, rank: int, model, opt, progress: dict) -> int:
+    done = [int(n[4:]) for n in os.listdir(args.ckpt_dir) if n.startswith("step")
+            and os.path.exists(os.path.join(args.ckpt_dir, n, "complete"))] if os.path.isdir(args.ckpt_dir) else []
+    if not done:
+        return 0
+    step = max(done)
+    state = torch.load(os.path.join(args.ckpt_dir, f"step{step}", f"rank{rank}.pt"), weights_only=False)
+    model.module.load_state_dict(state["model"])
+    opt.optim.load_state_dict(state["optim"])
+    torch.set_rng_state(state["rng"])
+    progress.update(state["progress"])
+    return step
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
@@ -82,6 +109,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint-restart baseline: save here every --ckpt-every steps")
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--progress-dir", default=None, help="append 'step unix_time' per finished step (benchmarks)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -93,23 +123,32 @@ def main() -> None:
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
     progress: dict = {"losses": {}, "step_seconds": {}}
     job = phoenixrun.protect(model, opt, state=progress)
+    start = load_checkpoint(args, rank, model, opt, progress) if args.ckpt_dir else 0
+    log = open(os.path.join(args.progress_dir, f"rank{rank}.log"), "a", buffering=1) if args.progress_dir else None
 
     for step in job.steps(args.steps):
+        if step < start:
+            continue
+        t0 = time.perf_counter()
         with job.step(step):
-            t0 = time.perf_counter()
             x, y = batch(step, rank, args)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             progress["losses"][str(step)] = loss.item()
-            progress["step_seconds"][str(step)] = time.perf_counter() - t0
+        # the whole iteration, including phoenixrun's end-of-step work
+        progress["step_seconds"][str(step)] = time.perf_counter() - t0
+        if log:
+            log.write(f"{step} {time.time():.6f}\n")
+        if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
+            save_checkpoint(args, rank, step + 1, model, opt, progress)
 
     shard = opt.optim.state_dict()["state"]
     result = {
         "rank": rank, "world_size": world, "steps": args.steps,
         "losses": [progress["losses"][str(s)] for s in range(args.steps)],
-        "step_seconds": [progress["step_seconds"][str(s)] for s in range(args.steps)],
+        "step_seconds": [progress["step_seconds"].get(str(s)) for s in range(args.steps)],
         "param_sha256": digest(model.module.state_dict().values()),
         "optim_sha256": digest(v for i in sorted(shard) for k, v in sorted(shard[i].items()) if torch.is_tensor(v)),
     }

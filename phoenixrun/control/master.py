@@ -82,6 +82,7 @@ class Master:
         self.recoveries = 0
         self.exit_code: int | None = None
         self.reason = ""
+        self.api_mode = False
         self.done_nodes: set[str] = set()
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
         self._directives: dict[str, dict] = {}
@@ -156,9 +157,10 @@ class Master:
             node.protection = {int(k): v for k, v in p.get("protection", {}).items()}
             if p.get("api") and not node.api:
                 node.api = True
-                for n in self.nodes.values():
-                    if n.role == Role.SPARE and not self._directives.get(n.node_id, {}).get("warm"):
-                        self._set_directive(n.node_id, command="wait", warm=True)
+                if self._api_mode():  # spares can now pre-start their workers (torch imported, waiting)
+                    for n in self.nodes.values():
+                        if n.role == Role.SPARE and not self._directives.get(n.node_id, {}).get("warm"):
+                            self._set_directive(n.node_id, command="wait", warm=True)
             self._note_progress()
             return {"ok": True, "role": node.role.value}
 
@@ -211,8 +213,12 @@ class Master:
         self.cv.notify_all()
 
     def _api_mode(self) -> bool:
-        active = [n for n in self.nodes.values() if n.role == Role.ACTIVE]
-        return bool(active) and all(n.api for n in active)
+        """The job's workers use the phoenixrun API (hot swap possible). Decided once every initial
+        node has reported it; spares run the same script, so a promotion does not change it."""
+        if not self.api_mode:
+            active = [n for n in self.nodes.values() if n.role == Role.ACTIVE]
+            self.api_mode = len(active) == self.cfg.nnodes and all(n.api for n in active)
+        return self.api_mode
 
     def _world(self) -> dict:
         return {"slots": {s: self.nodes[nid].peer_addr for s, nid in self.slots.items()},

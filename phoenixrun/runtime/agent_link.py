@@ -29,6 +29,7 @@ class AgentLink:
         self.cv = threading.Condition()
         self.committed_step = -1
         self.commit_error: str | None = None
+        self.last_commit: dict = {}
         self.quiesce_generation = -1                       # highest generation we were told to quiesce for
         self.closed = False
         self.on_quiesce: Callable[[int], None] = lambda g: None
@@ -71,6 +72,7 @@ class AgentLink:
                     with self.cv:
                         if op == "committed":
                             self.committed_step = max(self.committed_step, int(msg["step"]))
+                            self.last_commit = msg
                         else:
                             self.commit_error = msg.get("error", "replication failed")
                         self.cv.notify_all()

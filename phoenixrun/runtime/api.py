@@ -35,8 +35,8 @@ from phoenixrun.faults.classify import is_collective_error_text
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.process_group import (Generation, ReconfigurableProcessGroup, _socket_inodes,
                                               abort_sockets_since, install_default_group)
-from phoenixrun.runtime.snapshot import (BackgroundCopier, SlotMap, SnapshotWriter, StateBinding, local_optimizer,
-                                         read_slot, restore_into)
+from phoenixrun.runtime.snapshot import (BackgroundCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
+                                         restore_into)
 from phoenixrun.topology import Coords, Layout
 
 log = logging.getLogger("phoenixrun.runtime")
@@ -145,6 +145,7 @@ class _Runtime:
                            "ROLE_WORLD_SIZE": str(self.world_size), "PHOENIXRUN_SLOT": str(assign["slot"])})
         self._baseline: set[str] = set(_socket_inodes())
         self._gen: Generation | None = None
+        self._retired: list[Generation] = []
         self.pg: ReconfigurableProcessGroup = install_default_group(self.rank, self.world_size)
         if self.restore_step is None:
             self.connect(self.generation)   # fresh start: everyone meets now (DDP init syncs for real)
@@ -174,6 +175,10 @@ class _Runtime:
     def connect(self, generation: int) -> None:
         """Rendezvous generation `generation` (blocks until the whole world has joined)."""
         self.pg.set_backend(None)
+        if self._gen is not None:
+            # Keep old generations referenced: destroying a gloo backend whose peers vanished
+            # mid-collective is not a path torch makes safe. Their sockets are already shut down.
+            self._retired.append(self._gen)
         self._gen = None
         self._baseline = set(_socket_inodes())
         gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout)
@@ -198,6 +203,8 @@ class Job:
         self.awaited_step = -1          # step of the last snapshot submitted: opt.step waits for its commit
         self.stall_s = 0.0
         self._submit_t = 0.0
+        stats_dir = os.environ.get("PHOENIXRUN_STATS_DIR")   # per-step protection figures (benchmarks)
+        self._stats = open(os.path.join(stats_dir, f"rank{rt.rank}.jsonl"), "a", buffering=1) if stats_dir else None
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         if rt.restore_step is not None:
             self._join(rt.generation, rt.restore_step)
@@ -235,6 +242,14 @@ class Job:
         self.stall_s = time.perf_counter() - t0
         if not ok:
             raise Quiesced(f"snapshot of step {self.awaited_step} not committed: {err or 'recovery in progress'}")
+        if self._stats is not None:
+            c = self.link.last_commit
+            self._stats.write(json.dumps({
+                "step": self.awaited_step, "d2h_s": self.copier.last_seconds, "h2h_s": c.get("h2h_s"),
+                "stall_s": self.stall_s, "window_s": t0 - self._submit_t,
+                "replicated_bytes": c.get("replicated_bytes"), "slot_bytes": self.writer.total_len if self.writer else None,
+                "private_bytes": self.binding.nbytes()[0] if self.binding else None,
+                "shared_bytes": self.binding.nbytes()[1] if self.binding else None}) + "\n")
 
     def _snapshot(self, step: int) -> None:
         if step % self.every:
@@ -243,7 +258,7 @@ class Job:
             self._bind()
         self.binding.refresh_volatile()
         extra = json.dumps(self.state)                      # on this thread: the script mutates it next step
-        groups = local_optimizer(self.optimizer).state_dict()["param_groups"]
+        groups = self.binding.param_groups()
         writer, slots, link = self.writer, self.slots, self.link
         compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
         stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),

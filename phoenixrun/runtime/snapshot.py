@@ -72,6 +72,8 @@ class StateBinding:
         for name, t in model.state_dict().items():
             self.shared.append((f"model/{name}", t))
         self.private.append(("rng/cpu", torch.get_rng_state()))
+        # param group hyperparameters in state_dict() form, without packing the state every step
+        self._group_params = [g["params"] for g in opt_sd["param_groups"]]
         self.private_entries = _entries(self.private)
         self.shared_entries = _entries(self.shared)
         self.signature = (tuple(e.to_json().__repr__() for e in self.private_entries),
@@ -80,6 +82,10 @@ class StateBinding:
     def refresh_volatile(self) -> None:
         """Tensors that are re-created rather than updated in place (RNG state)."""
         self.private[-1] = ("rng/cpu", torch.get_rng_state())
+
+    def param_groups(self) -> list[dict]:
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": ids}
+                for g, ids in zip(self.local_opt.param_groups, self._group_params)]
 
     def nbytes(self) -> tuple[int, int]:
         return (sum(e.nbytes for e in self.private_entries), sum(e.nbytes for e in self.shared_entries))

@@ -1,0 +1,141 @@
+"""Hot swap vs checkpoint-restart: the same job and the same kill step, side by side in one run.
+
+phoenixrun: --standalone, NODES nodes x 2 ranks + 1 warm spare; one node's agent and workers
+are SIGKILLed once every rank is working on step KILL. torchrun: the same world size on one
+agent with --max-restarts 1, the example checkpointing every K steps (per-rank torch.save,
+resumed on restart); one worker is SIGKILLed at the same step.
+
+For each it reports the lost time (kill -> every rank has finished the kill step again, from
+the ranks' own progress logs), the recovery latency and the replayed steps, and the ratio.
+
+    python benchmarks/recovery.py [--nodes 4] [--kill 80] [--ckpt-every 50] [--trials 3] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+
+
+def progress(d: Path) -> dict[int, list[tuple[int, float]]]:
+    out = {}
+    for p in d.glob("rank*.log"):
+        out[int(p.stem[4:])] = [(int(a), float(b)) for a, b in (x.split() for x in p.read_text().splitlines() if x)]
+    return out
+
+
+def wait_all_reached(d: Path, world: int, step: int, after: float, proc: subprocess.Popen, timeout=600) -> float:
+    """The first time at which every rank has logged step >= `step` finishing after `after`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        prog = progress(d)
+        if len(prog) == world:
+            times = [min((t for s, t in lines if s >= step and t > after), default=None) for lines in prog.values()]
+            if all(t is not None for t in times):
+                return max(times)
+        if proc.poll() is not None and proc.returncode != 0:
+            raise RuntimeError(f"job failed with exit code {proc.returncode}")
+        time.sleep(0.05)
+    raise RuntimeError("timed out waiting for progress")
+
+
+def phoenix_trial(tmp: Path, nodes: int, steps: int, kill: int, model: list[str]) -> dict:
+    run, prog = tmp / "ph-run", tmp / "ph-progress"
+    prog.mkdir(parents=True)
+    world = nodes * 2
+    cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nodes), "--nproc-per-node", "2", "--spares", "1",
+           "--run-dir", str(run), str(EXAMPLE), "--steps", str(steps), "--out", str(tmp / "ph-out"),
+           "--progress-dir", str(prog), *model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING"})
+    wait_all_reached(prog, world, kill - 1, 0, proc)
+    state = json.loads(subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(run), "--json"],
+                                      capture_output=True, text=True, check=True).stdout)
+    node = next(n for n in state["nodes"] if n["slot"] == 1)
+    t_kill = time.time()
+    for pid in [node["agent_pid"], *node["worker_pids"]]:
+        os.kill(pid, signal.SIGKILL)
+    t_back = wait_all_reached(prog, world, kill, t_kill, proc)
+    rc = proc.wait(timeout=600)
+    ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    fault = next(e for e in ev if e["event"] == "fault_detected")
+    done = next(e for e in ev if e["event"] == "recovery_done")
+    return {"exit_code": rc, "lost_s": t_back - t_kill, "detect_s": fault["t"] - t_kill,
+            "recovery_s": done["duration_s"], "replayed_steps": done["replayed_steps"], "phases": done["phases"]}
+
+
+def torchrun_trial(tmp: Path, world: int, steps: int, kill: int, every: int, model: list[str]) -> dict:
+    prog, ckpt = tmp / "tr-progress", tmp / "tr-ckpt"
+    prog.mkdir(parents=True)
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world), "--max-restarts", "1",
+           str(EXAMPLE), "--steps", str(steps), "--out", str(tmp / "tr-out"), "--progress-dir", str(prog),
+           "--ckpt-dir", str(ckpt), "--ckpt-every", str(every), *model]
+    # FINDINGS: stock torchrun's restarted workers read stale addresses from the shared store without this
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    wait_all_reached(prog, world, kill - 1, 0, proc)
+    victim = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                  if "train_gpt.py" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1")
+    t_kill = time.time()
+    victim.kill()
+    # first progress line of the restarted attempt: when training resumed
+    t_back = wait_all_reached(prog, world, kill, t_kill, proc)
+    resumed = min(t for lines in progress(prog).values() for s, t in lines if t > t_kill)
+    rc = proc.wait(timeout=600)
+    last_ckpt = (kill // every) * every
+    return {"exit_code": rc, "lost_s": t_back - t_kill, "recovery_s": resumed - t_kill,
+            "replayed_steps": kill - last_ckpt}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--kill", type=int, default=80)
+    p.add_argument("--steps", type=int, default=90)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--model", default="--d-model 128 --layers 2 --heads 4 --vocab 512 --seq 32 --batch 4")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    model = args.model.split()
+    ph, tr = [], []
+    for i in range(args.trials):
+        with tempfile.TemporaryDirectory(prefix="phoenixrun-recovery-") as tmp:
+            ph.append(phoenix_trial(Path(tmp), args.nodes, args.steps, args.kill, model))
+            tr.append(torchrun_trial(Path(tmp), args.nodes * 2, args.steps, args.kill, args.ckpt_every, model))
+        print(f"trial {i}: phoenixrun {json.dumps(ph[-1])}\n         torchrun   {json.dumps(tr[-1])}", flush=True)
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    summary = {
+        "config": vars(args), "phoenixrun": ph, "torchrun": tr,
+        "phoenix_lost_s": med(ph, "lost_s"), "torchrun_lost_s": med(tr, "lost_s"),
+        "phoenix_recovery_s": med(ph, "recovery_s"), "phoenix_detect_s": med(ph, "detect_s"),
+        "torchrun_restart_s": med(tr, "recovery_s"),
+        "lost_time_ratio": med(tr, "lost_s") / med(ph, "lost_s"),
+    }
+    print(f"{args.nodes} nodes x 2 ranks, kill at step {args.kill}, checkpoint every {args.ckpt_every}, "
+          f"{args.trials} trial(s), medians:")
+    print(f"  phoenixrun hot swap : lost {summary['phoenix_lost_s']:.2f} s, detection {summary['phoenix_detect_s']:.3f} s, "
+          f"recovery {summary['phoenix_recovery_s']:.3f} s, replayed {med(ph, 'replayed_steps')} step(s)")
+    print(f"  torchrun ckpt-restart: lost {summary['torchrun_lost_s']:.2f} s, restart {summary['torchrun_restart_s']:.2f} s, "
+          f"replayed {med(tr, 'replayed_steps')} step(s)")
+    print(f"  lost-time ratio (torchrun / phoenixrun): {summary['lost_time_ratio']:.1f}x (goal >= 20x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

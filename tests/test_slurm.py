@@ -1,0 +1,216 @@
+"""The shipped sbatch templates on a real (single-machine) Slurm: tests/slurm_harness.py.
+
+The templates are submitted exactly as shipped; the tests override only what a user would on the
+sbatch command line or in the environment: the account (-A), the size (-N, SPARES, NPROC_PER_NODE)
+and PATH (so the batch script finds this checkout's phoenixrun). Each job trains
+examples/train_gpt.py (tiny: 1 layer, d_model 64, gloo on CPU) and is checked through the files
+phoenixrun writes: every rank's OUT/rank{R}.json and RUN_DIR/events.jsonl (`job_finished`,
+`recovery_done`), plus Slurm's own record of the job (COMPLETED, exit 0:0).
+
+The node-failure test runs the Vista template with one warm spare, waits until training steps
+advance (`phoenixrun status --json`), then kills one active node the way a real node dies: SIGKILL
+its agent and workers (pids from `status --json`) and mark it DOWN in Slurm (which alone does not
+kill a node's processes). The job must recover onto the spare and end as if nothing had happened:
+the final parameters are bit-identical to the fault-free run of the same size.
+
+Needs root and Debian's Slurm packages (tests/slurm_setup.sh installs them); skipped with the
+reason otherwise. Run: python -m pytest tests/test_slurm.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slurm_harness import SlurmCluster, unavailable_reason  # noqa: E402
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATES = REPO / "launch_templates"
+TRAIN = [str(REPO / "examples" / "train_gpt.py"), "--layers", "1", "--d-model", "64", "--vocab", "128",
+         "--seq", "16", "--batch", "2"]
+LONG_STEPS = 250          # the failure run and its fault-free reference
+JOB_TIMEOUT = 150.0
+_reference: dict[str, str] = {}   # fault-free final param digest of the 2-node x 1 Vista run
+
+
+def _bin_dir() -> Path:
+    here = Path(sys.executable).parent
+    if (here / "phoenixrun").exists():
+        return here
+    import shutil
+    found = shutil.which("phoenixrun")
+    if not found:
+        pytest.fail("phoenixrun is not installed next to this python or on PATH (pip install -e .)")
+    return Path(found).parent
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"cannot run a local Slurm here: {reason}")
+    cluster = SlurmCluster(nnodes=3, gpus_per_node=4)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+class Job:
+    def __init__(self, cluster: SlurmCluster, jid: str, cwd: Path, out: Path, bin_dir: Path):
+        self.c, self.jid, self.cwd, self.out, self.bin_dir = cluster, jid, cwd, out, bin_dir
+        self.run_dir = cwd / f"phoenixrun-{jid}"      # the templates' default RUN_DIR ($PWD/phoenixrun-$SLURM_JOB_ID)
+        self.log = cwd / f"phoenixrun-{jid}.out"      # their default output (-o %x-%j.out)
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def status(self) -> dict | None:
+        p = subprocess.run([str(self.bin_dir / "phoenixrun"), "status", "--run-dir", str(self.run_dir), "--json"],
+                           capture_output=True, text=True, timeout=30)
+        return json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else None
+
+    def diagnostics(self) -> str:
+        log = self.log.read_text(errors="replace")[-5000:] if self.log.exists() else "(no job output)"
+        events = "\n".join(json.dumps(e) for e in self.events()[-20:])
+        return (f"--- job {self.jid} {self.c.job_info(self.jid)}\n--- output (tail):\n{log}\n--- events:\n{events}\n"
+                f"--- slurmctld.log (tail):\n{self.c.logs_tail(15)}")
+
+
+def submit(cluster: SlurmCluster, tmp: Path, template: str, flags: list[str], env: dict[str, str],
+           steps: int, extra: tuple[str, ...] = ()) -> Job:
+    bin_dir = _bin_dir()
+    out = tmp / "out"
+    e = {"PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}", **env}
+    jid = cluster.sbatch([*flags, str(TEMPLATES / template), *TRAIN, "--steps", str(steps), "--out", str(out), *extra],
+                         cwd=tmp, env=e)
+    return Job(cluster, jid, tmp, out, bin_dir)
+
+
+def check_completed(job: Job, world: int, steps: int) -> list[dict]:
+    """The job ended COMPLETED 0:0, phoenixrun says job_finished exit 0, and every rank wrote its result."""
+    info = job.c.wait_job(job.jid, timeout=JOB_TIMEOUT)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", job.diagnostics()
+    finished = [e for e in job.events() if e["event"] == "job_finished"]
+    assert finished and finished[-1]["exit_code"] == 0, job.diagnostics()
+    ranks = []
+    for r in range(world):
+        path = job.out / f"rank{r}.json"
+        assert path.exists(), f"missing {path}\n" + job.diagnostics()
+        res = json.loads(path.read_text())
+        assert res["rank"] == r and res["world_size"] == world and res["steps"] == steps
+        assert len(res["losses"]) == steps and all(isinstance(x, float) for x in res["losses"])
+        ranks.append(res)
+    assert not (job.out / f"rank{world}.json").exists()
+    # DDP keeps the replicas identical: every rank ends with the same parameters
+    assert len({r["param_sha256"] for r in ranks}) == 1, [r["param_sha256"] for r in ranks]
+    return ranks
+
+
+def test_perlmutter_template_completes(slurm, tmp_path):
+    job = submit(slurm, tmp_path, "perlmutter.sbatch", ["-A", "phxtest", "-N", "2"],
+                 {"SPARES": "0", "NPROC_PER_NODE": "2"}, steps=8)
+    check_completed(job, world=4, steps=8)
+    log = job.log.read_text()
+    assert "2 active + 0 spare nodes x 2 workers" in log
+    # the master listened on the first node's NodeAddr (fake node names do not resolve)
+    started = next(e for e in job.events() if e["event"] == "master_started")
+    assert started["endpoint"].startswith(slurm.addrs[slurm.nodes[0]] + ":"), started
+
+
+def test_generic_template_completes(slurm, tmp_path):
+    job = submit(slurm, tmp_path, "generic.sbatch", ["-N", "2"], {"SPARES": "0", "NPROC_PER_NODE": "1"}, steps=8)
+    check_completed(job, world=2, steps=8)
+
+
+def test_job_exit_code_is_the_masters(slurm, tmp_path):
+    """A training script that fails: phoenixrun stops the job (no hot swap for a bug in user code) and
+    the batch script exits with the master's code, so Slurm records the job as FAILED with it."""
+    # d_model 63 with 4 heads: the model cannot be built (embed_dim must be divisible by num_heads)
+    job = submit(slurm, tmp_path, "generic.sbatch", ["-N", "1"], {"SPARES": "0", "NPROC_PER_NODE": "1"},
+                 steps=8, extra=("--d-model", "63"))
+    info = slurm.wait_job(job.jid, timeout=JOB_TIMEOUT)
+    finished = [e for e in job.events() if e["event"] == "job_finished"]
+    assert finished and finished[-1]["exit_code"] != 0, job.diagnostics()
+    assert info.get("JobState") == "FAILED", job.diagnostics()
+    assert info.get("ExitCode") == f"{finished[-1]['exit_code']}:0", job.diagnostics()
+    assert not list(job.out.glob("rank*.json"))
+
+
+def test_vista_template_completes(slurm, tmp_path):
+    job = submit(slurm, tmp_path, "vista.sbatch", ["-A", "phxtest", "-N", "2"], {"SPARES": "0"}, steps=LONG_STEPS)
+    ranks = check_completed(job, world=2, steps=LONG_STEPS)
+    _reference["param_sha256"] = ranks[0]["param_sha256"]
+    # active nodes registered with their own addresses
+    hosts = {e["host"] for e in job.events() if e["event"] == "node_joined"}
+    assert hosts == {slurm.addrs[n] for n in slurm.nodes[:2]}, hosts
+
+
+def test_node_failure_is_survived_by_a_spare(slurm, tmp_path):
+    job = submit(slurm, tmp_path, "vista.sbatch", ["-A", "phxtest", "-N", "3"], {"SPARES": "1"}, steps=LONG_STEPS)
+    master_node = None
+    victim = None
+    try:
+        # wait until training steps advance, with both actives and the spare registered
+        deadline = time.time() + 90
+        st = None
+        while time.time() < deadline:
+            if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
+                pytest.fail("the job ended before a node could be failed\n" + job.diagnostics())
+            st = job.status() if (job.run_dir / "master.json").exists() else None
+            if st and (st.get("step") or 0) >= 3 and sum(n["role"] == "spare" for n in st["nodes"]) == 1:
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"steps did not advance (last status: {st})\n" + job.diagnostics())
+        assert st["step"] < LONG_STEPS - 20, f"too late to fail a node mid-run: step {st['step']}"
+        master_node = slurm.job_info(job.jid)["BatchHost"]
+        active = [n for n in st["nodes"] if n["role"] == "active"]
+        assert len(active) == 2
+        # fail an active node that does not host the master (losing that one is --requeue's business)
+        target = next(n for n in active if slurm.node_of_addr(n["host"]) != master_node)
+        victim = slurm.node_of_addr(target["host"])
+        for pid in [target["agent_pid"], *target["worker_pids"]]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        slurm.set_down(victim, reason="phoenixrun-test-node-failure")
+        killed_at = time.time()
+
+        ranks = check_completed(job, world=2, steps=LONG_STEPS)
+        events = job.events()
+        names = [e["event"] for e in events]
+        assert "fault_detected" in names and "recovery_done" in names, job.diagnostics()
+        done = next(e for e in events if e["event"] == "recovery_done")
+        assert done["replayed_steps"] <= 1, done
+        assert done["t"] - killed_at < 60, done
+        # the warm spare (any node, the master's included) took the failed node's slot
+        joined = {e["node"]: e for e in events if e["event"] == "node_joined"}
+        spares = [n for n, e in joined.items() if e["role"] == "spare"]
+        promoted = [e for e in events if e["event"] == "spare_promoted"]
+        assert len(spares) == 1 and len(promoted) == 1, job.diagnostics()
+        assert promoted[0]["node"] == spares[0] and promoted[0]["replaces"] == target["node_id"], promoted
+        assert promoted[0]["slot"] == target["slot"], (promoted, target)
+        assert slurm.node_of_addr(joined[spares[0]]["host"]) != victim
+        assert not [e for e in events if e["event"] == "job_finished" and e["exit_code"] != 0]
+        if "param_sha256" in _reference:  # same seed, same world size, same steps: bit-identical to fault-free
+            assert ranks[0]["param_sha256"] == _reference["param_sha256"]
+    finally:
+        slurm.cmd("scancel", job.jid, check=False)   # no-op when it ended
+        if victim:
+            slurm.resume(victim)
+            slurm.wait_idle(timeout=60)
