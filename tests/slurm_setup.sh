@@ -5,7 +5,7 @@
 #
 # Installs Debian 12's slurmctld, slurmd, slurm-client and munge (Slurm 22.05, built with
 # multiple-slurmd, which the harness needs to run several fake nodes on one machine) and
-# shellcheck (for tests/test_templates_lint.py). Does nothing when every tool is present.
+# and shellcheck (for tests/test_templates_lint.py). Does nothing when every tool is present.
 # Exit status: 0 when everything is installed afterwards; 1 otherwise (not root, no apt-get,
 # or the install failed), with the reason on stderr.
 set -euo pipefail
