@@ -46,10 +46,14 @@ def wait_all_reached(d: Path, world: int, step: int, after: float, proc: subproc
             times = [min((t for s, t in lines if s >= step and t > after), default=None) for lines in prog.values()]
             if all(t is not None for t in times):
                 return max(times)
-        if proc.poll() is not None and proc.returncode != 0:
-            raise RuntimeError(f"job failed with exit code {proc.returncode}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"job ended (exit {proc.returncode}) before every rank passed step {step}")
         time.sleep(0.05)
     raise RuntimeError("timed out waiting for progress")
+
+
+def latest_step(d: Path) -> int:
+    return max(s for lines in progress(d).values() for s, _ in lines)
 
 
 def phoenix_trial(tmp: Path, nodes: int, steps: int, kill: int, model: list[str]) -> dict:
@@ -61,14 +65,20 @@ def phoenix_trial(tmp: Path, nodes: int, steps: int, kill: int, model: list[str]
            "--progress-dir", str(prog), *model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING"})
-    wait_all_reached(prog, world, kill - 1, 0, proc)
-    state = json.loads(subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(run), "--json"],
-                                      capture_output=True, text=True, check=True).stdout)
+    wait_all_reached(prog, world, 0, 0, proc)
+    while True:  # steady state of a real job: the spare's workers are up (warm) long before a failure
+        state = json.loads(subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(run), "--json"],
+                                          capture_output=True, text=True, check=True).stdout)
+        if all(len(n["worker_pids"]) == 2 for n in state["nodes"]):
+            break
+        time.sleep(0.2)
     node = next(n for n in state["nodes"] if n["slot"] == 1)
+    wait_all_reached(prog, world, kill - 1, 0, proc)
     t_kill = time.time()
     for pid in [node["agent_pid"], *node["worker_pids"]]:
         os.kill(pid, signal.SIGKILL)
-    t_back = wait_all_reached(prog, world, kill, t_kill, proc)
+    target = latest_step(prog) + 1   # the step in flight when the node died
+    t_back = wait_all_reached(prog, world, target, t_kill, proc)
     rc = proc.wait(timeout=600)
     ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     fault = next(e for e in ev if e["event"] == "fault_detected")
@@ -91,9 +101,10 @@ def torchrun_trial(tmp: Path, world: int, steps: int, kill: int, every: int, mod
                   if "train_gpt.py" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1")
     t_kill = time.time()
     victim.kill()
-    # first progress line of the restarted attempt: when training resumed
-    t_back = wait_all_reached(prog, world, kill, t_kill, proc)
-    resumed = min(t for lines in progress(prog).values() for s, t in lines if t > t_kill)
+    target = latest_step(prog) + 1
+    t_back = wait_all_reached(prog, world, target, t_kill, proc)
+    # first replayed step logged after the kill: when the restarted attempt was training again
+    resumed = min(t for lines in progress(prog).values() for s, t in lines if t > t_kill and s < target - 1)
     rc = proc.wait(timeout=600)
     last_ckpt = (kill // every) * every
     return {"exit_code": rc, "lost_s": t_back - t_kill, "recovery_s": resumed - t_kill,
@@ -104,7 +115,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--kill", type=int, default=80)
-    p.add_argument("--steps", type=int, default=90)
+    p.add_argument("--steps", type=int, default=120)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--model", default="--d-model 128 --layers 2 --heads 4 --vocab 512 --seq 32 --batch 4")
