@@ -33,7 +33,16 @@ class AgentLink:
         self.quiesce_generation = -1                       # highest generation we were told to quiesce for
         self.closed = False
         self.on_quiesce: Callable[[int], None] = lambda g: None
-        threading.Thread(target=self._read, daemon=True, name="phoenixrun-agent-link").start()
+        self._reader = threading.Thread(target=self._read, daemon=True, name="phoenixrun-agent-link")
+        self._reader.start()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join(timeout=2.0)
+        self.sock.close()
 
     def send(self, msg: dict) -> None:
         data = (json.dumps(msg) + "\n").encode()

@@ -18,6 +18,7 @@ step and continue: `job.steps()` then yields that step again.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -147,6 +148,7 @@ class _Runtime:
         self._gen: Generation | None = None
         self._retired: list[Generation] = []
         self.pg: ReconfigurableProcessGroup = install_default_group(self.rank, self.world_size)
+        atexit.register(self.close)
         if self.restore_step is None:
             self.connect(self.generation)   # fresh start: everyone meets now (DDP init syncs for real)
 
@@ -171,6 +173,18 @@ class _Runtime:
 
     def abort(self) -> None:
         abort_sockets_since(self._baseline)
+
+    def close(self) -> None:
+        """At exit, while the interpreter is whole: stop the agent-link thread and free the gloo
+        backends in order. Left to interpreter teardown, a daemon thread or a late destructor
+        occasionally ended the process with SIGABRT ('terminate called without an active exception')."""
+        self.pg.set_backend(None)
+        self.link.close()
+        for gen in [*self._retired, self._gen]:
+            if gen is not None:
+                gen.backend = None
+                gen.store = None
+        self._retired, self._gen = [], None
 
     def connect(self, generation: int) -> None:
         """Rendezvous generation `generation` (blocks until the whole world has joined)."""
