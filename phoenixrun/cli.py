@@ -214,11 +214,13 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
 @click.option("--no-tee", is_flag=True, help="With --log-dir, do not also print worker output.")
 @_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
       help="File holding the job secret [default: $PHOENIXRUN_SECRET].")
+@_opt("--collective-timeout", type=click.FloatRange(min=1), default=None, envvar="PHOENIXRUN_COLLECTIVE_TIMEOUT",
+      help="Timeout of the workers' process groups, seconds [default: 30].")
 @click.option("-m", "--module", is_flag=True)
 @_opt("--no-python", is_flag=True)
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_interval, log_dir, no_tee, secret_file,
-              module, no_python, entry):
+              collective_timeout, module, no_python, entry):
     """Run one node's agent: it joins the master as an active node or a spare."""
     from phoenixrun.agents.agent import Agent, AgentConfig
     from phoenixrun.agents.workers import WorkerSpec
@@ -227,6 +229,8 @@ def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_inter
     if not secret:
         raise click.UsageError(f"no job secret: set ${auth.SECRET_ENV} or pass --secret-file "
                                "(the master writes it to RUN_DIR/secret)")
+    if collective_timeout is not None:   # the workers' runtime reads it
+        os.environ["PHOENIXRUN_COLLECTIVE_TIMEOUT"] = str(collective_timeout)
     spec = WorkerSpec(entry[0], tuple(entry[1:]), module=module, no_python=no_python)
     agent = Agent(AgentConfig(endpoint=rdzv_endpoint, secret=secret, spec=spec, nproc_per_node=nproc_per_node,
                               host=host, fault_domain=fault_domain, heartbeat_interval=heartbeat_interval,
