@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
@@ -28,6 +29,7 @@ from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
+PING_GRACE_S = 1.0   # a live worker's agent-link thread answers a ping well within this
 
 
 @dataclass
@@ -42,6 +44,7 @@ class AgentConfig:
     log_dir: Path | None = None
     tee: bool = True
     node_id: str = ""
+    hang_timeout: float = 30.0     # a worker with no progress this long (outside recovery) is hung
 
 
 class Agent:
@@ -73,6 +76,12 @@ class Agent:
         self.resume_timings: dict[str, float] = {}
         self.protection: dict[int, dict] = {}
         self.exit_code: int | None = None
+        self.last_progress: dict[int, float] = {}
+        self.pinged: dict[int, float] = {}
+        self.error_text: dict[int, str] = {}     # a worker's own exception, sent before it exits
+        self.injected = InjectedHealthSource()
+        self.health = [self.injected, NvmlHealthSource()]
+        self._next_health_poll = 0.0
         self._version = -1
         self._stop = threading.Event()
 
@@ -158,7 +167,9 @@ class Agent:
                            "snapshots": self.slots.available(), "replicas": self.replicas.available(),
                            "protection": self.protection, "api": self.api}
             try:
-                self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
+                reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
+                for fault in reply.get("inject", []):
+                    self._inject(fault)
             except ControlError as e:
                 log.debug("heartbeat failed: %s", e)
             self._stop.wait(self.cfg.heartbeat_interval)
@@ -297,6 +308,7 @@ class Agent:
                     self.slots.restore_point(self._rank(lr), step)
                 self.replicas.restore_point(step)
                 self.pending_resume = set(range(self.cfg.nproc_per_node))
+                self.last_progress.clear()
                 self.resume_timings = timings
                 for lr in range(self.cfg.nproc_per_node):
                     w = self.workers.get(lr)
@@ -314,8 +326,60 @@ class Agent:
             log.error("restore failed: %s", e)
             self._report({"kind": "restore_failed", "reason": str(e)})
 
+    def _inject(self, fault: str) -> None:
+        """`phoenixrun inject`: real effects where this machine allows, the injected source for hardware."""
+        log.warning("injecting fault %r", fault)
+        with self.lock:
+            workers = [w for w in self.workers.values() if w.poll() is None]
+        if fault == "crash-worker" and workers:
+            os.kill(workers[0].pid, signal.SIGKILL)
+        elif fault == "hang" and workers:
+            os.kill(workers[0].pid, signal.SIGSTOP)
+        elif fault == "kill-node":
+            for w in workers:
+                os.kill(w.pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.startswith("xid:"):
+            self.injected.inject(Signal(kind="xid", code=int(fault[4:]), node=self.slot, detail="injected"))
+        elif fault == "ecc":
+            self.injected.inject(Signal(kind="ecc_uncorrectable", node=self.slot, detail="injected"))
+        else:
+            log.error("cannot inject %r here", fault)
+
+    def _poll_health(self) -> None:
+        if time.time() < self._next_health_poll:
+            return
+        self._next_health_poll = time.time() + 0.2
+        for sig in poll_all(self.health):
+            self._report({"kind": "health", "signal": sig.to_dict(), "detail": sig.detail, "t": time.time()})
+
     # ------------------------------------------------------------------ workers
     def _watch_workers(self) -> None:
+        self._poll_health()
+        now = time.time()
+        with self.lock:
+            if not self.slots.frozen:   # waiting is legitimate during a recovery
+                for lr, w in list(self.workers.items()):
+                    last, conn = self.last_progress.get(lr), self.conns.get(lr)
+                    if w.rank is None or w.poll() is not None or last is None or conn is None:
+                        continue
+                    if now - last <= self.cfg.hang_timeout:
+                        continue
+                    # No progress: blocked in a collective on someone else's hang, or hung itself?
+                    # Its agent-link thread answers a ping unless the whole process is stuck.
+                    pinged = self.pinged.get(lr)
+                    if pinged is None:
+                        self.pinged[lr] = now
+                        conn.send({"op": "ping"})
+                    elif now - pinged > PING_GRACE_S:
+                        detail = f"rank {w.rank} made no progress for {now - last:.1f}s and does not answer"
+                        log.warning("%s: killing it", detail)
+                        self.reported_exit.add(lr)      # reported as a hang, not as the exit we cause
+                        self.last_progress.pop(lr, None)
+                        self.pinged.pop(lr, None)
+                        w.kill_tree(grace=0.1)
+                        threading.Thread(target=self._report, args=({"kind": "worker_hang", "rank": w.rank,
+                                                                    "detail": detail, "t": now},), daemon=True).start()
         with self.lock:
             for lr, w in list(self.workers.items()):
                 rc = w.poll()
@@ -336,6 +400,7 @@ class Agent:
                 log.warning("%s", detail)
                 threading.Thread(target=self._report, args=({"kind": "worker_exit", "rank": w.rank,
                                                             "returncode": rc, "detail": detail,
+                                                            "text": self.error_text.pop(lr, ""),
                                                             "t": time.time()},), daemon=True).start()
         self._maybe_quiesced()
 
@@ -344,6 +409,9 @@ class Agent:
 
     def _on_worker_message(self, conn: WorkerConn, msg: dict) -> None:
         op = msg.get("op")
+        if conn.local_rank is not None and op in ("progress", "write", "written", "resumed", "pong"):
+            self.last_progress[conn.local_rank] = time.time()    # a pong: alive, just waiting on a peer
+            self.pinged.pop(conn.local_rank, None)
         if op == "hello":
             lr = int(msg["local_rank"])
             with self.lock:
@@ -390,6 +458,13 @@ class Agent:
         elif op == "comm_error":
             self._report({"kind": "comm_error", "rank": self._rank(conn.local_rank), "text": msg.get("text", ""),
                           "step": msg.get("step"), "t": time.time()})
+        elif op in ("progress", "pong"):
+            pass
+        elif op == "error":
+            self.error_text[conn.local_rank] = msg.get("text", "")
+        elif op == "protection_mode":
+            self._report({"kind": "protection_mode", "rank": self._rank(conn.local_rank), "every": msg.get("every"),
+                          "step": msg.get("step")})
         elif op == "stats":
             with self.lock:
                 self.protection[self._rank(conn.local_rank)] = msg.get("stats", {})

@@ -17,7 +17,7 @@ import click
 
 from phoenixrun import auth
 
-SUBCOMMANDS = ("master", "agent", "status", "simulate")
+SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject")
 
 
 def _opt(*names, env: str | None = None, **kw):
@@ -48,8 +48,11 @@ def _parse_nnodes(value: str) -> int:
 
 
 def _parse_nproc(value: str) -> int:
-    if value in ("auto", "cpu"):
+    if value == "cpu":
         return os.cpu_count() or 1
+    if value == "auto":   # torchrun: one per GPU when CUDA is there, else one per CPU
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
     if value == "gpu":
         import torch
         if not torch.cuda.is_available():
@@ -64,14 +67,22 @@ def _parse_nproc(value: str) -> int:
     return n
 
 
+def _tee(tee: str | None, redirects: str | None) -> bool:
+    """Print worker output too? torchrun's --redirects/--tee take 0 (none), 1 (stdout), 2 (stderr), 3 (both)."""
+    if tee not in (None, "0"):
+        return True
+    return redirects in (None, "0")
+
+
 def _timeouts(f):
     for opt in reversed([
         _opt("--heartbeat-interval", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
              help="Seconds between agent heartbeats."),
         _opt("--node-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
              help="A node whose agent misses heartbeats this long is lost."),
-        _opt("--hang-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
-             help="A worker making no progress this long counts as hung (collective timeout)."),
+        _opt("--hang-timeout", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
+             help="A worker making no progress this long (outside a recovery) is hung: its agent kills it "
+                  "and the node gets a local reset."),
         _opt("--spare-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
              help="How long a recovery waits for a spare to register before giving up."),
         _opt("--recovery-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
@@ -118,8 +129,8 @@ def _timeouts(f):
 @_opt("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
 @_opt("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size.")
 @_opt("--fault-domain", default="", help="Fault-domain label of this node (replicas avoid sharing one).")
-@_opt("--collective-timeout", type=click.FloatRange(min=1), default=30.0, show_default=True,
-      help="Timeout of the workers' process groups.")
+@_opt("--collective-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+      help="Timeout of the workers' process groups (keep it above --hang-timeout).")
 @_timeouts
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf, max_restarts,
@@ -157,8 +168,9 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
         endpoint=None if standalone else endpoint, node_rank=node_rank,
         host="127.0.0.1" if standalone else endpoint.rsplit(":", 1)[0], replicas=min(replicas, max(0, n - 1)),
         tp=tp, pp=pp, max_restarts=max_restarts, fault_domain=fault_domain, log_dir=log_dir,
-        tee=not (redirects and not tee), heartbeat_interval=heartbeat_interval, node_timeout=node_timeout,
-        spare_wait=spare_wait, recovery_timeout=recovery_timeout, collective_timeout=min(collective_timeout, hang_timeout),
+        tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval, node_timeout=node_timeout,
+        spare_wait=spare_wait, recovery_timeout=recovery_timeout, collective_timeout=collective_timeout,
+        hang_timeout=hang_timeout,
         max_local_resets=max_local_resets)
     sys.exit(run(cfg))
 
@@ -215,12 +227,14 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
 @_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
       help="File holding the job secret [default: $PHOENIXRUN_SECRET].")
 @_opt("--collective-timeout", type=click.FloatRange(min=1), default=None, envvar="PHOENIXRUN_COLLECTIVE_TIMEOUT",
-      help="Timeout of the workers' process groups, seconds [default: 30].")
+      help="Timeout of the workers' process groups, seconds [default: 60].")
+@_opt("--hang-timeout", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
+      help="Kill (and report) a worker that makes no progress this long outside a recovery.")
 @click.option("-m", "--module", is_flag=True)
 @_opt("--no-python", is_flag=True)
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_interval, log_dir, no_tee, secret_file,
-              collective_timeout, module, no_python, entry):
+              collective_timeout, hang_timeout, module, no_python, entry):
     """Run one node's agent: it joins the master as an active node or a spare."""
     from phoenixrun.agents.agent import Agent, AgentConfig
     from phoenixrun.agents.workers import WorkerSpec
@@ -234,6 +248,7 @@ def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_inter
     spec = WorkerSpec(entry[0], tuple(entry[1:]), module=module, no_python=no_python)
     agent = Agent(AgentConfig(endpoint=rdzv_endpoint, secret=secret, spec=spec, nproc_per_node=nproc_per_node,
                               host=host, fault_domain=fault_domain, heartbeat_interval=heartbeat_interval,
+                              hang_timeout=hang_timeout,
                               log_dir=Path(log_dir) if log_dir else None, tee=not no_tee))
     sys.exit(agent.run())
 
@@ -249,6 +264,32 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
     """Show the job, its nodes and recent events."""
     from phoenixrun.status import show
     sys.exit(show(run_dir, endpoint, secret_file, as_json, watch, interval))
+
+
+@commands.command("inject")
+@_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--endpoint", default=None, help="host:port of the master (with --secret-file or $PHOENIXRUN_SECRET).")
+@_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--node", "slot", type=click.IntRange(min=0), required=True, help="Node slot to hit.")
+@click.option("--fault", required=True, metavar="FAULT",
+              help="crash-worker | kill-node | hang | xid:N | ecc (the last two through the agent's injected "
+                   "health source, as NVML would report them)")
+def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
+    """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
+    from phoenixrun.control.client import ControlError
+    from phoenixrun.status import client_for
+    if fault not in ("crash-worker", "kill-node", "hang", "ecc") and not (
+            fault.startswith("xid:") and fault[4:].isdigit()):
+        raise click.BadParameter(f"unknown fault {fault!r}", param_hint="--fault")
+    try:
+        reply = client_for(run_dir, endpoint, secret_file).post("/v1/inject", {"slot": slot, "fault": fault})
+    except ControlError as e:
+        click.echo(f"phoenixrun inject: {e}", err=True)
+        sys.exit(1)
+    if reply.get("error"):
+        click.echo(f"phoenixrun inject: {reply['error']}", err=True)
+        sys.exit(1)
+    click.echo(f"injected {fault} into slot {slot} (node {reply['node']})")
 
 
 def _register_simulate() -> None:

@@ -44,7 +44,8 @@ class LaunchConfig:
     node_timeout: float = 5.0
     spare_wait: float = 30.0
     recovery_timeout: float = 60.0
-    collective_timeout: float = 30.0
+    collective_timeout: float = 60.0
+    hang_timeout: float = 20.0
     max_local_resets: int = 3
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -64,7 +65,8 @@ def master_argv(c: LaunchConfig, port: int) -> list[str]:
 
 def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
     argv = _py() + ["agent", "--rdzv-endpoint", endpoint, "--nproc-per-node", str(c.nproc_per_node),
-                    "--host", c.host, "--heartbeat-interval", str(c.heartbeat_interval)]
+                    "--host", c.host, "--heartbeat-interval", str(c.heartbeat_interval),
+                    "--hang-timeout", str(c.hang_timeout)]
     if domain:
         argv += ["--fault-domain", domain]
     if c.log_dir:

@@ -116,3 +116,20 @@ def test_agent_killed_mid_replication(tmp_path, ref4):
     assert job.finish() == 0, job.log()[-3000:]
     assert _recovered(job)[0]["restored_step"] == 8
     assert_identical(job.out, ref4)
+
+
+def test_node_kill_with_snapshot_every_third_step(tmp_path, ref4):
+    """Protection every n-th step (what adaptive protection switches to) still resumes exactly."""
+    job = launch(tmp_path, "every3", nnodes=2, spares=1, steps=STEPS, PHOENIXRUN_PROTECT_EVERY="3",
+                 PHOENIXRUN_ADAPTIVE="0")
+    kill_node(job.wait_step(7), slot=1)
+    assert job.finish() == 0, job.log()[-3000:]
+    d = _recovered_any(job)
+    assert d["restored_step"] % 3 == 0 and d["replayed_steps"] <= 3
+    assert_identical(job.out, ref4)
+
+
+def _recovered_any(job):
+    done = by_event(job.events(), "recovery_done")
+    assert done, job.log()[-3000:]
+    return done[0]

@@ -83,9 +83,11 @@ class Master:
         self.exit_code: int | None = None
         self.reason = ""
         self.api_mode = False
+        self.protect_every = 1
         self.done_nodes: set[str] = set()
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
         self._directives: dict[str, dict] = {}
+        self._injections: dict[str, list[str]] = {}
         self._version = 0
         self._inbox: queue.Queue[dict] = queue.Queue()
         self._progress: list[tuple[float, int]] = []
@@ -162,7 +164,17 @@ class Master:
                         if n.role == Role.SPARE and not self._directives.get(n.node_id, {}).get("warm"):
                             self._set_directive(n.node_id, command="wait", warm=True)
             self._note_progress()
-            return {"ok": True, "role": node.role.value}
+            return {"ok": True, "role": node.role.value, "inject": self._injections.pop(node.node_id, [])}
+
+    def inject(self, p: dict) -> dict:
+        """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
+        with self.cv:
+            nid = self.slots.get(int(p["slot"]))
+            if nid is None or self.nodes[nid].role != Role.ACTIVE:
+                return {"error": f"no active node in slot {p['slot']}"}
+            self._injections.setdefault(nid, []).append(str(p["fault"]))
+            self.events.emit("fault_injected", self.generation, node=nid, slot=int(p["slot"]), fault=p["fault"])
+            return {"ok": True, "node": nid}
 
     def report(self, p: dict) -> dict:
         if p.get("node_id") not in self.nodes:
@@ -198,6 +210,7 @@ class Master:
                 "step": min(steps) if len(steps) == self.layout.world_size else None,
                 "steps_per_s": self._steps_per_s(), "restart_count": self.restart_count,
                 "recoveries": self.recoveries, "exit_code": self.exit_code, "reason": self.reason,
+                "protect_every": self.protect_every,
                 "nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
                 "world_size": self.layout.world_size, "replicas": self.cfg.replicas,
                 "nodes": sorted((n.to_json(now) for n in self.nodes.values()),
@@ -295,6 +308,11 @@ class Master:
                 self.events.emit("spare_lost", self.generation, node=node.node_id)
             elif kind == "left" and node is not None and node.role == Role.SPARE:
                 node.role = Role.FAILED
+            elif kind == "protection_mode" and ev.get("every") != self.protect_every:
+                self.protect_every = ev.get("every")
+                self.events.emit("protection_mode", self.generation, every=self.protect_every, step=ev.get("step"),
+                                 reason="replication does not hide behind compute" if self.protect_every > 1
+                                 else "replication hides behind compute again")
 
     def _dispatch(self, ev: dict) -> None:
         self._absorb(ev)
@@ -307,7 +325,7 @@ class Master:
             if all(nid in self.done_nodes for nid in self.slots.values()):
                 raise Stop(0, "all workers finished")
             return
-        if not active or kind not in ("node_lost", "worker_exit", "comm_error", "left"):
+        if not active or kind not in ("node_lost", "worker_exit", "comm_error", "left", "worker_hang", "health"):
             return
         if kind == "comm_error":
             ev = self._correlate(ev)
@@ -323,6 +341,11 @@ class Master:
             return Signal(kind="node_heartbeat_lost", node=slot, detail=ev.get("detail", ""), timestamp=ev["t"])
         if kind == "left":
             return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=ev["t"])
+        if kind == "health":
+            return Signal.from_dict({**ev["signal"], "node": slot})
+        if kind == "worker_hang":
+            return Signal(kind="worker_hang", node=slot, rank=ev.get("rank"), detail=ev.get("detail", ""),
+                          timestamp=ev["t"])
         if kind == "worker_exit":
             return Signal(kind="worker_exit", node=slot, rank=ev.get("rank"), code=ev.get("returncode"),
                           detail=ev.get("text") or ev.get("detail", ""), timestamp=ev["t"])
@@ -367,6 +390,11 @@ class Master:
         if verdict.action == Action.EXTERNAL_FALLBACK:
             raise Stop(failing_code or 1, f"{verdict.reason} (rank {ev.get('rank')} on slot {node.slot})")
         lost = {node.slot} if verdict.action == Action.NODE_REPLACE else set()
+        if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
+            # the node is still up but must go: fence it (its agent kills its workers and exits)
+            with self.cv:
+                self._set_directive(node.node_id, command="stop", exit_code=0,
+                                    reason=f"fenced: {verdict.reason}")
         if api:
             self._hot_swap(lost, node, ev, verdict.action, failing_code)
         else:
@@ -623,7 +651,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         routes = {"/v1/register": self.master.register, "/v1/heartbeat": self.master.heartbeat,
-                  "/v1/report": self.master.report, "/v1/directive": self.master.directive}
+                  "/v1/report": self.master.report, "/v1/directive": self.master.directive,
+                  "/v1/inject": self.master.inject}
         fn = routes.get(self.path)
         if fn is None:
             self._reply(404, b'{"error": "no such endpoint"}')

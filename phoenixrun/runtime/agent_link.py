@@ -85,6 +85,8 @@ class AgentLink:
                         else:
                             self.commit_error = msg.get("error", "replication failed")
                         self.cv.notify_all()
+                elif op == "ping":                  # liveness for the agent's hang watchdog
+                    self.send({"op": "pong"})
                 elif op == "quiesce":
                     g = int(msg["generation"])
                     with self.cv:

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixrun.faults.classify import is_collective_error_text
+from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.process_group import (Generation, ReconfigurableProcessGroup, _socket_inodes,
                                               abort_sockets_since, install_default_group)
@@ -46,6 +48,9 @@ if not log.handlers:  # the training script may not configure logging; recovery 
     _h.setFormatter(logging.Formatter("[phoenixrun %(levelname)s] %(message)s"))
     log.addHandler(_h)
     log.propagate = False
+
+
+ADAPT_PERIOD = 20   # steps between protection-interval decisions
 
 
 class Quiesced(RuntimeError):
@@ -207,7 +212,12 @@ class Job:
                  every: int):
         self.rt, self.link = rt, rt.link
         self.model, self.optimizer, self.state = model, optimizer, state
-        self.every = max(1, every)
+        self.every = max(1, int(os.environ.get("PHOENIXRUN_PROTECT_EVERY", every)))
+        self.adaptive = os.environ.get("PHOENIXRUN_ADAPTIVE", "1") != "0"
+        self._samples: deque[Sample] = deque(maxlen=20)
+        self._iteration_t = 0.0
+        self._last_ping = 0.0
+        self._last_iteration_s = 0.0
         self.next_step = 0
         self.current = -1
         self.binding: StateBinding | None = None
@@ -240,13 +250,17 @@ class Job:
 
     # ---------------------------------------------------------------- snapshot path
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.adaptive and self.current > 0 and self.current % ADAPT_PERIOD == 0:
+            self._adapt()
         if self.awaited_step < 0:
             return
         t0 = time.perf_counter()
-        self.copier.wait()
+        self.copier.wait()                 # the copy reads live tensors: done before they change
         if self.copier.error is not None:
             err, self.copier.error = self.copier.error, None
             raise Quiesced(f"snapshot of step {self.awaited_step} failed: {err}")
+        if self.current < self.awaited_step + self.every - 1:
+            return                         # replication may run on until the step before the next snapshot
         with self.link.cv:
             while (self.link.committed_step < self.awaited_step and not self.rt.quiesce_pending
                    and self.link.commit_error is None and not self.link.closed):
@@ -256,8 +270,11 @@ class Job:
         self.stall_s = time.perf_counter() - t0
         if not ok:
             raise Quiesced(f"snapshot of step {self.awaited_step} not committed: {err or 'recovery in progress'}")
+        c = self.link.last_commit
+        if c.get("step") == self.awaited_step and c.get("h2h_s") is not None:
+            self._samples.append(Sample(self.copier.last_seconds, c["h2h_s"], t0 - self._submit_t,
+                                        self._last_iteration_s))
         if self._stats is not None:
-            c = self.link.last_commit
             self._stats.write(json.dumps({
                 "step": self.awaited_step, "d2h_s": self.copier.last_seconds, "h2h_s": c.get("h2h_s"),
                 "stall_s": self.stall_s, "window_s": t0 - self._submit_t,
@@ -265,7 +282,23 @@ class Job:
                 "private_bytes": self.binding.nbytes()[0] if self.binding else None,
                 "shared_bytes": self.binding.nbytes()[1] if self.binding else None}) + "\n")
 
+    def _adapt(self) -> None:
+        """Every rank proposes an interval from its own figures; all take the largest (one tiny allreduce)."""
+        proposal = torch.tensor([choose_interval(list(self._samples)) if len(self._samples) >= 5 else self.every])
+        dist.all_reduce(proposal, op=dist.ReduceOp.MAX)
+        every = int(proposal.item())
+        if every != self.every:
+            log.warning("rank %d: protecting every %d step(s) from step %d (transfer does not hide behind compute)"
+                        if every > 1 else "rank %d: protecting every %d step(s) again from step %d",
+                        self.rt.rank, every, self.current)
+            self.every = every
+            self._samples.clear()
+            self.link.send({"op": "protection_mode", "every": every, "step": self.current})
+
     def _snapshot(self, step: int) -> None:
+        now = time.perf_counter()
+        self._last_iteration_s = now - self._iteration_t if self._iteration_t else 0.0
+        self._iteration_t = now
         if step % self.every:
             return
         if self.binding is None:
@@ -273,7 +306,7 @@ class Job:
         self.binding.refresh_volatile()
         extra = json.dumps(self.state)                      # on this thread: the script mutates it next step
         groups = self.binding.param_groups()
-        writer, slots, link = self.writer, self.slots, self.link
+        writer, slots, link, every = self.writer, self.slots, self.link, self.every
         compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
         stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
                  "step_s": round(compute_t, 5), "every": self.every, "slot_bytes": writer.total_len}
@@ -281,7 +314,7 @@ class Job:
 
         def copy() -> None:
             idx = link.request({"op": "write"})["slot"]
-            writer.write(slots[idx], step, json.loads(extra), groups)
+            writer.write(slots[idx], step, json.loads(extra), groups, every)
             link.send({"op": "written", "slot": idx, "step": step, "stats": stats})
         self.awaited_step = step
         self.copier.submit(copy)
@@ -360,6 +393,7 @@ class Job:
             restore_into(slot, h, meta, self.model, self.optimizer)
             self.state.clear()
             self.state.update(meta["extra"])
+            self.every = meta.get("every", self.every)   # a replacement takes the job's interval
             self.next_step = step
             self.binding = None             # optimizer state tensors were replaced: bind again
             self.slots = []
@@ -374,7 +408,12 @@ class _StepScope:
         self.job, self.k = job, k
 
     def __enter__(self) -> int:
-        self.job.current = self.k
+        job = self.job
+        job.current = self.k
+        now = time.monotonic()
+        if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog
+            job._last_ping = now
+            job.link.send({"op": "progress", "step": self.k})
         return self.k
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -384,7 +423,9 @@ class _StepScope:
             job._snapshot(self.k + 1)
             return False
         if exc is not None and not job.rt.quiesce_pending and not _recoverable(exc):
-            return False                      # the script's own error: not ours to hide
+            # the script's own error: not ours to hide; tell the agent what it was (classification)
+            job.link.send({"op": "error", "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.k})
+            return False
         job._recover(exc)
         return True
 

@@ -132,10 +132,10 @@ class SnapshotWriter:
         self.proto = SlotHeader(step=0, meta_cap=meta_cap, meta_len=0, private_len=pl, shared_len=sl)
         self.total_len = self.proto.total_len
 
-    def write(self, slot: SlotMap, step: int, extra: dict, param_groups: list) -> None:
+    def write(self, slot: SlotMap, step: int, extra: dict, param_groups: list, every: int = 1) -> None:
         b = self.b
         meta = json.dumps({
-            "step": step, "extra": extra, "param_groups": param_groups, "scalars": b.scalars,
+            "step": step, "extra": extra, "every": every, "param_groups": param_groups, "scalars": b.scalars,
             "optimizer_private": b.optimizer_private,
             "private": [e.to_json() for e in b.private_entries],
             "shared": [e.to_json() for e in b.shared_entries]}).encode()
