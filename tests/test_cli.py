@@ -46,7 +46,7 @@ def test_pet_env_is_read():
     assert r.returncode == 2 and "elastic ranges" in r.stderr
 
 
-@pytest.mark.parametrize("sub", ["master", "agent", "status", "simulate"])
+@pytest.mark.parametrize("sub", ["master", "agent", "status", "simulate", "inject"])
 def test_subcommands_have_help(sub):
     assert run(sub, "--help").returncode == 0
 
