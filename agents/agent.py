@@ -423,21 +423,18 @@ class Agent:
                 else:
                     self.conns[lr] = conn
                     conn.send(self._assignment(lr))
-        elif op == "alloc":
-            paths = self.slots.allocate(self._rank(conn.local_rank), int(msg["nbytes"]))
-            conn.send({"op": "reply", "id": msg["id"], "paths": paths})
-        elif op == "slots":
+        elif op in ("alloc", "slots", "write"):   # requests: answered with a reply carrying their id
+            rank = self._rank(conn.local_rank)
             try:
-                paths = self.slots.paths(self._rank(conn.local_rank))
-                conn.send({"op": "reply", "id": msg["id"], "paths": paths})
+                if op == "alloc":
+                    reply = {"paths": self.slots.allocate(rank, int(msg["nbytes"]))}
+                elif op == "slots":
+                    reply = {"paths": self.slots.paths(rank)}
+                else:
+                    reply = {"slot": self.slots.begin_write(rank)}
             except SlotError as e:
-                conn.send({"op": "reply", "id": msg["id"], "error": str(e)})
-        elif op == "write":
-            try:
-                idx = self.slots.begin_write(self._rank(conn.local_rank))
-                conn.send({"op": "reply", "id": msg["id"], "slot": idx})
-            except SlotError as e:
-                conn.send({"op": "reply", "id": msg["id"], "error": str(e)})
+                reply = {"error": str(e)}
+            conn.send({"op": "reply", "id": msg["id"], **reply})
         elif op == "written":
             self._commit(conn, int(msg["slot"]), int(msg["step"]), msg.get("stats", {}))
         elif op == "quiesced":

@@ -9,6 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+from phoenixrun.control.client import ControlError
+from phoenixrun.status import client_for
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 BIN = Path(sys.executable).parent
@@ -27,12 +30,11 @@ class Job:
         self.run_dir, self.out, self.proc = run_dir, out, proc
 
     def state(self) -> dict | None:
+        """The master's state over its authenticated API (in-process: polling must be much faster than a step)."""
         try:
-            r = subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(self.run_dir), "--json"],
-                               capture_output=True, text=True, timeout=10)
-        except subprocess.TimeoutExpired:
+            return client_for(self.run_dir, None, None).get_json("/v1/state")
+        except (ControlError, ValueError, OSError):
             return None
-        return json.loads(r.stdout) if r.returncode == 0 else None
 
     def wait_for(self, predicate, timeout: float = 120.0, what: str = "condition") -> dict:
         """Poll the master's state until predicate(state) holds (the job's own progress is the event)."""
@@ -43,7 +45,7 @@ class Job:
             s = self.state()
             if s is not None and predicate(s):
                 return s
-            time.sleep(0.2)
+            time.sleep(0.02)
         raise AssertionError(f"timed out waiting for {what}:\n{self.log()[-3000:]}")
 
     def wait_step(self, step: int, timeout: float = 120.0) -> dict:
@@ -81,8 +83,10 @@ def launch(tmp: Path, name: str, nnodes: int = 2, nproc: int = 2, spares: int = 
     run_dir, out = tmp / f"{name}-run", tmp / f"{name}-out"
     log = open(tmp / f"{name}-run.log", "w")
     e = env(PHOENIXRUN_TEST_PAUSE_DIR=str(tmp), **env_extra)
+    # fast heartbeats: the master's view of the step (what tests wait on) lags by at most one interval
     cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-           "--spares", str(spares), "--run-dir", str(run_dir), *(extra_flags or []), str(EXAMPLE),
+           "--spares", str(spares), "--run-dir", str(run_dir), "--heartbeat-interval", "0.1", *(extra_flags or []),
+           str(EXAMPLE),
            "--steps", str(steps), "--out", str(out), *SMALL, *(script_args or [])]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=tmp)
     return Job(run_dir, out, proc)

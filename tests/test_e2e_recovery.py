@@ -10,7 +10,7 @@ import pytest
 
 from tests.harness import assert_identical, by_event, kill_node, launch, torchrun
 
-STEPS = 24
+STEPS = 40
 pytestmark = pytest.mark.e2e
 
 

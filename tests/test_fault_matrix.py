@@ -6,7 +6,7 @@ import pytest
 
 from tests.harness import BIN, assert_identical, by_event, env, launch, torchrun
 
-STEPS = 24
+STEPS = 40
 pytestmark = pytest.mark.e2e
 
 

@@ -54,6 +54,10 @@ class MasterConfig:
     fault_domains: dict[int, str] = field(default_factory=dict)
 
 
+# reports that name a faulty node by themselves; a collective error only says "some peer failed"
+ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health")
+
+
 class Cascade(Exception):
     """A new fault arrived while a recovery was in flight: start over at QUIESCE."""
 
@@ -325,7 +329,7 @@ class Master:
             if all(nid in self.done_nodes for nid in self.slots.values()):
                 raise Stop(0, "all workers finished")
             return
-        if not active or kind not in ("node_lost", "worker_exit", "comm_error", "left", "worker_hang", "health"):
+        if not active or kind not in ROOT_CAUSES + ("comm_error",):
             return
         if kind == "comm_error":
             ev = self._correlate(ev)
@@ -366,7 +370,7 @@ class Master:
             except queue.Empty:
                 break
             self._absorb(other)
-            if other.get("kind") in ("node_lost", "worker_exit", "left"):
+            if other.get("kind") in ROOT_CAUSES:
                 return other
         return ev  # no root cause in the window: transient, local reset of the reporter
 
