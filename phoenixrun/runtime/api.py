@@ -38,7 +38,7 @@ from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.process_group import (Generation, ReconfigurableProcessGroup, _socket_inodes,
                                               abort_sockets_since, install_default_group)
-from phoenixrun.runtime.snapshot import (BackgroundCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
+from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
                                          restore_into)
 from phoenixrun.topology import Coords, Layout
 
@@ -307,6 +307,10 @@ class Job:
         extra = json.dumps(self.state)                      # on this thread: the script mutates it next step
         groups = self.binding.param_groups()
         writer, slots, link, every = self.writer, self.slots, self.link, self.every
+        ready = None
+        if isinstance(writer.copier, CudaCopier):   # order the D2H copy after this step's optimizer update
+            ready = torch.cuda.Event()
+            ready.record()
         compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
         stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
                  "step_s": round(compute_t, 5), "every": self.every, "slot_bytes": writer.total_len}
@@ -314,7 +318,7 @@ class Job:
 
         def copy() -> None:
             idx = link.request({"op": "write"})["slot"]
-            writer.write(slots[idx], step, json.loads(extra), groups, every)
+            writer.write(slots[idx], step, json.loads(extra), groups, every, ready)
             link.send({"op": "written", "slot": idx, "step": step, "stats": stats})
         self.awaited_step = step
         self.copier.submit(copy)

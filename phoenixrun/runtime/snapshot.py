@@ -72,6 +72,9 @@ class StateBinding:
         for name, t in model.state_dict().items():
             self.shared.append((f"model/{name}", t))
         self.private.append(("rng/cpu", torch.get_rng_state()))
+        self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda_rng:
+            self.private += [(f"rng/cuda{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
         # param group hyperparameters in state_dict() form, without packing the state every step
         self._group_params = [g["params"] for g in opt_sd["param_groups"]]
         self.private_entries = _entries(self.private)
@@ -80,8 +83,11 @@ class StateBinding:
                           tuple(e.to_json().__repr__() for e in self.shared_entries))
 
     def refresh_volatile(self) -> None:
-        """Tensors that are re-created rather than updated in place (RNG state)."""
-        self.private[-1] = ("rng/cpu", torch.get_rng_state())
+        """Tensors that are re-created rather than updated in place (RNG states)."""
+        rng = [("rng/cpu", torch.get_rng_state())]
+        if self._cuda_rng:
+            rng += [(f"rng/cuda{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+        self.private[len(self.private) - len(rng):] = rng
 
     def param_groups(self) -> list[dict]:
         return [{**{k: v for k, v in g.items() if k != "params"}, "params": ids}
@@ -131,8 +137,12 @@ class SnapshotWriter:
         self.meta_cap = meta_cap
         self.proto = SlotHeader(step=0, meta_cap=meta_cap, meta_len=0, private_len=pl, shared_len=sl)
         self.total_len = self.proto.total_len
+        cuda = [t for _, t in binding.private + binding.shared if t.is_cuda]
+        self.copier = CudaCopier(cuda[0].device) if cuda else CpuCopier()
 
-    def write(self, slot: SlotMap, step: int, extra: dict, param_groups: list, every: int = 1) -> None:
+    def write(self, slot: SlotMap, step: int, extra: dict, param_groups: list, every: int = 1,
+              ready: "torch.cuda.Event | None" = None) -> None:
+        """`ready`: on CUDA, an event recorded after the optimizer step on the training stream."""
         b = self.b
         meta = json.dumps({
             "step": step, "extra": extra, "every": every, "param_groups": param_groups, "scalars": b.scalars,
@@ -143,14 +153,51 @@ class SnapshotWriter:
             raise ValueError(f"snapshot metadata ({len(meta)} bytes) outgrew its slot; extra state too large")
         h = SlotHeader(step, self.meta_cap, len(meta), self.proto.private_len, self.proto.shared_len)
         with torch.no_grad():
-            for (_, t), e in zip(b.private, b.private_entries):
-                slot.view(h.private_off, e).copy_(t)
+            self.copier.copy([(slot.view(h.private_off, e), t) for (_, t), e in zip(b.private, b.private_entries)],
+                             slot, ready)
             pause_point("d2h", step)   # tests: die with the slot half written
-            for (_, t), e in zip(b.shared, b.shared_entries):
-                slot.view(h.shared_off, e).copy_(t)
+            self.copier.copy([(slot.view(h.shared_off, e), t) for (_, t), e in zip(b.shared, b.shared_entries)],
+                             slot, ready)
         slot.buf[HEADER_SIZE:HEADER_SIZE + len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
         # header last: a slot whose header names step k holds all of S_k
         slot.buf[:HEADER_SIZE].copy_(torch.frombuffer(bytearray(h.pack()), dtype=torch.uint8))
+
+
+class CpuCopier:
+    """CPU path: plain copies on the calling (background) thread; tensor copies release the GIL."""
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+
+class CudaCopier:
+    """GPU path: the agent's shm slot registered as pinned memory (cudaHostRegister) so the D2H copy is
+    one async DMA batch on a dedicated stream, ordered after the optimizer step by `ready`, completed
+    by an event. Not exercised on the CPU-only project machine: tests/test_gpu.py runs it on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device)
+        self._registered: set[int] = set()
+
+    def _register(self, slot: SlotMap) -> None:
+        ptr = slot.buf.data_ptr()
+        if ptr in self._registered:
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister of {slot.path} failed (cudaError {int(rc)})")
+        self._registered.add(ptr)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
+        self._register(slot)
+        with torch.cuda.stream(self.stream):
+            if ready is not None:
+                self.stream.wait_event(ready)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=src.is_cuda)
+            done = self.stream.record_event()
+        done.synchronize()
 
 
 def read_slot(slot: SlotMap, step: int) -> tuple[SlotHeader, dict] | None:
@@ -190,6 +237,9 @@ def restore_into(slot: SlotMap, h: SlotHeader, meta: dict, model: torch.nn.Modul
                 if key != "params":
                     outer[key] = value
     torch.set_rng_state(tensors["rng/cpu"])
+    cuda_rng = [tensors[k] for k in sorted(tensors) if k.startswith("rng/cuda")]
+    if cuda_rng:
+        torch.cuda.set_rng_state_all(cuda_rng)
 
 
 class BackgroundCopier:
