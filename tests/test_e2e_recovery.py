@@ -133,3 +133,14 @@ def _recovered_any(job):
     done = by_event(job.events(), "recovery_done")
     assert done, job.log()[-3000:]
     return done[0]
+
+
+def test_no_spare_stops_with_reason(tmp_path):
+    """A lost node and no spare within --spare-wait: a clear stop, never a resume on missing state."""
+    job = launch(tmp_path, "nospare", nnodes=2, spares=0, steps=STEPS, extra_flags=["--spare-wait", "1"])
+    kill_node(job.wait_step(6), slot=1)
+    rc = job.finish()
+    fin = by_event(job.events(), "job_finished")[-1]
+    assert rc == 75 and fin["exit_code"] == 75, job.log()[-3000:]
+    assert "no spare" in fin["reason"] and "--spare-wait" in fin["reason"]
+    assert not by_event(job.events(), "recovery_done")
