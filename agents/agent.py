@@ -457,8 +457,10 @@ class Agent:
                           "step": msg.get("step"), "t": time.time()})
         elif op in ("progress", "pong"):
             pass
-        elif op == "error":
+        elif op == "error":   # the script's own exception, before the worker exits: report it now
             self.error_text[conn.local_rank] = msg.get("text", "")
+            self._report({"kind": "worker_error", "rank": self._rank(conn.local_rank), "text": msg.get("text", ""),
+                          "step": msg.get("step"), "t": time.time()})
         elif op == "protection_mode":
             self._report({"kind": "protection_mode", "rank": self._rank(conn.local_rank), "every": msg.get("every"),
                           "step": msg.get("step")})

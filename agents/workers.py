@@ -6,7 +6,6 @@ nothing is orphaned on any exit path.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -44,7 +44,7 @@ def render(state: dict) -> Group:
         committed = [p.get("committed_step") for p in prot.values() if p.get("committed_step") is not None]
         lag = [max(n["snapshots"].get(str(r), [0]) or [0]) - p.get("committed_step", 0) for r, p in prot.items()]
 
-        def ms(key):
+        def ms(key, prot=prot):
             vals = [p.get(key) for p in prot.values() if p.get(key) is not None]
             return f"{1000 * max(vals):.1f}" if vals else "-"
         nodes.add_row(str(n["slot"] if n["slot"] is not None else "-"), n["role"], n["node_id"], str(n["agent_pid"]),

@@ -1,7 +1,5 @@
 """CLI parsing: torchrun spellings, PET_* env, one-line errors with exit 2."""
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 

@@ -26,8 +26,7 @@ from phoenixrun.control import metrics
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit,
                                       pick_spare, plan_recovery)
-from phoenixrun.faults.classify import classify
-from phoenixrun.faults.taxonomy import Action, Signal
+from phoenixrun.faults import Action, Classification, Signal, classify, correlate
 from phoenixrun.topology import Layout, place_replicas
 
 log = logging.getLogger("phoenixrun.master")
@@ -55,7 +54,9 @@ class MasterConfig:
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
-ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health")
+ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error")
+# which decision of an incident is carried out first
+SEVERITY = {Action.EXTERNAL_FALLBACK: 0, Action.NODE_REPLACE: 1, Action.LOCAL_RESET: 2}
 
 
 class Cascade(Exception):
@@ -331,13 +332,10 @@ class Master:
             return
         if not active or kind not in ROOT_CAUSES + ("comm_error",):
             return
-        if kind == "comm_error":
-            ev = self._correlate(ev)
-            if ev is None:
-                return
-            with self.cv:
-                node = self.nodes[ev["node_id"]]
-        self._handle_fault(node, ev)
+        incident = self._incident(ev)
+        if incident is not None:
+            node, ev, verdict = incident
+            self._handle_fault(node, ev, verdict)
 
     def _signal_of(self, ev: dict, slot: int | None) -> Signal:
         kind = ev.get("kind")
@@ -347,6 +345,9 @@ class Master:
             return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=ev["t"])
         if kind == "health":
             return Signal.from_dict({**ev["signal"], "node": slot})
+        if kind == "worker_error":
+            return Signal(kind="user_exception", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
+                          timestamp=ev["t"])
         if kind == "worker_hang":
             return Signal(kind="worker_hang", node=slot, rank=ev.get("rank"), detail=ev.get("detail", ""),
                           timestamp=ev["t"])
@@ -356,32 +357,61 @@ class Master:
         return Signal(kind="collective_error", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
                       timestamp=ev["t"])
 
-    def _correlate(self, ev: dict) -> dict | None:
-        """A comm error is usually a symptom: look for the root cause before acting on it."""
-        deadline = time.time() + self.cfg.correlation_window
+    def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification] | None:
+        """Root cause vs symptom: gather the reports of one incident and let `faults.correlate` decide.
+
+        A definite root cause (a killed worker, a lost node, an Xid...) is acted on at once, with whatever
+        else is already queued. A collective error or an ambiguous report only says "something failed":
+        the master probes every agent (a dead one refuses at once) and waits up to the correlation
+        window for a root cause; if none comes, the reporters get a local reset (transient).
+        """
+        events = [ev]
         with self.cv:
             actives = [n for n in self.nodes.values() if n.role == Role.ACTIVE]
-        for n in actives:
-            if not self._probe(n):
-                return {"kind": "node_lost", "node_id": n.node_id, "t": time.time(), "detail": "agent unreachable"}
-        while time.time() < deadline:
+        definite = self._definite(ev)
+        if not definite:
+            for n in actives:
+                if not self._probe(n):
+                    events.append({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
+                                   "detail": "agent unreachable"})
+                    definite = True
+        deadline = time.time() + (0.0 if definite else self.cfg.correlation_window)
+        while True:
             try:
                 other = self._inbox.get(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
                 break
             self._absorb(other)
-            if other.get("kind") in ROOT_CAUSES:
-                return other
-        return ev  # no root cause in the window: transient, local reset of the reporter
+            if other.get("kind") in ROOT_CAUSES + ("comm_error",):
+                events.append(other)
+                if self._definite(other):
+                    deadline = time.time()   # drain what is queued, wait no longer
+        with self.cv:
+            slot_of = {e["node_id"]: self.nodes[e["node_id"]].slot for e in events if e.get("node_id") in self.nodes}
+            history = {s: list(h) for s, h in self.fault_history.items()}
+        pairs = [(self._signal_of(e, slot_of[e["node_id"]]), e) for e in events
+                 if slot_of.get(e["node_id"]) is not None]
+        corr = correlate([sig for sig, _ in pairs], history, max_local_resets=self.cfg.max_local_resets)
+        acted = sorted(corr.acted_on, key=lambda d: SEVERITY[d.action])
+        if not acted:
+            return None
+        d = acted[0]
+        ev = next(e for sig, e in pairs if sig is d.signal)
+        with self.cv:
+            node = self.nodes[ev["node_id"]]
+        return node, ev, d.classification
 
-    def _handle_fault(self, node: NodeRecord, ev: dict) -> None:
-        ev.setdefault("t", time.time())
+    def _definite(self, ev: dict) -> bool:
         with self.cv:
-            history = list(self.fault_history.get(node.slot, []))
-        signal = self._signal_of(ev, node.slot)
-        verdict = classify(signal, history, max_local_resets=self.cfg.max_local_resets)
+            node = self.nodes.get(ev.get("node_id", ""))
+        if node is None or node.slot is None:
+            return False
+        c = classify(self._signal_of(ev, node.slot), max_local_resets=self.cfg.max_local_resets)
+        return c.root_cause and not c.ambiguous
+
+    def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification) -> None:
         with self.cv:
-            self.fault_history.setdefault(node.slot, []).append(signal)
+            self.fault_history.setdefault(node.slot, []).append(self._signal_of(ev, node.slot))
         with self.cv:
             node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
             self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
@@ -412,7 +442,6 @@ class Master:
         with self.cv:
             self.restart_count += 1
             self.generation += 1
-            self.phase = Phase.RESTARTING
             self.done_nodes.clear()
             self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why)
             for slot, nid in self.slots.items():
@@ -512,7 +541,7 @@ class Master:
                 if self.slots.get(slot) != fresh[slot]:
                     del fresh[slot]
             survivors = {s: nid for s, nid in self.slots.items() if s not in lost and s not in fresh}
-            for slot, nid in survivors.items():
+            for nid in survivors.values():
                 self._set_directive(nid, command="quiesce")
         acked: dict[str, dict] = {}
         self._wait_event(lambda: all(nid in acked for nid in survivors.values()), self.cfg.recovery_timeout,

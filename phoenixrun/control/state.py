@@ -24,7 +24,6 @@ class Phase(str, Enum):
     RUNNING = "running"
     QUIESCE = "quiesce"
     RESTORE = "restore"        # plan made: rebuild groups, restore state, resume
-    RESTARTING = "restarting"  # torchrun-style restart of every worker
     FINISHED = "finished"
     FAILED = "failed"
 

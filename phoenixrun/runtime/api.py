@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
