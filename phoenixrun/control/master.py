@@ -376,16 +376,21 @@ class Master:
                                    "detail": "agent unreachable"})
                     definite = True
         deadline = time.time() + (0.0 if definite else self.cfg.correlation_window)
+        unrelated = []
         while True:
             try:
                 other = self._inbox.get(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
                 break
-            self._absorb(other)
             if other.get("kind") in ROOT_CAUSES + ("comm_error",):
+                self._absorb(other)
                 events.append(other)
                 if self._definite(other):
                     deadline = time.time()   # drain what is queued, wait no longer
+            else:
+                unrelated.append(other)
+        for other in unrelated:              # not part of the incident: handled in turn afterwards
+            self._inbox.put(other)
         with self.cv:
             slot_of = {e["node_id"]: self.nodes[e["node_id"]].slot for e in events if e.get("node_id") in self.nodes}
             history = {s: list(h) for s, h in self.fault_history.items()}
@@ -412,7 +417,6 @@ class Master:
     def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification) -> None:
         with self.cv:
             self.fault_history.setdefault(node.slot, []).append(self._signal_of(ev, node.slot))
-        with self.cv:
             node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
             self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
                              signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
