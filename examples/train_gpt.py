@@ -160,7 +160,7 @@ def main() -> None:
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     # Free DDP/ZeRO (and the gloo work they hold) while the process group is still up: left to
-    # interpreter teardown, gloo occasionally aborted the process at exit (SIGABRT, seen ~1 in 10 runs).
+    # interpreter teardown, gloo occasionally aborted the process at exit (SIGABRT).
     del job, opt, model
     gc.collect()
     dist.destroy_process_group()
