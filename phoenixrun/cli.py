@@ -67,6 +67,14 @@ def _parse_nproc(value: str) -> int:
     return n
 
 
+def _this_host() -> str:
+    import socket
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def _tee(tee: str | None, redirects: str | None) -> bool:
     """Print worker output too? torchrun's --redirects/--tee take 0 (none), 1 (stdout), 2 (stderr), 3 (both)."""
     if tee not in (None, "0"):
@@ -114,6 +122,8 @@ def _timeouts(f):
       help="Master address when no --rdzv-endpoint is given.")
 @_opt("--master-port", type=click.IntRange(0, 65535), default=29500, show_default=True, env="PET_MASTER_PORT",
       help="Master port when no --rdzv-endpoint is given.")
+@_opt("--local-addr", default=None, env="PET_LOCAL_ADDR",
+      help="Address other nodes use to reach this node's agent [default: this host's resolved name].")
 @_opt("--log-dir", default=None, env="PET_LOG_DIR", help="Write each worker's output under this directory.")
 @_opt("--tee", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
 @_opt("--redirects", "-r", default=None, env="PET_REDIRECTS", help="With --log-dir, only write files (torchrun: 0-3).")
@@ -134,7 +144,7 @@ def _timeouts(f):
 @_timeouts
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf, max_restarts,
-           node_rank, master_addr, master_port, log_dir, tee, redirects, monitor_interval, module, no_python,
+           node_rank, master_addr, master_port, local_addr, log_dir, tee, redirects, monitor_interval, module, no_python,
            spares, run_dir, replicas, tp, pp, fault_domain, collective_timeout, heartbeat_interval, node_timeout,
            hang_timeout, spare_wait, recovery_timeout, max_local_resets, entry):
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
@@ -166,7 +176,8 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
         nnodes=n, nproc_per_node=nproc, entry=list(entry), module=module, no_python=no_python,
         standalone=standalone, spares=spares, run_dir=run_dir or Path(".phoenixrun") / run_id, run_id=run_id,
         endpoint=None if standalone else endpoint, node_rank=node_rank,
-        host="127.0.0.1" if standalone else endpoint.rsplit(":", 1)[0], replicas=min(replicas, max(0, n - 1)),
+        host="127.0.0.1" if standalone else endpoint.rsplit(":", 1)[0],
+        local_addr="127.0.0.1" if standalone else (local_addr or _this_host()), replicas=min(replicas, max(0, n - 1)),
         tp=tp, pp=pp, max_restarts=max_restarts, fault_domain=fault_domain, log_dir=log_dir,
         tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval, node_timeout=node_timeout,
         spare_wait=spare_wait, recovery_timeout=recovery_timeout, collective_timeout=collective_timeout,

@@ -31,7 +31,8 @@ class LaunchConfig:
     run_id: str = "phoenixrun"
     endpoint: str | None = None        # host:port of the master (non-standalone)
     node_rank: int = 0
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"            # where the master listens
+    local_addr: str = "127.0.0.1"      # how peers reach this node's agent
     master_port: int = 0
     replicas: int = 1
     tp: int = 1
@@ -65,7 +66,7 @@ def master_argv(c: LaunchConfig, port: int) -> list[str]:
 
 def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
     argv = _py() + ["agent", "--rdzv-endpoint", endpoint, "--nproc-per-node", str(c.nproc_per_node),
-                    "--host", c.host, "--heartbeat-interval", str(c.heartbeat_interval),
+                    "--host", c.local_addr, "--heartbeat-interval", str(c.heartbeat_interval),
                     "--hang-timeout", str(c.hang_timeout)]
     if domain:
         argv += ["--fault-domain", domain]

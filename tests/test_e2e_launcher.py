@@ -42,3 +42,24 @@ def test_plain_script_without_restarts_fails_naming_rank(tmp_path):
     assert rc != 0
     fin = by_event(job.events(), "job_finished")[-1]
     assert fin["exit_code"] == rc and "rank 3" in fin["reason"], fin
+
+
+def test_two_nodes_torchrun_style(tmp_path, ref):
+    """Each node runs `phoenixrun --nnodes 2 --rdzv-endpoint ... --node-rank R` (rank 0 also hosts the master)."""
+    import socket
+    import subprocess
+
+    from tests.harness import BIN, EXAMPLE, SMALL, env, results
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    e = env(PHOENIXRUN_SECRET="shared-by-the-scheduler")
+    procs = [subprocess.Popen(
+        [str(BIN / "phoenixrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--local-addr", "127.0.0.1", "--node-rank", str(r), "--run-dir", str(tmp_path / f"node{r}"), str(EXAMPLE),
+         "--steps", str(STEPS), "--out", str(out), *SMALL], env=e, cwd=tmp_path,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in (0, 1)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    assert sorted(results(out)) == [0, 1, 2, 3]
+    assert_identical(out, ref)
