@@ -53,13 +53,6 @@ class NodeRecord:
         return d
 
 
-@dataclass(frozen=True)
-class Assignment:
-    """Who is where in one generation: slot -> node id."""
-    generation: int
-    slots: dict[int, str]
-
-
 def admit(layout: Layout, nodes: Mapping[str, NodeRecord], started: bool) -> tuple[Role, int | None]:
     """Role and slot of a newly registered agent: fill free slots before the start, spares after."""
     if started:

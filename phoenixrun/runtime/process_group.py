@@ -7,15 +7,14 @@ store prefix, so the training script's objects survive a node replacement (FINDI
 by dist.*, DDP and ZeRO).
 
 Gloo offers no call that unblocks an op stuck on a dead or hung peer; shutting down the
-generation's own TCP sockets does (within milliseconds). A Generation therefore remembers which
-sockets it created, and `abort()` shuts them down (never gloo's listening socket: that aborts
-the process).
+generation's own TCP sockets does (within milliseconds). `abort_sockets_since(baseline)` shuts
+down every socket created after a baseline taken when the generation began (never gloo's
+listening socket: that aborts the process).
 """
 from __future__ import annotations
 
 import os
 import socket
-import threading
 from datetime import timedelta
 
 import torch
@@ -38,21 +37,15 @@ def _socket_inodes() -> dict[str, int]:
 
 
 class Generation:
-    """One generation's store connection and gloo backend, and the sockets they own."""
+    """One generation's store connection and gloo backend (on a fresh key prefix)."""
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, generation: int,
                  timeout: timedelta):
         self.generation = generation
-        self._baseline = set(_socket_inodes())
-        self._aborted = threading.Event()
         self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout,
                                    use_libuv=True)
         prefix = dist.PrefixStore(f"/phoenixrun/gen{generation}/", self.store)
         self.backend = ProcessGroupGloo(prefix, rank, world_size, timeout)
-
-    def abort(self) -> int:
-        """Shut down every socket created since this generation began (also mid-construction)."""
-        return abort_sockets_since(self._baseline)
 
 
 def abort_sockets_since(baseline: set[str]) -> int:
