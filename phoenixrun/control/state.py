@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 from phoenixrun.topology import Layout
 
@@ -53,15 +53,19 @@ class NodeRecord:
         return d
 
 
-def admit(layout: Layout, nodes: Mapping[str, NodeRecord], started: bool) -> tuple[Role, int | None]:
-    """Role and slot of a newly registered agent: fill free slots before the start, spares after."""
+def admit(layout: Layout, nodes: Mapping[str, NodeRecord], started: bool,
+          taken: Collection[int] | None = None) -> tuple[Role, int | None]:
+    """Role and slot of a newly registered agent: fill free slots (lowest first) before the start,
+    spares after. `taken`: the slots active nodes hold, if the caller keeps that map (saves a pass
+    over every node per registration: 16K registrations would be quadratic)."""
     if started:
         return Role.SPARE, None
-    taken = {n.slot for n in nodes.values() if n.role == Role.ACTIVE}
-    for slot in range(layout.nnodes):
-        if slot not in taken:
-            return Role.ACTIVE, slot
-    return Role.SPARE, None
+    if taken is None:
+        taken = {n.slot for n in nodes.values() if n.role == Role.ACTIVE}
+    if len(taken) >= layout.nnodes:
+        return Role.SPARE, None
+    free = set(range(layout.nnodes)).difference(taken)
+    return (Role.ACTIVE, min(free)) if free else (Role.SPARE, None)
 
 
 def pick_spare(nodes: Mapping[str, NodeRecord], avoid_domains: Iterable[str] = ()) -> NodeRecord | None:

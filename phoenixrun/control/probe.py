@@ -1,0 +1,66 @@
+"""Is an agent still there? Concurrent TCP connect probes (the master's fast root-cause check).
+
+A killed agent's port refuses at once; a partitioned or crashed host answers nothing, which costs
+one timeout. Probing thousands of agents one after another would cost seconds per round, so all
+distinct addresses are probed together with non-blocking connects, in batches under the fd limit.
+"""
+from __future__ import annotations
+
+import errno
+import selectors
+import socket
+import time
+from typing import Iterable
+
+BATCH = 512
+
+
+def unreachable(addrs: Iterable[str], timeout: float) -> set[str]:
+    """The "host:port" addresses that do not accept a TCP connection within `timeout` seconds."""
+    todo = sorted(set(addrs))
+    dead: set[str] = set()
+    for i in range(0, len(todo), BATCH):
+        dead |= _probe_batch(todo[i:i + BATCH], timeout)
+    return dead
+
+
+def _probe_batch(addrs: list[str], timeout: float) -> set[str]:
+    dead: set[str] = set()
+    sel = selectors.DefaultSelector()
+    try:
+        for addr in addrs:
+            host, _, port = addr.rpartition(":")
+            try:
+                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            except OSError:
+                dead.add(addr)
+                continue
+            s.setblocking(False)
+            try:
+                rc = s.connect_ex((host.strip("[]"), int(port)))
+            except (OSError, ValueError):
+                rc = errno.EINVAL
+            if rc == 0:
+                s.close()
+            elif rc in (errno.EINPROGRESS, errno.EAGAIN):
+                sel.register(s, selectors.EVENT_WRITE, addr)
+            else:
+                s.close()
+                dead.add(addr)
+        deadline = time.monotonic() + timeout
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(left):
+                if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
+                    dead.add(key.data)
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+        for key in list(sel.get_map().values()):   # no answer within the timeout
+            dead.add(key.data)
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+    finally:
+        sel.close()
+    return dead

@@ -1,0 +1,308 @@
+"""The master's HTTP transport: one asyncio loop in its own thread, HTTP/1.1 with keep-alive.
+
+Why not http.server: a thread per connection and a blocking long-poll per agent do not hold
+16K agents heartbeating at 1 Hz. Here a directive long-poll is a parked request, answered when
+the master sets that agent's directive (`wake`) or when the poll's timeout passes; every other
+call is a short synchronous handler run on the loop thread (it holds the master's lock only
+briefly); the status reads, O(nodes), run in a worker thread so they never stall heartbeats.
+
+Wire protocol (unchanged from the agent's point of view): JSON bodies, bearer secret on every
+request (401 otherwise, logged and recorded as a `rejected_request` event), 400 for malformed
+bodies (not acted on), 404 for unknown paths.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from phoenixrun import auth
+from phoenixrun.control import metrics
+
+if TYPE_CHECKING:
+    from phoenixrun.control.master import Master
+
+log = logging.getLogger("phoenixrun.master")
+
+MAX_HEAD = 64 * 1024
+MAX_BODY = 16 * 1024 * 1024
+BACKLOG = 4096                    # thousands of agents connect at once when a job starts
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+           413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+JSON = "application/json"
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]       # lower-case names
+    body: bytes
+    keep_alive: bool
+
+
+class RequestError(Exception):
+    """The bytes on the wire are not a request we can parse: answer `code` and close."""
+
+    def __init__(self, code: int, msg: str):
+        super().__init__(msg)
+        self.code = code
+
+
+def parse_request(buf: bytearray) -> tuple[Request, int] | None:
+    """One complete request from the front of buf and its length in bytes, or None if incomplete."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HEAD:
+            raise RequestError(431, "request head too large")
+        return None
+    lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise RequestError(400, f"bad request line {lines[0][:80]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise RequestError(400, f"bad header line {line[:80]!r}")
+        headers[name.strip().lower()] = value.strip()
+    if "chunked" in headers.get("transfer-encoding", ""):
+        raise RequestError(400, "chunked bodies are not supported: send Content-Length")
+    try:
+        n = int(headers.get("content-length", "0"))
+    except ValueError:
+        raise RequestError(400, "bad Content-Length") from None
+    if n < 0 or n > MAX_BODY:
+        raise RequestError(413, "body too large")
+    if len(buf) < end + 4 + n:
+        return None
+    conn_hdr = headers.get("connection", "").lower()
+    keep = "close" not in conn_hdr if parts[2] == "HTTP/1.1" else "keep-alive" in conn_hdr
+    return Request(parts[0], parts[1], headers, bytes(buf[end + 4:end + 4 + n]), keep), end + 4 + n
+
+
+def render_response(code: int, body: bytes, ctype: str = JSON, close: bool = False) -> bytes:
+    head = (f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\n{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n")
+    return head.encode("latin-1") + body
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: requests are handled one at a time, in order (no pipelining overlap)."""
+
+    def __init__(self, server: ControlServer):
+        self.server = server
+        self.buf = bytearray()
+        self.busy = False              # a request is being handled (or parked): read no further
+        self.closed = False
+        self.keep_alive = True
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.poll: _Poll | None = None   # its parked directive long-poll
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if peer else "?"
+        sock = transport.get_extra_info("socket")
+        if sock is not None:   # a crashed host sends no FIN: let the kernel find dead peers
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self.server.forget(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            self.next_request()
+
+    def next_request(self) -> None:
+        if self.closed:
+            return
+        try:
+            parsed = parse_request(self.buf)
+        except RequestError as e:
+            log.warning("rejected request from %s: %s", self.peer, e)
+            self.transport.write(render_response(e.code, json.dumps({"error": str(e)}).encode(), close=True))
+            self.transport.close()
+            return
+        if parsed is None:
+            return
+        req, n = parsed
+        del self.buf[:n]
+        self.busy = True
+        self.keep_alive = req.keep_alive
+        self.server.dispatch(self, req)
+
+    def respond(self, code: int, body: bytes, ctype: str = JSON) -> None:
+        if self.closed:
+            return
+        self.transport.write(render_response(code, body, ctype, close=not self.keep_alive))
+        self.busy = False
+        self.poll = None
+        if not self.keep_alive:
+            self.transport.close()
+        elif self.buf:
+            self.next_request()
+
+
+@dataclass
+class _Poll:
+    """A parked directive long-poll."""
+    conn: _Connection
+    payload: dict
+    known: int
+    timer: asyncio.TimerHandle | None = None
+
+
+class ControlServer:
+    """Serves a Master's API. start() binds at once (so errors surface in the caller), then the
+    loop runs in a daemon thread; wake() and shutdown() may be called from any thread."""
+
+    def __init__(self, master: Master, host: str, port: int):
+        self.master = master
+        self.sock = socket.create_server((host, port), backlog=BACKLOG, reuse_port=False)
+        self.server_address = self.sock.getsockname()
+        self.loop = asyncio.new_event_loop()
+        self.connections: set[_Connection] = set()
+        self._polls: dict[str, list[_Poll]] = {}
+        self._to_wake: set[str] = set()
+        self._wake_lock = threading.Lock()
+        self._wake_scheduled = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="control-server")
+        self._started = threading.Event()
+        self._routes = {"/v1/register": master.register, "/v1/heartbeat": master.heartbeat,
+                        "/v1/report": master.report, "/v1/inject": master.inject}
+
+    def start(self) -> None:
+        self._thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(
+            self.loop.create_server(lambda: _Connection(self), sock=self.sock))
+        self._started.set()
+        self.loop.run_forever()
+
+    def shutdown(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def stop():
+            self.server.close()
+            for c in list(self.connections):
+                c.transport.close()
+            self.loop.stop()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop)
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ directive long-polls
+    def wake(self, node_id: str) -> None:
+        """The master set a new directive for node_id: answer its parked poll. Batched: one loop
+        callback however many directives a broadcast sets."""
+        with self._wake_lock:
+            self._to_wake.add(node_id)
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain_wakes)
+        except RuntimeError:   # loop closed: the server is shutting down
+            pass
+
+    def _drain_wakes(self) -> None:
+        with self._wake_lock:
+            ids, self._to_wake = self._to_wake, set()
+            self._wake_scheduled = False
+        for nid in ids:
+            for poll in self._polls.pop(nid, ()):
+                if poll.timer:
+                    poll.timer.cancel()
+                self._answer_or_park(poll)
+
+    def _answer_or_park(self, poll: _Poll) -> None:
+        d = self.master.directive_now(poll.payload)
+        if d is not None:
+            poll.conn.respond(200, json.dumps(d).encode())
+            return
+        if poll.timer is None or poll.timer.cancelled():
+            timeout = min(float(poll.payload.get("timeout", 10.0)), 30.0)
+            poll.timer = self.loop.call_later(max(0.0, timeout), self._expire, poll)
+        self._polls.setdefault(poll.payload.get("node_id", ""), []).append(poll)
+        poll.conn.poll = poll
+
+    def _expire(self, poll: _Poll) -> None:
+        waiting = self._polls.get(poll.payload.get("node_id", ""), [])
+        if poll in waiting:
+            waiting.remove(poll)
+            poll.conn.respond(200, json.dumps({"version": poll.known, "command": "noop"}).encode())
+
+    def forget(self, conn: _Connection) -> None:
+        """A connection closed: drop its parked poll, if any."""
+        poll = conn.poll
+        if poll is None:
+            return
+        if poll.timer:
+            poll.timer.cancel()
+        waiting = self._polls.get(poll.payload.get("node_id", ""), [])
+        if poll in waiting:
+            waiting.remove(poll)
+
+    # ------------------------------------------------------------------ requests
+    def dispatch(self, conn: _Connection, req: Request) -> None:
+        m = self.master
+        if not auth.check(m.secret, req.headers.get("authorization")):
+            log.warning("rejected unauthenticated %s %s from %s", req.method, req.path, conn.peer)
+            m.events.emit("rejected_request", m.generation, path=req.path, peer=conn.peer,
+                          reason="bad or missing secret")
+            conn.respond(401, b'{"error": "unauthorized: missing or wrong job secret"}')
+            return
+        if req.method == "GET":
+            self._get(conn, req.path)
+        elif req.method == "POST":
+            self._post(conn, req)
+        else:
+            conn.respond(405, b'{"error": "use GET or POST"}')
+
+    def _get(self, conn: _Connection, path: str) -> None:
+        if path == "/v1/state":
+            render, ctype = (lambda: json.dumps(self.master.state()).encode()), JSON
+        elif path == "/metrics":
+            render, ctype = (lambda: metrics.render(self.master.state()).encode()), "text/plain; version=0.0.4"
+        else:
+            conn.respond(404, b'{"error": "no such endpoint"}')
+            return
+        fut = self.loop.run_in_executor(None, render)
+        fut.add_done_callback(lambda f: conn.respond(200, f.result(), ctype) if not f.exception()
+                              else conn.respond(500, json.dumps({"error": str(f.exception())}).encode()))
+
+    def _post(self, conn: _Connection, req: Request) -> None:
+        fn = self._routes.get(req.path)
+        if fn is None and req.path != "/v1/directive":
+            conn.respond(404, b'{"error": "no such endpoint"}')
+            return
+        try:
+            payload = json.loads(req.body or b"{}")
+            if not isinstance(payload, dict):
+                raise ValueError("body must be a JSON object")
+            if fn is None:
+                poll = _Poll(conn, payload, int(payload.get("version", -1)))
+                self._answer_or_park(poll)
+                return
+            conn.respond(200, json.dumps(fn(payload)).encode())
+        except (ValueError, KeyError, TypeError) as e:
+            m = self.master
+            log.warning("rejected malformed %s: %s", req.path, e)
+            m.events.emit("rejected_request", m.generation, path=req.path, peer=conn.peer, reason=f"malformed: {e}")
+            conn.respond(400, json.dumps({"error": f"malformed request: {e}"}).encode())
+        except Exception as e:   # a bug in a handler: answer, keep serving everyone else
+            log.exception("handler for %s failed", req.path)
+            conn.respond(500, json.dumps({"error": f"master error: {e}"}).encode())
