@@ -1,6 +1,6 @@
 """Hot swap vs checkpoint-restart: the same job and the same kill step, side by side in one run.
 
-phoenixrun: --standalone, NODES nodes x 2 ranks + 1 warm spare; one node's agent and workers
+phoenixrun: --standalone, NODES nodes x NPROC ranks (default 2) + 1 warm spare; one node's agent and workers
 are SIGKILLed once every rank is working on step KILL. torchrun: the same world size on one
 agent with --max-restarts 1, the example checkpointing every K steps (per-rank torch.save,
 resumed on restart); one worker is SIGKILLed at the same step.
@@ -8,7 +8,11 @@ resumed on restart); one worker is SIGKILLed at the same step.
 For each it reports the lost time (kill -> every rank has finished the kill step again, from
 the ranks' own progress logs), the recovery latency and the replayed steps, and the ratio.
 
-    python benchmarks/recovery.py [--nodes 4] [--kill 80] [--ckpt-every 50] [--trials 3] [--json out.json]
+    python benchmarks/recovery.py [--nodes 4] [--nproc 2] [--kill 80] [--ckpt-every 50] [--trials 3]
+                                  [--no-baseline] [--json out.json]
+
+--no-baseline skips torchrun: the per-phase recovery times at several sizes are what the
+recovery-time fit (phoenixrun/sim/recovery_fit.py) needs.
 """
 from __future__ import annotations
 
@@ -56,11 +60,11 @@ def latest_step(d: Path) -> int:
     return max(s for lines in progress(d).values() for s, _ in lines)
 
 
-def phoenix_trial(tmp: Path, nodes: int, steps: int, kill: int, model: list[str]) -> dict:
+def phoenix_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, model: list[str]) -> dict:
     run, prog = tmp / "ph-run", tmp / "ph-progress"
     prog.mkdir(parents=True)
-    world = nodes * 2
-    cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nodes), "--nproc-per-node", "2", "--spares", "1",
+    world = nodes * nproc
+    cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--spares", "1",
            "--run-dir", str(run), str(EXAMPLE), "--steps", str(steps), "--out", str(tmp / "ph-out"),
            "--progress-dir", str(prog), *model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -69,7 +73,7 @@ def phoenix_trial(tmp: Path, nodes: int, steps: int, kill: int, model: list[str]
     while True:  # steady state of a real job: the spare's workers are up (warm) long before a failure
         state = json.loads(subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(run), "--json"],
                                           capture_output=True, text=True, check=True).stdout)
-        if all(len(n["worker_pids"]) == 2 for n in state["nodes"]):
+        if all(len(n["worker_pids"]) == nproc for n in state["nodes"]):
             break
         time.sleep(0.2)
     node = next(n for n in state["nodes"] if n["slot"] == 1)
@@ -114,6 +118,8 @@ def torchrun_trial(tmp: Path, world: int, steps: int, kill: int, every: int, mod
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument("--no-baseline", action="store_true", help="phoenixrun only (no torchrun trial)")
     p.add_argument("--kill", type=int, default=80)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--ckpt-every", type=int, default=50)
@@ -125,24 +131,26 @@ def main() -> int:
     ph, tr = [], []
     for i in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="phoenixrun-recovery-") as tmp:
-            ph.append(phoenix_trial(Path(tmp), args.nodes, args.steps, args.kill, model))
-            tr.append(torchrun_trial(Path(tmp), args.nodes * 2, args.steps, args.kill, args.ckpt_every, model))
-        print(f"trial {i}: phoenixrun {json.dumps(ph[-1])}\n         torchrun   {json.dumps(tr[-1])}", flush=True)
+            ph.append(phoenix_trial(Path(tmp), args.nodes, args.nproc, args.steps, args.kill, model))
+            print(f"trial {i}: phoenixrun {json.dumps(ph[-1])}", flush=True)
+            if not args.no_baseline:
+                tr.append(torchrun_trial(Path(tmp), args.nodes * args.nproc, args.steps, args.kill, args.ckpt_every,
+                                         model))
+                print(f"         torchrun   {json.dumps(tr[-1])}", flush=True)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    summary = {
-        "config": vars(args), "phoenixrun": ph, "torchrun": tr,
-        "phoenix_lost_s": med(ph, "lost_s"), "torchrun_lost_s": med(tr, "lost_s"),
-        "phoenix_recovery_s": med(ph, "recovery_s"), "phoenix_detect_s": med(ph, "detect_s"),
-        "torchrun_restart_s": med(tr, "recovery_s"),
-        "lost_time_ratio": med(tr, "lost_s") / med(ph, "lost_s"),
-    }
-    print(f"{args.nodes} nodes x 2 ranks, kill at step {args.kill}, checkpoint every {args.ckpt_every}, "
+    summary = {"config": vars(args), "phoenixrun": ph, "torchrun": tr, "world_size": args.nodes * args.nproc,
+               "phoenix_lost_s": med(ph, "lost_s"), "phoenix_recovery_s": med(ph, "recovery_s"),
+               "phoenix_detect_s": med(ph, "detect_s")}
+    print(f"{args.nodes} nodes x {args.nproc} ranks, kill at step {args.kill}, checkpoint every {args.ckpt_every}, "
           f"{args.trials} trial(s), medians:")
     print(f"  phoenixrun hot swap : lost {summary['phoenix_lost_s']:.2f} s, detection {summary['phoenix_detect_s']:.3f} s, "
           f"recovery {summary['phoenix_recovery_s']:.3f} s, replayed {med(ph, 'replayed_steps')} step(s)")
-    print(f"  torchrun ckpt-restart: lost {summary['torchrun_lost_s']:.2f} s, restart {summary['torchrun_restart_s']:.2f} s, "
-          f"replayed {med(tr, 'replayed_steps')} step(s)")
-    print(f"  lost-time ratio (torchrun / phoenixrun): {summary['lost_time_ratio']:.1f}x (goal >= 20x)")
+    if tr:
+        summary.update(torchrun_lost_s=med(tr, "lost_s"), torchrun_restart_s=med(tr, "recovery_s"),
+                       lost_time_ratio=med(tr, "lost_s") / med(ph, "lost_s"))
+        print(f"  torchrun ckpt-restart: lost {summary['torchrun_lost_s']:.2f} s, "
+              f"restart {summary['torchrun_restart_s']:.2f} s, replayed {med(tr, 'replayed_steps')} step(s)")
+        print(f"  lost-time ratio (torchrun / phoenixrun): {summary['lost_time_ratio']:.1f}x (goal >= 20x)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
