@@ -7,8 +7,9 @@ physical host, so a spare that adopts a slot inherits its role unchanged.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping
 
 
 @dataclass(frozen=True)
@@ -79,22 +80,33 @@ def place_replicas(layout: Layout, k: int, domains: Mapping[int, str] | None = N
     out: dict[int, list[int]] = {}
     for rank in range(layout.world_size):
         owner = layout.slot_of(rank)
-        ring = [layout.slot_of(p) for p in layout.dp_peers(rank)]
-        others = [(owner + i) % layout.nnodes for i in range(1, layout.nnodes)]
-        candidates = _unique([s for s in ring + others if s != owner])
+        candidates = _candidates(layout, rank, owner)
+        seen: list[int] = []     # candidates scanned so far, for the second pass
         holders: list[int] = []
         used = {dom(owner)}
-        for s in candidates:  # first pass: new fault domains only
-            if len(holders) < k and dom(s) not in used:
+        for s in candidates:  # first pass: new fault domains only (lazy: stops once k are found)
+            seen.append(s)
+            if dom(s) not in used:
                 holders.append(s)
                 used.add(dom(s))
-        for s in candidates:  # not enough domains: any other node
-            if len(holders) < k and s not in holders:
-                holders.append(s)
+                if len(holders) == k:
+                    break
+        if len(holders) < k:  # not enough domains: any other node
+            for s in seen:
+                if len(holders) < k and s not in holders:
+                    holders.append(s)
         out[rank] = holders
     return out
 
 
-def _unique(xs: Sequence[int]) -> list[int]:
-    seen: set[int] = set()
-    return [x for x in xs if not (x in seen or seen.add(x))]
+def _candidates(layout: Layout, rank: int, owner: int) -> Iterator[int]:
+    """Nodes other than the owner's, in preference order: the DP-ring peers' nodes, then every other
+    node from the owner on. A generator: at 16K nodes the full list per rank would be quadratic."""
+    seen = {owner}
+    c = layout.coords(rank)
+    ring = (layout.slot_of(layout.rank_of(Coords(c.pp, c.tp, (c.dp + i) % layout.dp))) for i in range(1, layout.dp))
+    others = ((owner + i) % layout.nnodes for i in range(1, layout.nnodes))
+    for s in itertools.chain(ring, others):
+        if s not in seen:
+            seen.add(s)
+            yield s
