@@ -1,0 +1,158 @@
+"""Load test of the real master: a `phoenixrun master` process and a swarm of simulated agents.
+
+Steps: start the master sized for `nodes` active nodes, register nodes + spares simulated agents,
+let them heartbeat and long-poll, measure the master's CPU and RSS in steady state, then fail one
+active node (heartbeats and polls stop, its peer port refuses) and time the recovery the master
+drives: detection (heartbeat timeout), quiesce broadcast to every survivor, the survivors' acks,
+plan, restore broadcast, acks, resume broadcast. The simulated agents answer at once, so the
+times are the control plane's own (no worker or state transfer is simulated).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from phoenixrun.control.events import read_events
+from phoenixrun.sim.swarm import Swarm, SwarmConfig
+
+
+@dataclass
+class LoadTestConfig:
+    run_dir: Path
+    nodes: int = 16384
+    nproc_per_node: int = 4
+    spares: int = 1
+    heartbeat_s: float = 1.0
+    node_timeout_s: float = 3.0
+    steady_s: float = 10.0
+    hb_connections: int = 1024
+    phase_timeout_s: float = 300.0
+
+
+class LoadTestError(Exception):
+    """The master did not get through a step of the test; the message says which."""
+
+
+def start_master(cfg: LoadTestConfig) -> tuple[subprocess.Popen, dict, str]:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(Path(sys.executable).parent / "phoenixrun"), "master", "--nnodes", str(cfg.nodes),
+           "--nproc-per-node", str(cfg.nproc_per_node), "--run-dir", str(cfg.run_dir), "--port", "0",
+           "--node-timeout", str(cfg.node_timeout_s), "--recovery-timeout", str(cfg.phase_timeout_s)]
+    log = open(cfg.run_dir / "master.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING"})
+    info_path = cfg.run_dir / "master.json"
+    deadline = time.time() + 120
+    while not info_path.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise LoadTestError(f"master did not start: {(cfg.run_dir / 'master.log').read_text()[-500:]}")
+        time.sleep(0.05)
+    return proc, json.loads(info_path.read_text()), (cfg.run_dir / "secret").read_text().strip()
+
+
+def run_load_test(cfg: LoadTestConfig) -> dict:
+    proc, info, secret = start_master(cfg)
+    try:
+        return asyncio.run(_drive(cfg, proc, info, secret))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret: str) -> dict:
+    master = psutil.Process(proc.pid)
+    me = psutil.Process()
+    swarm = Swarm(SwarmConfig(endpoint=info["endpoint"], secret=secret, nnodes=cfg.nodes,
+                              nproc_per_node=cfg.nproc_per_node, spares=cfg.spares, heartbeat_s=cfg.heartbeat_s,
+                              hb_connections=cfg.hb_connections))
+    victim = swarm.agents[1]
+    await swarm.give_own_peer_port(victim)
+    out: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+                 "agents": len(swarm.agents)}
+
+    async def reached(cmd: str, g: int, n: int, what: str) -> None:
+        if not await swarm.wait_reached(cmd, g, n, cfg.phase_timeout_s):
+            raise LoadTestError(f"{what}: {swarm.arrivals[(cmd, g)]} of {n} agents got `{cmd}` (generation {g}) "
+                                f"within {cfg.phase_timeout_s:g}s; errors: {swarm.errors[:3]}")
+        if proc.poll() is not None:
+            raise LoadTestError(f"master exited with {proc.returncode}")
+
+    t = time.time()
+    await swarm.register_all()
+    out["register_s"] = time.time() - t
+    if victim.slot is None:
+        raise LoadTestError("the victim agent did not get an active slot")
+    t = time.time()
+    await swarm.start()
+    await reached("run", 0, cfg.nodes, "job start")
+    out["start_s"] = time.time() - t
+
+    # steady state: every agent heartbeating and parked in a directive poll
+    await asyncio.sleep(max(2.0, 2 * cfg.heartbeat_s))
+    hb0, lat0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency)
+    m0, s0, w0 = master.cpu_times(), me.cpu_times(), time.time()
+    await asyncio.sleep(cfg.steady_s)
+    m1, s1, w1 = master.cpu_times(), me.cpu_times(), time.time()
+    lat = swarm.heartbeat_latency[lat0:]
+    out["steady"] = {
+        "window_s": round(w1 - w0, 2),
+        "master_cores": round((m1.user + m1.system - m0.user - m0.system) / (w1 - w0), 3),
+        "master_rss_mb": round(master.memory_info().rss / 2**20, 1),
+        "master_fds": master.num_fds(),
+        "swarm_cores": round((s1.user + s1.system - s0.user - s0.system) / (w1 - w0), 3),
+        "heartbeats_per_s": round((swarm.heartbeats_ok - hb0) / (w1 - w0), 1),
+        "heartbeat_p50_ms": round(1e3 * _pct(lat, 0.5), 2), "heartbeat_p99_ms": round(1e3 * _pct(lat, 0.99), 2),
+    }
+
+    last_hb = victim.last_heartbeat
+    m0 = master.cpu_times()
+    t_fail = await swarm.fail(victim)
+    survivors = [a for a in swarm.agents if a.slot is not None and a is not victim]
+    await reached("quiesce", 1, len(survivors), "quiesce broadcast")
+    await reached("restore", 1, cfg.nodes, "restore broadcast")
+    await reached("run", 1, cfg.nodes, "resume broadcast")
+    m1, t_end = master.cpu_times(), time.time()
+    await swarm.stop()
+
+    ev = read_events(cfg.run_dir / "events.jsonl")
+    first = lambda name: next(e for e in ev if e["event"] == name)  # noqa: E731
+    fault, started, plan, done = (first(n) for n in ("fault_detected", "recovery_started", "recovery_plan",
+                                                     "recovery_done"))
+    latest = lambda cmd: max(a.received[(cmd, 1)] for a in swarm.agents if (cmd, 1) in a.received)  # noqa: E731
+    rec = {
+        "failed_node": victim.node_id, "failed_slot": victim.slot,
+        "detect_s": round(fault["t"] - last_hb, 4),
+        "detect_after_timeout_s": round(fault["t"] - last_hb - cfg.node_timeout_s, 4),
+        "quiesce_broadcast_s": round(latest("quiesce") - started["t"], 4),
+        "quiesce_acks_s": done["phases"]["quiesce_s"],
+        "plan_s": done["phases"]["plan_s"],
+        "restore_broadcast_s": round(latest("restore") - plan["t"], 4),
+        "restore_acks_s": done["phases"]["restore_s"],
+        "resume_broadcast_s": round(latest("run") - done["t"], 4),
+        "recovery_s": done["duration_s"],
+        "fault_to_all_resumed_s": round(latest("run") - fault["t"], 4),
+        "master_cores_during": round((m1.user + m1.system - m0.user - m0.system) / (t_end - t_fail), 3),
+        "replaced_slots": done["replaced_slots"],
+    }
+    rec["plan_and_broadcasts_s"] = round(rec["quiesce_broadcast_s"] + rec["plan_s"] + rec["restore_broadcast_s"]
+                                         + rec["resume_broadcast_s"], 4)
+    out["recovery"] = rec
+    out["errors"] = swarm.errors[:10]
+    out["heartbeat_latency_median_ms"] = round(1e3 * statistics.median(swarm.heartbeat_latency), 2) \
+        if swarm.heartbeat_latency else None
+    return out

@@ -1,0 +1,306 @@
+"""Thousands of simulated node agents in one asyncio process, speaking the real agent's protocol.
+
+Each simulated agent registers, heartbeats (`/v1/heartbeat`, with the same payload fields as
+agents/agent.py: worker pids, snapshot and replica inventories, `api`), long-polls its directive
+(`/v1/directive`, one dedicated keep-alive connection each, like the real agent's poll thread) and
+answers the recovery protocol the way a node whose workers obey at once would: `quiesce` ->
+`quiesced` report (inventory, next step), `restore` -> `resumed` report. It runs no workers: the
+point is the master's load and latency, not training.
+
+Heartbeats go over a shared pool of keep-alive connections (one request at a time each), not one
+connection per agent: this machine's hard limit of 20000 open files per process cannot hold two
+connections per agent at 16K agents on both sides. The master sees the same request rate.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from phoenixrun.topology import Layout, place_replicas
+
+
+@dataclass
+class SwarmConfig:
+    endpoint: str                 # master host:port
+    secret: str
+    nnodes: int                   # active nodes the master expects
+    nproc_per_node: int
+    spares: int = 1
+    replicas: int = 1
+    heartbeat_s: float = 1.0
+    poll_timeout_s: float = 10.0  # the real agent's directive long-poll timeout
+    hb_connections: int = 1024
+    report_connections: int = 64
+    peer_host: str = "127.0.0.1"
+
+
+@dataclass
+class SimAgent:
+    index: int
+    node_id: str
+    peer_addr: str = ""
+    role: str = ""
+    slot: int | None = None
+    version: int = -1
+    generation: int = 0
+    alive: bool = True
+    last_heartbeat: float = 0.0   # local time of its last heartbeat the master answered
+    # (command, generation) -> local time the directive arrived
+    received: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+class HttpConnection(asyncio.Protocol):
+    """A keep-alive HTTP/1.1 client connection with one request in flight; minimal response parsing."""
+
+    def __init__(self):
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if self.waiter and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("master closed the connection"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0 or self.waiter is None:
+            return
+        head = bytes(self.buf[:end]).lower()
+        i = head.find(b"content-length:")
+        n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None]) if i >= 0 else 0
+        if len(self.buf) < end + 4 + n:
+            return
+        status, body = int(self.buf[9:12]), bytes(self.buf[end + 4:end + 4 + n])
+        del self.buf[:end + 4 + n]
+        if not self.waiter.done():
+            self.waiter.set_result((status, body))
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        if self.lost:
+            raise ConnectionError("connection lost")
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return await self.waiter
+
+    def close(self) -> None:
+        if self.transport:
+            self.transport.close()
+
+
+class Swarm:
+    def __init__(self, cfg: SwarmConfig):
+        self.cfg = cfg
+        self.host, port = cfg.endpoint.rsplit(":", 1)
+        self.port = int(port)
+        self.layout = Layout(cfg.nnodes, cfg.nproc_per_node)
+        placement = place_replicas(self.layout, min(cfg.replicas, cfg.nnodes - 1))
+        self.holds: dict[int, list[int]] = {}          # slot -> ranks whose replica its agent holds
+        for rank, holders in placement.items():
+            for h in holders:
+                self.holds.setdefault(h, []).append(rank)
+        n = cfg.nnodes + cfg.spares
+        self.agents = [SimAgent(i, f"sim{i:05d}") for i in range(n)]
+        self.step = 1
+        self.heartbeats_ok = 0
+        self.heartbeat_latency: list[float] = []
+        self.errors: list[str] = []
+        self._stop = asyncio.Event()
+        self._reports: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._polls: dict[int, HttpConnection] = {}
+        self._peer_servers: list[asyncio.AbstractServer] = []
+        self._victim_server: dict[int, asyncio.AbstractServer] = {}
+        self.arrivals: Counter[tuple[str, int]] = Counter()     # (command, generation) -> agents reached
+        self._targets: dict[tuple[str, int], list[tuple[int, asyncio.Future]]] = {}
+
+    # ------------------------------------------------------------------ wire
+    def _raw(self, path: str, payload: dict) -> bytes:
+        body = json.dumps(payload).encode()
+        return (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.cfg.secret}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def _connect(self) -> HttpConnection:
+        _, proto = await asyncio.get_running_loop().create_connection(HttpConnection, self.host, self.port)
+        return proto
+
+    # ------------------------------------------------------------------ setup
+    async def _peer_listener(self) -> tuple[asyncio.AbstractServer, str]:
+        """A port that accepts connections, like an agent's peer server (the master probes it)."""
+        async def accept(reader, writer):
+            writer.close()
+        srv = await asyncio.start_server(accept, self.cfg.peer_host, 0)
+        return srv, f"{self.cfg.peer_host}:{srv.sockets[0].getsockname()[1]}"
+
+    async def register_all(self, concurrency: int = 64) -> None:
+        shared, shared_addr = await self._peer_listener()
+        self._peer_servers.append(shared)
+        for a in self.agents:
+            a.peer_addr = a.peer_addr or shared_addr
+        conns = [await self._connect() for _ in range(min(concurrency, len(self.agents)))]
+        todo = list(self.agents)
+
+        async def worker(conn: HttpConnection) -> None:
+            while todo:
+                a = todo.pop(0)
+                status, body = await conn.request(self._raw("/v1/register", {
+                    "node_id": a.node_id, "host": self.cfg.peer_host, "agent_pid": 0, "peer_addr": a.peer_addr,
+                    "fault_domain": "", "nproc_per_node": self.cfg.nproc_per_node}))
+                if status != 200:
+                    raise RuntimeError(f"register {a.node_id}: HTTP {status} {body[:200]!r}")
+                reg = json.loads(body)
+                a.role, a.slot = reg["role"], reg["slot"]
+        await asyncio.gather(*(worker(c) for c in conns))
+        for c in conns:
+            c.close()
+
+    async def give_own_peer_port(self, a: SimAgent) -> None:
+        """The victim gets a port of its own (re-registered inventory not needed: the master only
+        probes peer_addr), so that failing it makes its address refuse like a killed node's."""
+        srv, addr = await self._peer_listener()
+        self._victim_server[a.index] = srv
+        a.peer_addr = addr
+
+    async def start(self) -> None:
+        for a in self.agents:
+            self._polls[a.index] = await self._connect()
+        self._tasks = [asyncio.create_task(self._poll_loop(a)) for a in self.agents]
+        n_hb = max(1, min(self.cfg.hb_connections, len(self.agents)))
+        groups = [self.agents[i::n_hb] for i in range(n_hb)]
+        for g in groups:
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(g, await self._connect())))
+        for _ in range(self.cfg.report_connections):
+            self._tasks.append(asyncio.create_task(self._report_loop(await self._connect())))
+        self._tasks.append(asyncio.create_task(self._advance_steps()))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in self._polls.values():
+            c.close()
+        for s in [*self._peer_servers, *self._victim_server.values()]:
+            s.close()
+
+    # ------------------------------------------------------------------ agent behaviour
+    def _inventory(self, a: SimAgent) -> dict:
+        steps = [self.step - 1, self.step]
+        if a.slot is None:
+            return {"snapshots": {}, "replicas": {}}
+        return {"snapshots": {r: steps for r in self.layout.ranks_of_slot(a.slot)},
+                "replicas": {r: steps for r in self.holds.get(a.slot, [])}}
+
+    async def _advance_steps(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(1.0)
+            self.step += 1
+
+    async def _heartbeat_loop(self, agents: list[SimAgent], conn: HttpConnection) -> None:
+        period = self.cfg.heartbeat_s
+        await asyncio.sleep(random.random() * period)      # spread the load over the period
+        gap = period / len(agents)
+        while not self._stop.is_set():
+            for a in agents:
+                t0 = time.monotonic()
+                if a.alive:
+                    payload = {"node_id": a.node_id, "worker_pids": list(range(self.cfg.nproc_per_node)),
+                               **self._inventory(a), "protection": {}, "api": True}
+                    try:
+                        status, _ = await conn.request(self._raw("/v1/heartbeat", payload))
+                    except ConnectionError as e:
+                        self.errors.append(f"heartbeat: {e}")
+                        return
+                    if status == 200:
+                        a.last_heartbeat = time.time()
+                        self.heartbeats_ok += 1
+                        self.heartbeat_latency.append(time.monotonic() - t0)
+                    else:
+                        self.errors.append(f"heartbeat {a.node_id}: HTTP {status}")
+                await asyncio.sleep(max(0.0, gap - (time.monotonic() - t0)))
+
+    async def _poll_loop(self, a: SimAgent) -> None:
+        conn = self._polls[a.index]
+        while a.alive and not self._stop.is_set():
+            try:
+                status, body = await conn.request(self._raw("/v1/directive", {
+                    "node_id": a.node_id, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
+            except ConnectionError as e:
+                if a.alive:
+                    self.errors.append(f"poll {a.node_id}: {e}")
+                return
+            if status != 200:
+                self.errors.append(f"poll {a.node_id}: HTTP {status}")
+                return
+            d = json.loads(body)
+            if d.get("version", -1) <= a.version or not a.alive:
+                continue
+            a.version = d["version"]
+            cmd, g = d["command"], d.get("generation", a.generation)
+            a.received.setdefault((cmd, g), time.time())
+            a.generation = g
+            if "slot" in d:
+                a.slot = d["slot"]
+            if cmd == "quiesce":
+                self._reports.put_nowait({"kind": "quiesced", "node_id": a.node_id, "generation": g, "slot": a.slot,
+                                          **self._inventory(a), "next_step": self.step + 1})
+            elif cmd == "restore":
+                self._reports.put_nowait({"kind": "resumed", "node_id": a.node_id, "generation": g, "slot": a.slot,
+                                          "timings": {}})
+            elif cmd == "run":
+                a.role = "active"
+            elif cmd == "stop":
+                a.alive = False
+            self._arrived((cmd, g))
+
+    def _arrived(self, key: tuple[str, int]) -> None:
+        self.arrivals[key] += 1
+        waiting = self._targets.get(key)
+        if waiting:
+            for n, fut in [w for w in waiting if self.arrivals[key] >= w[0]]:
+                if not fut.done():
+                    fut.set_result(True)
+            self._targets[key] = [w for w in waiting if not w[1].done()]
+
+    async def _report_loop(self, conn: HttpConnection) -> None:
+        while not self._stop.is_set():
+            ev = await self._reports.get()
+            try:
+                status, body = await conn.request(self._raw("/v1/report", ev))
+            except ConnectionError as e:
+                self.errors.append(f"report: {e}")
+                return
+            if status != 200:
+                self.errors.append(f"report {ev['kind']}: HTTP {status} {body[:100]!r}")
+
+    # ------------------------------------------------------------------ control
+    async def fail(self, a: SimAgent) -> float:
+        """The node dies: no more heartbeats or polls, its peer port refuses. Returns the time."""
+        a.alive = False
+        srv = self._victim_server.pop(a.index, None)
+        if srv is not None:
+            srv.close()
+        self._polls[a.index].close()
+        return time.time()
+
+    async def wait_reached(self, command: str, generation: int, n: int, timeout: float) -> bool:
+        """Wait until n agents have received `command` of `generation` (woken by the arrivals)."""
+        key = (command, generation)
+        if self.arrivals[key] >= n:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self._targets.setdefault(key, []).append((n, fut))
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False

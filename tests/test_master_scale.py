@@ -1,0 +1,22 @@
+"""The scale harness at a small size: 256 simulated agents against a real `phoenixrun master` process.
+
+The full-size run (16,384 agents) is benchmarks/master_scale.py; this checks that the harness and
+the master's transport get a node failure detected and every agent reached by each recovery
+directive, with the recovery completing.
+"""
+from phoenixrun.sim.master_load import LoadTestConfig, run_load_test
+
+
+def test_256_agents_failure_detected_and_every_agent_reached(tmp_path):
+    cfg = LoadTestConfig(run_dir=tmp_path, nodes=256, nproc_per_node=4, heartbeat_s=0.25, node_timeout_s=2.0,
+                         steady_s=1.0, phase_timeout_s=30.0)
+    r = run_load_test(cfg)   # raises LoadTestError naming the step if any agent is not reached
+    assert r["agents"] == 257 and r["errors"] == []
+    s, rec = r["steady"], r["recovery"]
+    assert s["heartbeats_per_s"] > 0.5 * 257 / 0.25          # the load really ran
+    # detected by the heartbeat timeout, not before it (no false positive) and not much after
+    assert 2.0 <= rec["detect_s"] < 2.0 + 2.0
+    assert rec["failed_slot"] is not None and list(rec["replaced_slots"]) == [str(rec["failed_slot"])]
+    for key in ("quiesce_broadcast_s", "restore_broadcast_s", "resume_broadcast_s"):
+        assert 0 <= rec[key] < 5.0, key
+    assert rec["fault_to_all_resumed_s"] < 15.0
