@@ -92,13 +92,13 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
         if proc.poll() is not None:
             raise LoadTestError(f"master exited with {proc.returncode}")
 
+    await swarm.start()
     t = time.time()
     await swarm.register_all()
     out["register_s"] = time.time() - t
     if victim.slot is None:
         raise LoadTestError("the victim agent did not get an active slot")
     t = time.time()
-    await swarm.start()
     await reached("run", 0, cfg.nodes, "job start")
     out["start_s"] = time.time() - t
 

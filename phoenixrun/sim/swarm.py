@@ -142,6 +142,8 @@ class Swarm:
         return srv, f"{self.cfg.peer_host}:{srv.sockets[0].getsockname()[1]}"
 
     async def register_all(self, concurrency: int = 64) -> None:
+        """Register every agent; like a real agent, each starts heartbeating and polling as soon as it
+        is registered (call start() first), so early ones are not timed out while the rest join."""
         shared, shared_addr = await self._peer_listener()
         self._peer_servers.append(shared)
         for a in self.agents:
@@ -159,6 +161,8 @@ class Swarm:
                     raise RuntimeError(f"register {a.node_id}: HTTP {status} {body[:200]!r}")
                 reg = json.loads(body)
                 a.role, a.slot = reg["role"], reg["slot"]
+                self._polls[a.index] = await self._connect()
+                self._tasks.append(asyncio.create_task(self._poll_loop(a)))
         await asyncio.gather(*(worker(c) for c in conns))
         for c in conns:
             c.close()
@@ -171,9 +175,7 @@ class Swarm:
         a.peer_addr = addr
 
     async def start(self) -> None:
-        for a in self.agents:
-            self._polls[a.index] = await self._connect()
-        self._tasks = [asyncio.create_task(self._poll_loop(a)) for a in self.agents]
+        """Open the heartbeat and report connections; agents heartbeat once registered."""
         n_hb = max(1, min(self.cfg.hb_connections, len(self.agents)))
         groups = [self.agents[i::n_hb] for i in range(n_hb)]
         for g in groups:
@@ -187,7 +189,7 @@ class Swarm:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for c in self._polls.values():
+        for c in list(self._polls.values()):
             c.close()
         for s in [*self._peer_servers, *self._victim_server.values()]:
             s.close()
@@ -212,7 +214,7 @@ class Swarm:
         while not self._stop.is_set():
             for a in agents:
                 t0 = time.monotonic()
-                if a.alive:
+                if a.alive and a.role:
                     payload = {"node_id": a.node_id, "worker_pids": list(range(self.cfg.nproc_per_node)),
                                **self._inventory(a), "protection": {}, "api": True}
                     try:
