@@ -23,7 +23,7 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=16384, help="active nodes (one spare more registers)")
     p.add_argument("--nproc", type=int, default=4, help="ranks per node (size of each inventory)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat period, s")
-    p.add_argument("--node-timeout", type=float, default=3.0, help="master --node-timeout, s")
+    p.add_argument("--node-timeout", type=float, default=5.0, help="master --node-timeout, s (its default)")
     p.add_argument("--steady", type=float, default=10.0, help="steady-state measurement window, s")
     p.add_argument("--hb-connections", type=int, default=1024, help="shared heartbeat connections")
     p.add_argument("--json", default=None)

@@ -31,6 +31,7 @@ log = logging.getLogger("phoenixrun.master")
 MAX_HEAD = 64 * 1024
 MAX_BODY = 16 * 1024 * 1024
 BACKLOG = 4096                    # thousands of agents connect at once when a job starts
+WAKE_BATCH = 256                  # directive polls answered per loop iteration
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
            413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error"}
 JSON = "application/json"
@@ -219,14 +220,19 @@ class ControlServer:
             pass
 
     def _drain_wakes(self) -> None:
+        # In batches, yielding to the loop in between: a 16K-node broadcast must not hold up the
+        # heartbeats queued behind it (a late heartbeat is a false node loss).
         with self._wake_lock:
-            ids, self._to_wake = self._to_wake, set()
-            self._wake_scheduled = False
+            ids = [self._to_wake.pop() for _ in range(min(WAKE_BATCH, len(self._to_wake)))]
+            more = bool(self._to_wake)
+            self._wake_scheduled = more
         for nid in ids:
             for poll in self._polls.pop(nid, ()):
                 if poll.timer:
                     poll.timer.cancel()
                 self._answer_or_park(poll)
+        if more:
+            self.loop.call_soon(self._drain_wakes)
 
     def _answer_or_park(self, poll: _Poll) -> None:
         d = self.master.directive_now(poll.payload)

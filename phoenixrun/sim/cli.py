@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from phoenixrun.sim import model
+from phoenixrun.sim import model, scale_report
 from phoenixrun.sim.montecarlo import (
     DEFAULT_TRIALS,
     PRESETS,
@@ -25,6 +26,7 @@ from phoenixrun.sim.montecarlo import (
     load_trace,
     run,
 )
+from phoenixrun.sim.recovery_fit import FitError
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
 NON_NEGATIVE = click.FloatRange(min=0)
@@ -146,9 +148,15 @@ def _plot(path: str, name: str, mc: MonteCarloResult) -> None:
               help="Failure times, seconds since job start, one per line (replaces the Poisson process).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write a PNG of the lost time per job (needs matplotlib).")
+              help="Write a PNG of the lost time per job (needs matplotlib); with --recovery-fit, of the "
+                   "recovery phases and efficiency vs scale.")
+@click.option("--recovery-fit", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Samples of measured recovery phases (benchmarks/recovery_fit.py writes them): fit a power law "
+                   "per phase and extrapolate recovery time and efficiency to 100K GPUs, instead of the Monte Carlo.")
+@click.option("--gpu-mttf", type=POSITIVE, default=scale_report.DEFAULT_GPU_MTTF_S, show_default=True,
+              help="With --recovery-fit: per-GPU MTTF, seconds (job MTTF = this / GPUs).")
 def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: bool, plot: str | None,
-             **overrides: Any) -> None:
+             recovery_fit: Path | None, gpu_mttf: float, **overrides: Any) -> None:
     """Checkpoint-restart vs PHOENIX hot swap: closed-form efficiency and a Monte Carlo of lost time."""
     if plot is not None:
         try:
@@ -157,6 +165,9 @@ def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: b
             click.echo("Error: --plot needs matplotlib: pip install 'phoenixrun[plot]'", err=True)
             raise SystemExit(2) from None
     scenario = dataclasses.replace(PRESETS[example], **{k: v for k, v in overrides.items() if v is not None})
+    if recovery_fit is not None:
+        _scale(recovery_fit, scenario, gpu_mttf, as_json, plot)
+        return
     times = None
     if trace is not None:
         try:
@@ -173,6 +184,21 @@ def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: b
         _print_table(example, scenario, mc, trace)
     if plot is not None:
         _plot(plot, example, mc)
+        if not as_json:
+            click.echo(f"plot written to {plot}")
+
+
+def _scale(path: Path, scenario: model.Scenario, gpu_mttf: float, as_json: bool, plot: str | None) -> None:
+    try:
+        r = scale_report.build(path, scenario.t_step_s, scenario.phi, gpu_mttf)
+    except FitError as e:
+        raise click.BadParameter(str(e), param_hint="'--recovery-fit'") from None
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+    else:
+        scale_report.print_report(r)
+    if plot is not None:
+        scale_report.plot(r, path, plot)
         if not as_json:
             click.echo(f"plot written to {plot}")
 

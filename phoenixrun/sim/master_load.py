@@ -32,7 +32,7 @@ class LoadTestConfig:
     nproc_per_node: int = 4
     spares: int = 1
     heartbeat_s: float = 1.0
-    node_timeout_s: float = 3.0
+    node_timeout_s: float = 5.0
     steady_s: float = 10.0
     hb_connections: int = 1024
     phase_timeout_s: float = 300.0
