@@ -52,8 +52,13 @@ class Layout:
 
     def dp_peers(self, rank: int) -> list[int]:
         """Ranks holding the same (tp, pp) shard, in DP-ring order starting after `rank`."""
+        return list(self.iter_dp_peers(rank))
+
+    def iter_dp_peers(self, rank: int) -> Iterator[int]:
+        """dp_peers, lazily: callers that need the first match need not build a 16K-long ring."""
         c = self.coords(rank)
-        return [self.rank_of(Coords(c.pp, c.tp, (c.dp + i) % self.dp)) for i in range(1, self.dp)]
+        base = c.pp * self.tp * self.dp + c.tp
+        return (base + ((c.dp + i) % self.dp) * self.tp for i in range(1, self.dp))
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ class Master:
         self._inbox: queue.Queue[dict] = queue.Queue()
         self._progress: list[tuple[float, int]] = []
         self._progress_at = 0.0
+        self._node_step: dict[str, int | None] = {}          # node id -> its ranks' oldest newest snapshot
         self._heard: OrderedDict[str, None] = OrderedDict()   # node ids, least recently heard from first
         self._api_nodes: set[str] = set()
         self._wake = lambda node_id: None                     # the transport's: a directive is ready
@@ -189,6 +190,7 @@ class Master:
             node.snapshots = {int(k): v for k, v in p.get("snapshots", {}).items()}
             node.replicas = {int(k): v for k, v in p.get("replicas", {}).items()}
             node.protection = {int(k): v for k, v in p.get("protection", {}).items()}
+            self._node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
             if p.get("api") and not node.api:
                 node.api = True
                 self._api_nodes.add(node.node_id)
@@ -277,7 +279,7 @@ class Master:
         if now - self._progress_at < 0.5:
             return
         self._progress_at = now
-        steps = [max(s) for n in self.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
+        steps = [s for s in map(self._node_step.get, self.slots.values()) if s is not None]
         if steps:
             self._progress.append((now, min(steps)))
             self._progress = self._progress[-50:]
@@ -645,13 +647,13 @@ class Master:
             ev = self._inbox.get(timeout=timeout)
         except queue.Empty:
             return
-        self._absorb(ev)
         kind = ev.get("kind")
+        if acks and kind == acks.kind and ev.get("generation") == acks.generation:
+            acks.add(ev)   # the common case, 16K times a phase: no lock (_absorb has nothing to do for acks)
+            return
+        self._absorb(ev)
         with self.cv:
             node = self.nodes.get(ev.get("node_id", ""))
-        if acks and kind == acks.kind and ev.get("generation") == acks.generation:
-            acks.add(ev)
-            return
         if kind == "restore_failed":
             raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}")
         if node is None or node.role != Role.ACTIVE or node.slot in lost:

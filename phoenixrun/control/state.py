@@ -62,8 +62,11 @@ def admit(layout: Layout, nodes: Mapping[str, NodeRecord], started: bool,
         return Role.SPARE, None
     if taken is None:
         taken = {n.slot for n in nodes.values() if n.role == Role.ACTIVE}
-    if len(taken) >= layout.nnodes:
+    n = len(taken)
+    if n >= layout.nnodes:
         return Role.SPARE, None
+    if max(taken, default=-1) == n - 1:   # n distinct slots, none above n-1: exactly 0..n-1 (C-speed check)
+        return Role.ACTIVE, n
     free = set(range(layout.nnodes)).difference(taken)
     return (Role.ACTIVE, min(free)) if free else (Role.SPARE, None)
 
@@ -131,15 +134,25 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
             continue
         options: dict[int, tuple[str, str, int]] = {}
         holders = [by_slot[h] for h in placement.get(rank, []) if h in by_slot]
-        peers = [(p, by_slot[layout.slot_of(p)]) for p in layout.dp_peers(rank) if layout.slot_of(p) in by_slot]
-        for h in holders:
-            for step in h.replicas.get(rank, []):
-                for peer_rank, peer in peers:
-                    if step in peer.snapshots.get(peer_rank, []) and step not in options:
+        wanted = {step for h in holders for step in h.replicas.get(rank, [])}
+        any_peer = False
+        # each step: the first holder that has it, with the first DP peer (ring order) that has it;
+        # the ring is walked lazily and left as soon as every step has a source (16K-rank rings)
+        for peer_rank in layout.iter_dp_peers(rank):
+            peer = by_slot.get(layout.slot_of(peer_rank))
+            if peer is None:
+                continue
+            any_peer = True
+            have = peer.snapshots.get(peer_rank, [])
+            for h in holders:
+                for step in h.replicas.get(rank, []):
+                    if step in have and step not in options:
                         options[step] = (h.peer_addr, peer.peer_addr, peer_rank)
+            if len(options) == len(wanted):
+                break
         if not holders:
             raise PlanError(f"rank {rank}: every replica holder of its optimizer shard is lost")
-        if not peers:
+        if not any_peer:
             raise PlanError(f"rank {rank}: no surviving data-parallel peer holds its parameters")
         available[rank] = set(options)
         candidates[rank] = options

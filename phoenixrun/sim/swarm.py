@@ -111,6 +111,7 @@ class Swarm:
         n = cfg.nnodes + cfg.spares
         self.agents = [SimAgent(i, f"sim{i:05d}") for i in range(n)]
         self.step = 1
+        self.recovering = False       # from the first quiesce to the resume: no step completes (as in a job)
         self.heartbeats_ok = 0
         self.heartbeat_latency: list[float] = []
         self.errors: list[str] = []
@@ -205,7 +206,8 @@ class Swarm:
     async def _advance_steps(self) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(1.0)
-            self.step += 1
+            if not self.recovering:
+                self.step += 1
 
     async def _heartbeat_loop(self, agents: list[SimAgent], conn: HttpConnection) -> None:
         period = self.cfg.heartbeat_s
@@ -253,6 +255,7 @@ class Swarm:
             if "slot" in d:
                 a.slot = d["slot"]
             if cmd == "quiesce":
+                self.recovering = True
                 self._reports.put_nowait({"kind": "quiesced", "node_id": a.node_id, "generation": g, "slot": a.slot,
                                           **self._inventory(a), "next_step": self.step + 1})
             elif cmd == "restore":
@@ -260,6 +263,8 @@ class Swarm:
                                           "timings": {}})
             elif cmd == "run":
                 a.role = "active"
+                if d.get("resume"):
+                    self.recovering = False
             elif cmd == "stop":
                 a.alive = False
             self._arrived((cmd, g))
