@@ -46,6 +46,16 @@ class Request:
     keep_alive: bool
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed (`pip install 'phoenixrun[fast]'`): about half the CPU per request of the
+    stdlib loop, which matters at 16K heartbeats a second; the stdlib loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class RequestError(Exception):
     """The bytes on the wire are not a request we can parse: answer `code` and close."""
 
@@ -171,7 +181,7 @@ class ControlServer:
         self.master = master
         self.sock = socket.create_server((host, port), backlog=BACKLOG, reuse_port=False)
         self.server_address = self.sock.getsockname()
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.connections: set[_Connection] = set()
         self._polls: dict[str, list[_Poll]] = {}
         self._to_wake: set[str] = set()

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from phoenixrun.control.events import read_events
+from phoenixrun.control.server import new_event_loop
 from phoenixrun.sim.swarm import Swarm, SwarmConfig
 
 
@@ -63,7 +64,11 @@ def start_master(cfg: LoadTestConfig) -> tuple[subprocess.Popen, dict, str]:
 def run_load_test(cfg: LoadTestConfig) -> dict:
     proc, info, secret = start_master(cfg)
     try:
-        return asyncio.run(_drive(cfg, proc, info, secret))
+        loop = new_event_loop()   # uvloop if installed: the load generator needs the CPU as much as the master
+        try:
+            return loop.run_until_complete(_drive(cfg, proc, info, secret))
+        finally:
+            loop.close()
     finally:
         proc.kill()
         proc.wait()
