@@ -199,7 +199,7 @@ class ControlServer:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.server = self.loop.run_until_complete(
-            self.loop.create_server(lambda: _Connection(self), sock=self.sock))
+            self.loop.create_server(lambda: _Connection(self), sock=self.sock, backlog=BACKLOG))
         self._started.set()
         self.loop.run_forever()
 
