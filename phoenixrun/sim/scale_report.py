@@ -66,7 +66,7 @@ def plot(r: dict[str, Any], samples_path: Path, out: str) -> None:
         ax1.plot(grid, [f.median(n) for n in grid], color=color, label=f"{p}: {f.a:.2g} N^{f.b:.2f}")
         ax1.fill_between(grid, *zip(*(f.interval(n) for n in grid)), color=color, alpha=0.12)
     ax1.set(xscale="log", yscale="log", xlabel="GPUs (ranks)", ylabel="seconds",
-            title="recovery phases: measured (dots), fit and 95% PI")
+            title="phases: measured (dots), fit, 95% PI")
     ax1.set_ylim(1e-4, 1e3)
     ax1.legend(fontsize=7)
     rows = r["scale"]
@@ -75,9 +75,9 @@ def plot(r: dict[str, Any], samples_path: Path, out: str) -> None:
     ax2.fill_between(xs, [row["eta_lo"] for row in rows], [row["eta_hi"] for row in rows], color="tab:green",
                      alpha=0.2, label="95% prediction interval")
     measured = max(fd["n_max"] for fd in r["fits"].values())
-    ax2.axvspan(measured, max(xs), color="grey", alpha=0.1, label="extrapolation")
-    ax2.set(xscale="log", xlabel="GPUs", ylabel="efficiency eta",
-            title=f"eta = MTTF/(MTTF + T_hotswap + phi t_step), GPU MTTF {r['gpu_mttf_s']:.2g} s")
+    ax2.axvspan(measured, max(xs), color="grey", alpha=0.1, label="beyond every phase's data")
+    ax2.set(xscale="log", xlabel="GPUs", ylabel="eta = MTTF / (MTTF + T_hotswap + phi t_step)",
+            title=f"hot-swap efficiency, GPU MTTF {r['gpu_mttf_s']:.2g} s (extrapolated)")
     ax2.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
