@@ -25,6 +25,7 @@ from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
+from phoenixrun.agents.persister import PersistConfig, PersistError, Persister
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
@@ -79,6 +80,7 @@ class Agent:
         self.last_progress: dict[int, float] = {}
         self.pinged: dict[int, float] = {}
         self.error_text: dict[int, str] = {}     # a worker's own exception, sent before it exits
+        self.persister: Persister | None = None
         self.injected = InjectedHealthSource()
         self.health = [self.injected, NvmlHealthSource()]
         self._next_health_poll = 0.0
@@ -101,6 +103,10 @@ class Agent:
             return 2
         self.job = reg
         self.role, self.slot = reg["role"], reg["slot"]
+        persist_cfg = PersistConfig.from_json(reg.get("persist"))
+        if persist_cfg is not None:
+            self.persister = Persister(persist_cfg, self.slots.copy_snapshot, prefix=f"phoenixrun-{self.node_id}",
+                                       backlog=2 * self.cfg.nproc_per_node)
         log.info("agent %s registered as %s%s", self.node_id, self.role,
                  f" (slot {self.slot})" if self.slot is not None else "")
         for target in (self._poll_directives, self._heartbeat):
@@ -141,6 +147,13 @@ class Agent:
     def _cleanup(self) -> None:
         for w in list(self.workers.values()):
             w.kill_tree()
+        if self.persister is not None:
+            if self.exit_code == 128 + signal.SIGTERM and self.role == "active":
+                # preemption: what is committed goes to disk before the memory does
+                self.persister.write_now([(r, s) for r, steps in self.slots.available().items() for s in steps])
+            elif self.exit_code == 0:
+                self.persister.drain(timeout=30)    # a finished job keeps its last checkpoints
+            self.persister.close()
         self.slots.clear()
         self.channel.close()
         self.peer_server.close()
@@ -212,9 +225,17 @@ class Agent:
             with self.lock:
                 self.role = "active"
                 self._kill_all()
-                self.restore_step = None
                 self.slots.clear()
+            step = d.get("restore_step")
+            if step is not None and not self._stage_from_disk(step):
+                return
+            with self.lock:
+                self.restore_step = step
                 self.slots.frozen = self.replicas.frozen = False
+                if step is not None:
+                    self.replicas.restore_point(step)
+                    self.pending_resume = set(range(self.cfg.nproc_per_node))
+                    self.resume_timings = {}
                 self._spawn_all(rank_known=True)
         elif cmd == "quiesce":
             self._quiesce()
@@ -307,6 +328,8 @@ class Agent:
                 for lr in range(self.cfg.nproc_per_node):
                     self.slots.restore_point(self._rank(lr), step)
                 self.replicas.restore_point(step)
+                if self.persister is not None:
+                    self.persister.reset(step)
                 self.pending_resume = set(range(self.cfg.nproc_per_node))
                 self.last_progress.clear()
                 self.resume_timings = timings
@@ -325,6 +348,22 @@ class Agent:
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
             self._report({"kind": "restore_failed", "reason": str(e)})
+
+    def _stage_from_disk(self, step: int) -> bool:
+        """Fallback restart: load this node's ranks of persistent checkpoint `step` into their slots."""
+        t0 = time.time()
+        try:
+            if self.persister is None:
+                raise PersistError("this job writes no persistent checkpoints")
+            for lr in range(self.cfg.nproc_per_node):
+                self.slots.install_image(self._rank(lr), self.persister.read(step, self._rank(lr)))
+        except (PersistError, SlotError, OSError) as e:
+            log.error("cannot restore checkpoint step %d: %s", step, e)
+            self._report({"kind": "restore_failed", "reason": str(e), "persist_step": step})
+            return False
+        self.persister.reset(step)
+        log.info("staged checkpoint step %d from %s in %.2fs", step, self.persister.cfg.dir, time.time() - t0)
+        return True
 
     def _inject(self, fault: str) -> None:
         """`phoenixrun inject`: real effects where this machine allows, the injected source for hardware."""
@@ -490,6 +529,8 @@ class Agent:
         h2h = time.time() - t0
         conn.send({"op": "committed", "step": step, "h2h_s": round(h2h, 6),
                    "replicated_bytes": h.replicated_len if holders else 0})
+        if self.persister is not None:
+            self.persister.offer(rank, step)
         with self.lock:
             self.protection[rank] = {**stats, "committed_step": step, "h2h_s": round(h2h, 5),
                                      "replicated_bytes": h.replicated_len if holders else 0,

@@ -48,6 +48,10 @@ class LaunchConfig:
     collective_timeout: float = 60.0
     hang_timeout: float = 20.0
     max_local_resets: int = 3
+    persist_every: int = 0
+    persist_dir: Path | None = None
+    persist_keep: int = 2
+    max_fallbacks: int = 3
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -61,7 +65,9 @@ def master_argv(c: LaunchConfig, port: int) -> list[str]:
                     "--replicas", str(c.replicas), "--tp", str(c.tp), "--pp", str(c.pp),
                     "--max-restarts", str(c.max_restarts), "--node-timeout", str(c.node_timeout),
                     "--spare-wait", str(c.spare_wait), "--recovery-timeout", str(c.recovery_timeout),
-                    "--max-local-resets", str(c.max_local_resets)]
+                    "--max-local-resets", str(c.max_local_resets), "--persist-every", str(c.persist_every),
+                    "--persist-keep", str(c.persist_keep), "--max-fallbacks", str(c.max_fallbacks)] + \
+        (["--persist-dir", str(c.persist_dir)] if c.persist_dir else [])
 
 
 def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:

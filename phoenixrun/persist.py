@@ -73,15 +73,13 @@ def newest_complete(root: Path, world_size: int, exclude: Iterable[int] = ()) ->
     return steps[-1] if steps else None
 
 
-def prune_targets(on_disk: dict[int, set[int]], world_size: int, keep: int, ranks: Iterable[int]) -> list[tuple[int, int]]:
-    """(step, rank) directories of `ranks` that are no longer needed: anything older than the
-    `keep`-th newest complete step. Incomplete steps newer than that stay (they may complete)."""
+def prune_targets(on_disk: dict[int, set[int]], world_size: int, keep: int) -> list[int]:
+    """Steps no longer needed: older than the `keep`-th newest complete step (complete or not).
+    Incomplete steps newer than that stay: they may still complete."""
     done = complete_steps(on_disk, world_size)
     if len(done) < keep or keep <= 0:
         return []
-    floor = done[-keep]
-    mine = set(ranks)
-    return sorted((s, r) for s, rs in on_disk.items() if s < floor for r in rs & mine)
+    return sorted(s for s in on_disk if s < done[-keep])
 
 
 # ---------------------------------------------------------------------------- slot image <-> DCP
@@ -183,9 +181,10 @@ def read_rank(root: Path, step: int, rank: int) -> bytearray:
     return image
 
 
-def remove_rank(root: Path, step: int, rank: int) -> None:
-    shutil.rmtree(rank_dir(root, step, rank), ignore_errors=True)
-    try:
-        step_dir(root, step).rmdir()     # the last rank out removes the step
-    except OSError:
-        pass
+def prune(root: Path, world_size: int, keep: int) -> list[int]:
+    """Remove the steps older than the `keep` newest complete ones. Any agent may do it (they are
+    garbage for every rank); concurrent removals of the same directory are harmless."""
+    targets = prune_targets(ranks_on_disk(root), world_size, keep)
+    for step in targets:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+    return targets

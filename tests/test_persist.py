@@ -113,6 +113,16 @@ def test_newest_complete_reads_the_directory(tmp_path):
 def test_prune_keeps_the_newest_complete_and_anything_newer():
     on_disk = {10: {0, 1}, 20: {0, 1}, 30: {0, 1}, 35: {0}, 5: {1}}
     # keep 2: steps 20 and 30 stay, 35 (incomplete, may still complete) stays, 10 and 5 go
-    assert persist.prune_targets(on_disk, 2, keep=2, ranks=[0, 1]) == [(5, 1), (10, 0), (10, 1)]
-    assert persist.prune_targets(on_disk, 2, keep=2, ranks=[0]) == [(10, 0)]   # only this node's ranks
-    assert persist.prune_targets({10: {0}}, 2, keep=1, ranks=[0]) == []        # nothing complete yet
+    assert persist.prune_targets(on_disk, 2, keep=2) == [5, 10]
+    assert persist.prune_targets(on_disk, 2, keep=3) == [5]
+    assert persist.prune_targets({10: {0}}, 2, keep=1) == []        # nothing complete yet: keep everything
+
+
+def test_prune_removes_old_steps_with_their_leftovers(tmp_path):
+    for step in (10, 20, 30):
+        for r in (0, 1):
+            persist.rank_dir(tmp_path, step, r).mkdir(parents=True)
+    persist.rank_dir(tmp_path, 10, 0).with_name("rank_00000.tmp-9").mkdir()   # a write cut short
+    assert persist.prune(tmp_path, 2, keep=2) == [10]
+    assert sorted(persist.ranks_on_disk(tmp_path)) == [20, 30]
+    assert not persist.step_dir(tmp_path, 10).exists()

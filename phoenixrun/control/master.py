@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from phoenixrun import auth
+from phoenixrun import auth, persist
 from phoenixrun.control import metrics
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit,
@@ -51,6 +51,10 @@ class MasterConfig:
     correlation_window: float = 0.5
     max_local_resets: int = 3
     fault_domains: dict[int, str] = field(default_factory=dict)
+    persist_dir: Path | None = None    # persistent checkpoints (written by the agents); None: none
+    persist_every: int = 0
+    persist_keep: int = 2
+    max_fallbacks: int = 3             # restarts from a persistent checkpoint before giving up
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
@@ -61,6 +65,10 @@ SEVERITY = {Action.EXTERNAL_FALLBACK: 0, Action.NODE_REPLACE: 1, Action.LOCAL_RE
 
 class Cascade(Exception):
     """A new fault arrived while a recovery was in flight: start over at QUIESCE."""
+
+    def __init__(self, reason: str, event: dict | None = None):
+        super().__init__(reason)
+        self.event = event or {}
 
 
 class Stop(Exception):
@@ -85,6 +93,8 @@ class Master:
         self.phase = Phase.WAITING
         self.restart_count = 0
         self.recoveries = 0
+        self.fallbacks = 0
+        self.bad_checkpoints: set[int] = set()   # steps whose persistent checkpoint failed to load
         self.exit_code: int | None = None
         self.reason = ""
         self.api_mode = False
@@ -150,7 +160,7 @@ class Master:
             return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id,
                     "store_port": self.store_port, "nnodes": self.cfg.nnodes,
                     "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
-                    "max_restarts": self.cfg.max_restarts}
+                    "max_restarts": self.cfg.max_restarts, "persist": self._persist_json()}
 
     def heartbeat(self, p: dict) -> dict:
         with self.cv:
@@ -230,6 +240,12 @@ class Master:
         self._directives[node_id] = d
         self.cv.notify_all()
 
+    def _persist_json(self) -> dict | None:
+        if self.cfg.persist_dir is None:
+            return None
+        return {"dir": str(self.cfg.persist_dir), "every": self.cfg.persist_every, "keep": self.cfg.persist_keep,
+                "world_size": self.layout.world_size}
+
     def _api_mode(self) -> bool:
         """The job's workers use the phoenixrun API (hot swap possible). Decided once every initial
         node has reported it; spares run the same script, so a promotion does not change it."""
@@ -290,17 +306,23 @@ class Master:
 
     def _wait_for_start(self) -> None:
         while True:
-            ev = self._inbox.get()
-            self._absorb(ev)
+            self._absorb(self._inbox.get())
             with self.cv:
                 if len(self.slots) == self.cfg.nnodes:
-                    self.phase = Phase.RUNNING
-                    for slot, nid in self.slots.items():
-                        self._set_directive(nid, command="run", slot=slot, restart_count=0,
-                                            world=self._world(), restore_step=None)
-                    self.events.emit("job_started", self.generation, world_size=self.layout.world_size,
-                                     slots={s: n for s, n in self.slots.items()})
-                    return
+                    break
+        with self.cv:
+            self.phase = Phase.RUNNING
+            self.events.emit("job_started", self.generation, world_size=self.layout.world_size,
+                             slots={s: n for s, n in self.slots.items()})
+            resume = self._newest_checkpoint()
+            if resume is None:
+                for slot, nid in self.slots.items():
+                    self._set_directive(nid, command="run", slot=slot, restart_count=0,
+                                        world=self._world(), restore_step=None)
+                return
+        # a run directory with checkpoints: resume the job from the newest complete one
+        if not self._fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
+            raise Stop(1, f"cannot resume from the checkpoints in {self.cfg.persist_dir}")
 
     def _absorb(self, ev: dict) -> None:
         """Bookkeeping any event needs whatever the phase; faults are left to the caller."""
@@ -426,7 +448,10 @@ class Master:
             api = self._api_mode()
         failing_code = _exit_code(ev)
         if verdict.action == Action.EXTERNAL_FALLBACK:
-            raise Stop(failing_code or 1, f"{verdict.reason} (rank {ev.get('rank')} on slot {node.slot})")
+            why = f"{verdict.reason} (rank {ev.get('rank')} on slot {node.slot})"
+            if api and self._fallback(set(), why):
+                return
+            raise Stop(failing_code or 1, why)
         lost = {node.slot} if verdict.action == Action.NODE_REPLACE else set()
         if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
             # the node is still up but must go: fence it (its agent kills its workers and exits)
@@ -492,6 +517,57 @@ class Master:
                 self._pump(min(0.5, max(0.01, deadline - time.time())), lost)
         return out
 
+    # ---------------------------------------------------------------- persistent fallback
+    def _newest_checkpoint(self) -> int | None:
+        if self.cfg.persist_dir is None:
+            return None
+        return persist.newest_complete(self.cfg.persist_dir, self.layout.world_size, exclude=self.bad_checkpoints)
+
+    def _fallback(self, lost: set[int], reason: str, counted: bool = True) -> bool:
+        """Restart every worker from the newest complete persistent checkpoint (spares fill `lost`).
+
+        For what in-memory recovery cannot cover: the owner of a shard and all its replica holders
+        lost together, or a fault class that must not be hot-swapped around. A checkpoint that fails
+        to load (checksum) is never resumed from: the next older one is tried. False: nothing to
+        fall back to (no checkpoint, or --max-fallbacks used up)."""
+        if counted and self.fallbacks >= self.cfg.max_fallbacks:
+            return False
+        t0 = time.time()
+        for _ in range(5):
+            step = self._newest_checkpoint()
+            if step is None:
+                return False
+            self._replace_slots(lost)
+            lost.clear()
+            with self.cv:
+                self.generation += 1
+                g = self.generation
+                self.fallbacks += counted
+                self.restart_count += 1
+                self.phase = Phase.RESTORE
+                self.done_nodes.clear()
+                self.events.emit("fallback_restart", g, restore_step=step, reason=reason, fallbacks=self.fallbacks,
+                                 checkpoint=str(persist.step_dir(self.cfg.persist_dir, step)))
+                for slot, nid in self.slots.items():
+                    self._set_directive(nid, command="restart", slot=slot, restart_count=self.restart_count,
+                                        world=self._world(), restore_step=step)
+            resumed: dict[str, dict] = {}
+            try:
+                self._wait_event(lambda: all(nid in resumed for nid in self.slots.values()),
+                                 self.cfg.recovery_timeout, lost, acks=("resumed", g, resumed))
+            except Cascade as c:
+                if c.event.get("persist_step") == step:
+                    self.bad_checkpoints.add(step)
+                    self.events.emit("checkpoint_rejected", g, step=step, reason=c.event.get("reason", ""))
+                log.warning("fallback to checkpoint step %d interrupted: %s", step, c)
+                continue
+            with self.cv:
+                self.phase = Phase.RUNNING
+                self.events.emit("fallback_done", g, restore_step=step, duration_s=round(time.time() - t0, 4))
+            self._drain_stale()
+            return True
+        raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason})")
+
     # ---------------------------------------------------------------- hot swap
     def _hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
                   failing_code: int | None) -> None:
@@ -513,8 +589,9 @@ class Master:
                     raise Stop(1, f"recovery kept failing: {c}")
             except PlanError as e:
                 self.events.emit("recovery_failed", self.generation, reason=str(e))
-                # no in-memory state to resume from: torchrun-style restart if allowed
-                self._restart(set(), failing_code, f"in-memory recovery impossible: {e}")
+                # no in-memory state to resume from: the persistent checkpoint, else torchrun-style restart
+                if not self._fallback(set(), f"in-memory recovery impossible: {e}"):
+                    self._restart(set(), failing_code, f"in-memory recovery impossible: {e}")
                 return
         with self.cv:
             self.recoveries += 1
@@ -614,7 +691,7 @@ class Master:
             acks[2][ev["node_id"]] = ev
             return
         if kind == "restore_failed":
-            raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}")
+            raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}", ev)
         if node is None or node.role != Role.ACTIVE or node.slot in lost:
             return
         if kind in ("node_lost", "left"):
