@@ -55,6 +55,7 @@ class Agent:
         self.client = ControlClient(cfg.endpoint, cfg.secret)
         self.lock = threading.RLock()
         self.directives: queue.Queue[dict] = queue.Queue()
+        self.outbox: queue.Queue[dict | None] = queue.Queue()   # reports, delivered in order, retried
         self.slots = LocalSlots(prefix=f"phoenixrun-{self.node_id}")
         self.replicas = ReplicaStore()
         self.peers = PeerClient(cfg.secret)
@@ -86,6 +87,7 @@ class Agent:
         self._next_health_poll = 0.0
         self._version = -1
         self._stop = threading.Event()
+        self._flush_deadline = float("inf")
 
     # ------------------------------------------------------------------ startup
     def run(self) -> int:
@@ -111,6 +113,8 @@ class Agent:
                  f" (slot {self.slot})" if self.slot is not None else "")
         for target in (self._poll_directives, self._heartbeat):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
+        self._sender = threading.Thread(target=self._send_reports, daemon=True, name="reports")
+        self._sender.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         try:
@@ -125,18 +129,39 @@ class Agent:
             self._cleanup()
         return self.exit_code or 0
 
-    def _register(self) -> dict:
+    def _register(self, rejoin: dict | None = None) -> dict:
         deadline = time.time() + 60
+        payload = {"node_id": self.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
+                   "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
+                   "nproc_per_node": self.cfg.nproc_per_node, "rejoin": rejoin}
         while True:
             try:
-                return self.client.post("/v1/register", {
-                    "node_id": self.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
-                    "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
-                    "nproc_per_node": self.cfg.nproc_per_node})
+                return self.client.post("/v1/register", payload)
             except ControlError:
                 if time.time() > deadline:
                     raise
                 time.sleep(0.2)
+
+    def _rejoin(self) -> None:
+        """The master restarted and does not know us: tell it what we are, so it can rebuild the job's
+        state from the agents (membership, slots, generation, snapshots)."""
+        with self.lock:
+            state = {"role": self.role, "slot": self.slot, "generation": self.generation,
+                     "restart_count": self.restart_count, "api": self.api, "world": self.world,
+                     "frozen": self.slots.frozen,
+                     "snapshots": self.slots.available(), "replicas": self.replicas.available()}
+        try:
+            reply = self._register(rejoin=state)
+        except ControlError as e:
+            log.warning("rejoin failed: %s", e)
+            return
+        if reply.get("role") == "failed":
+            log.error("the master fenced this node on rejoin: %s", reply.get("reason", "replaced"))
+            self.exit_code = 0
+            self._stop.set()
+            return
+        log.warning("rejoined a restarted master as %s%s", reply["role"],
+                    f" (slot {reply['slot']})" if reply.get("slot") is not None else "")
 
     def _on_signal(self, signum, frame) -> None:
         log.warning("agent got signal %d: stopping workers", signum)
@@ -147,6 +172,10 @@ class Agent:
     def _cleanup(self) -> None:
         for w in list(self.workers.values()):
             w.kill_tree()
+        self._flush_deadline = time.time() + 1.0     # last reports (why we left) get a moment to go out
+        self.outbox.put(None)
+        if getattr(self, "_sender", None) is not None:
+            self._sender.join(timeout=1.5)
         if self.persister is not None:
             if self.exit_code == 128 + signal.SIGTERM and self.role == "active":
                 # preemption: what is committed goes to disk before the memory does
@@ -181,21 +210,37 @@ class Agent:
                            "protection": self.protection, "api": self.api}
             try:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
+                if reply.get("error"):       # a restarted master: it learns the job from us
+                    self._rejoin()
                 for fault in reply.get("inject", []):
                     self._inject(fault)
             except ControlError as e:
+                # the master may be restarting: keep going (training does not need it), keep trying
                 log.debug("heartbeat failed: %s", e)
             self._stop.wait(self.cfg.heartbeat_interval)
 
     def _report(self, ev: dict) -> None:
-        ev = {"node_id": self.node_id, "generation": self.generation, "slot": self.slot, **ev}
-        for _ in range(3):
-            try:
-                self.client.post("/v1/report", ev)
+        """Queue a report for the master; delivered in order, retried until it gets through."""
+        self.outbox.put({"node_id": self.node_id, "generation": self.generation, "slot": self.slot,
+                         "t": time.time(), **ev})
+
+    def _send_reports(self) -> None:
+        while True:
+            ev = self.outbox.get()
+            if ev is None:
                 return
-            except ControlError as e:
-                log.warning("report %s failed: %s", ev.get("kind"), e)
-                time.sleep(0.2)
+            delay = 0.1
+            while True:
+                try:
+                    if not self.client.post("/v1/report", ev).get("error"):
+                        break
+                except ControlError as e:    # master down or restarting: a fault seen now is handled later
+                    log.debug("report %s not delivered yet: %s", ev.get("kind"), e)
+                if self._stop.is_set() and time.time() > self._flush_deadline:
+                    log.warning("report %s not delivered: the master is unreachable", ev.get("kind"))
+                    break
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     # ------------------------------------------------------------------ directives
     def _apply(self, d: dict) -> None:

@@ -103,7 +103,10 @@ class Master:
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
         self._directives: dict[str, dict] = {}
         self._injections: dict[str, list[str]] = {}
-        self._version = 0
+        # directive versions only grow, across master restarts too: agents ignore what is not newer
+        self._version = int(time.time() * 1e6)
+        self.resumed_at: float | None = None      # set when agents of a running job rejoin (master restart)
+        self._peer_hint: dict[int, str] = {}      # slot -> peer address, as the rejoining agents knew it
         self._inbox: queue.Queue[dict] = queue.Queue()
         self._progress: list[tuple[float, int]] = []
         self._stopped = threading.Event()
@@ -145,7 +148,9 @@ class Master:
     # ---------------------------------------------------------------- API handlers (HTTP threads)
     def register(self, p: dict) -> dict:
         with self.cv:
-            role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING)
+            if p.get("rejoin"):
+                return self._readmit(p, p["rejoin"])
+            role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING or bool(self.resumed_at))
             node = NodeRecord(node_id=p["node_id"], host=p["host"], agent_pid=int(p["agent_pid"]),
                               peer_addr=p["peer_addr"], fault_domain=p.get("fault_domain") or p["node_id"],
                               role=role, slot=slot)
@@ -157,10 +162,43 @@ class Master:
             if role == Role.SPARE:
                 self._set_directive(node.node_id, command="wait", warm=self._api_mode())
             self._inbox.put({"kind": "joined", "node_id": node.node_id})
-            return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id,
-                    "store_port": self.store_port, "nnodes": self.cfg.nnodes,
-                    "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
-                    "max_restarts": self.cfg.max_restarts, "persist": self._persist_json()}
+            return self._job_json(role, slot)
+
+    def _readmit(self, p: dict, r: dict) -> dict:
+        """An agent of a job already running when this master started (it restarted): rebuild the
+        job's state from what the agents report - membership, slots, generation, snapshots."""
+        nid = p["node_id"]
+        slot = r.get("slot") if r.get("role") == "active" else None
+        known = self.nodes.get(nid)
+        holder = self.slots.get(slot) if slot is not None else None
+        if (known is not None and known.role == Role.FAILED) or holder not in (None, nid):
+            reason = f"slot {slot} belongs to {holder}" if holder not in (None, nid) else "replaced while away"
+            self.events.emit("node_fenced", self.generation, node=nid, slot=slot, reason=reason)
+            return {"role": Role.FAILED.value, "slot": None, "reason": reason}
+        role = Role.ACTIVE if slot is not None else Role.SPARE
+        node = NodeRecord(node_id=nid, host=p["host"], agent_pid=int(p["agent_pid"]), peer_addr=p["peer_addr"],
+                          fault_domain=p.get("fault_domain") or nid, role=role, slot=slot, api=bool(r.get("api")))
+        node.snapshots = {int(k): v for k, v in r.get("snapshots", {}).items()}
+        node.replicas = {int(k): v for k, v in r.get("replicas", {}).items()}
+        self.nodes[nid] = node
+        if slot is not None:
+            self.slots[slot] = nid
+        self.generation = max(self.generation, int(r.get("generation", 0)))
+        self.restart_count = max(self.restart_count, int(r.get("restart_count", 0)))
+        self._peer_hint.update({int(k): v for k, v in (r.get("world") or {}).get("slots", {}).items()})
+        self.resumed_at = self.resumed_at or time.time()
+        self.events.emit("node_rejoined", self.generation, node=nid, role=role.value, slot=slot,
+                         agent_generation=int(r.get("generation", 0)), interrupted=bool(r.get("frozen")))
+        if role == Role.SPARE:
+            self._set_directive(nid, command="wait", warm=node.api)
+        self._inbox.put({"kind": "joined", "node_id": nid, "interrupted": bool(r.get("frozen"))})
+        return self._job_json(role, slot)
+
+    def _job_json(self, role: Role, slot: int | None) -> dict:
+        return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id,
+                "store_port": self.store_port, "nnodes": self.cfg.nnodes,
+                "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
+                "max_restarts": self.cfg.max_restarts, "persist": self._persist_json()}
 
     def heartbeat(self, p: dict) -> dict:
         with self.cv:
@@ -305,11 +343,24 @@ class Master:
             self._finish(70, f"master error: {e}")
 
     def _wait_for_start(self) -> None:
+        held: list[dict] = []     # reports a restarted master gets before it runs: handled once it does
         while True:
-            self._absorb(self._inbox.get())
+            try:
+                ev = self._inbox.get(timeout=0.2)
+                self._absorb(ev)
+                resumed_fault = self.resumed_at is not None and ev.get("kind") != "joined"
+                if resumed_fault or ev.get("interrupted"):
+                    held.append(ev)
+            except queue.Empty:
+                pass
             with self.cv:
                 if len(self.slots) == self.cfg.nnodes:
                     break
+                if self.resumed_at is not None and time.time() > self.resumed_at + self.cfg.node_timeout:
+                    break             # whoever has not rejoined by now is lost
+        if self.resumed_at is not None:
+            self._resume(held)
+            return
         with self.cv:
             self.phase = Phase.RUNNING
             self.events.emit("job_started", self.generation, world_size=self.layout.world_size,
@@ -323,6 +374,29 @@ class Master:
         # a run directory with checkpoints: resume the job from the newest complete one
         if not self._fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
             raise Stop(1, f"cannot resume from the checkpoints in {self.cfg.persist_dir}")
+
+    def _resume(self, held: list[dict]) -> None:
+        """Carry on a running job after a master restart. A slot nobody rejoined for lost its node
+        while the master was down: it gets a stand-in record and the usual node-lost handling."""
+        with self.cv:
+            self.phase = Phase.RUNNING
+            missing = [s for s in range(self.cfg.nnodes) if s not in self.slots]
+            api = any(n.api for n in self.nodes.values())
+            for s in missing:
+                nid = f"lost-slot{s}"
+                self.nodes[nid] = NodeRecord(node_id=nid, host="?", agent_pid=0, peer_addr=self._peer_hint.get(s, ""),
+                                             fault_domain=nid, role=Role.ACTIVE, slot=s, api=api)
+                self.slots[s] = nid
+            self.events.emit("master_recovered", self.generation, nodes=len(self.nodes) - len(missing),
+                             missing_slots=missing, restart_count=self.restart_count)
+        for s in missing:
+            self._inbox.put({"kind": "node_lost", "node_id": f"lost-slot{s}", "t": time.time(),
+                             "detail": "did not rejoin the restarted master"})
+        for ev in held:
+            if ev.get("interrupted"):   # it was mid-recovery when the master died: recover again
+                ev = {"kind": "comm_error", "node_id": ev["node_id"], "t": time.time(),
+                      "text": "recovery interrupted by a master restart"}
+            self._inbox.put(ev)
 
     def _absorb(self, ev: dict) -> None:
         """Bookkeeping any event needs whatever the phase; faults are left to the caller."""
