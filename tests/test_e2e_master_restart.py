@@ -3,6 +3,7 @@ launcher brings it back on the same endpoint, the agents rebuild its state, and 
 that is hot-swapped as usual."""
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -50,4 +51,30 @@ def test_master_killed_mid_run_training_continues_and_recovery_still_works(tmp_p
     done = by_event(ev, "recovery_done")
     assert done and done[0]["replayed_steps"] <= 1 and done[0]["t"] > starts[1]["t"]
     assert ev[0]["event"] == "master_started" and ev[-1]["event"] == "job_finished"   # one log, both masters
+    assert_identical(job.out, ref4)
+
+
+def test_a_new_node_joins_a_running_job_as_spare_and_replaces_a_failed_one(tmp_path, ref4):
+    """Spare replenishment: `phoenixrun agent` started by hand against a running job."""
+    from tests.harness import BIN, EXAMPLE, SMALL, env
+    job = launch(tmp_path, "late", nnodes=2, spares=0, steps=STEPS)
+    state = job.wait_step(3)
+    late = subprocess.Popen(
+        [str(BIN / "phoenixrun"), "agent", "--rdzv-endpoint", state["endpoint"], "--nproc-per-node", "2",
+         "--heartbeat-interval", "0.1", "--secret-file", str(job.run_dir / "secret"), "--",
+         str(EXAMPLE), "--steps", str(STEPS), "--out", str(job.out), *SMALL],   # the same script and args
+        env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        job.wait_for(lambda s: any(n["role"] == "spare" for n in s["nodes"]), what="the new node in the spare pool")
+        shown = subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(job.run_dir)],
+                               capture_output=True, text=True, env=env(), timeout=30)
+        assert shown.returncode == 0 and "spare" in shown.stdout, shown.stdout + shown.stderr
+        kill_node(job.wait_step(state["step"] + 3), 1)
+        assert job.finish() == 0, job.log()[-3000:]
+        promoted = by_event(job.events(), "spare_promoted")
+        assert promoted and promoted[0]["node"] not in {n["node_id"] for n in state["nodes"]}
+        assert late.wait(timeout=30) == 0
+    finally:
+        if late.poll() is None:
+            late.kill()
     assert_identical(job.out, ref4)
