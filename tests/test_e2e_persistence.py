@@ -50,16 +50,26 @@ def test_owner_and_replica_holder_lost_together_falls_back_to_disk(tmp_path, ref
     assert_identical(job.out, ref3)              # deterministic replay from the checkpoint's step
 
 
-def test_preempted_job_resumes_from_its_run_directory(tmp_path, ref3):
-    job = launch(tmp_path, "pre", nnodes=3, nproc=1, steps=STEPS, extra_flags=["--persist-every", "100"])
-    job.wait_step(15)
+def test_preempted_job_resumes_from_its_run_directory_skipping_a_damaged_checkpoint(tmp_path, ref3):
+    flags = ["--persist-every", "10", "--persist-keep", "3"]
+    job = launch(tmp_path, "pre", nnodes=3, nproc=1, steps=STEPS, extra_flags=flags)
+    wait_checkpoint(job, 3, at_least=20)
     job.proc.send_signal(signal.SIGTERM)         # preemption: agents persist what is committed, then exit
     assert job.proc.wait(timeout=60) != 0
-    saved = persist.newest_complete(job.run_dir / "checkpoints", 3)
-    assert saved is not None and saved >= 15     # --persist-every 100: only SIGTERM wrote it
-    again = launch(tmp_path, "pre", nnodes=3, nproc=1, steps=STEPS, extra_flags=["--persist-every", "100"])
+    root = job.run_dir / "checkpoints"
+    newest = persist.newest_complete(root, 3)
+    older = persist.newest_complete(root, 3, exclude=[newest])
+    assert older is not None and newest > older
+    # bit rot in the newest checkpoint: one flipped byte in one rank's data file
+    data = persist.rank_dir(root, newest, 1) / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-200] ^= 0x01
+    data.write_bytes(bytes(raw))
+
+    again = launch(tmp_path, "pre", nnodes=3, nproc=1, steps=STEPS, extra_flags=flags)
     assert again.finish() == 0, again.log()[-3000:]
     ev = again.events()
+    assert [e["step"] for e in by_event(ev, "checkpoint_rejected")] == [newest]
     fb = by_event(ev, "fallback_restart")
-    assert fb and fb[-1]["restore_step"] == saved and "resuming" in fb[-1]["reason"]
-    assert_identical(again.out, ref3)
+    assert [f["restore_step"] for f in fb][-2:] == [newest, older] and "resuming" in fb[-1]["reason"]
+    assert_identical(again.out, ref3)            # never resumed from the damaged one
