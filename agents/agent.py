@@ -26,7 +26,7 @@ from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
 from phoenixrun.agents.persister import PersistConfig, PersistError, Persister
-from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
+from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError, remove_orphans
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
@@ -56,6 +56,9 @@ class Agent:
         self.lock = threading.RLock()
         self.directives: queue.Queue[dict] = queue.Queue()
         self.outbox: queue.Queue[dict | None] = queue.Queue()   # reports, delivered in order, retried
+        orphans = remove_orphans(socket.gethostname())
+        if orphans:
+            log.info("removed %d snapshot files left by dead agents on this host", len(orphans))
         self.slots = LocalSlots(prefix=f"phoenixrun-{self.node_id}")
         self.replicas = ReplicaStore()
         self.peers = PeerClient(cfg.secret)
