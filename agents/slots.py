@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,29 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 class SlotError(Exception):
     pass
+
+
+def remove_orphans(host: str) -> list[Path]:
+    """Delete the shm files of this host's agents that died without cleaning up (SIGKILL, OOM):
+    agent node ids are `<host>-<pid>-<tag>`, so a file whose agent pid is gone is garbage."""
+    removed = []
+    pattern = re.compile(rf"^phoenixrun-{re.escape(host)}-(\d+)-[0-9a-f]+-")
+    for path in SHM_DIR.glob(f"phoenixrun-{host}-*"):
+        m = pattern.match(path.name)
+        if m and not _pid_alive(int(m.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _map(path: Path, size: int, create: bool) -> mmap.mmap:
@@ -121,6 +145,28 @@ class LocalSlots:
             if rs.steps[i] == step:
                 return i
         return None
+
+    def copy_snapshot(self, rank: int, step: int) -> bytearray | None:
+        """A private copy of the sealed S_step of `rank` (for the persister), or None if it is gone.
+        Copied without holding the lock; valid only if no writer was handed the slot meanwhile."""
+        with self._lock:
+            rs = self._ranks.get(rank)
+            idx = None if rs is None else next((i for i in (0, 1) if rs.steps[i] == step), None)
+            if idx is None:
+                return None
+            mm = rs.maps[idx]
+        try:
+            image = bytearray(mm[:SlotHeader.unpack(mm).total_len])
+        except ValueError:      # unmapped meanwhile (slots cleared for a restart)
+            return None
+        with self._lock:
+            return image if self._ranks.get(rank) is rs and rs.steps[idx] == step else None
+
+    def install_image(self, rank: int, image: bytearray) -> None:
+        """Make a full sealed slot image (read from a persistent checkpoint) the committed snapshot."""
+        h = SlotHeader.unpack(image)
+        self.install(rank, bytes(memoryview(image)[:h.replicated_len]),
+                     bytes(memoryview(image)[h.shared_off:h.shared_off + h.shared_len]), h.step)
 
     def available(self) -> dict[int, list[int]]:
         with self._lock:
