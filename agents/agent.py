@@ -19,12 +19,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.control.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
-from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
+from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
+from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
@@ -51,12 +52,13 @@ class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        self.client = ControlClient(cfg.endpoint, cfg.secret)
+        self.cut = NetworkCut()            # partition drill: while active, this node's traffic is dropped
+        self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         self.lock = threading.RLock()
         self.directives: queue.Queue[dict] = queue.Queue()
         self.slots = LocalSlots(prefix=f"phoenixrun-{self.node_id}")
         self.replicas = ReplicaStore()
-        self.peers = PeerClient(cfg.secret)
+        self.peers = GatedPeerClient(cfg.secret, self.cut)
         self.workers: dict[int, Worker] = {}
         self.conns: dict[int, WorkerConn] = {}
         self.waiting_hello: dict[int, WorkerConn] = {}
@@ -107,6 +109,7 @@ class Agent:
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self._heal())   # ends a partition drill by hand
         try:
             while not self._stop.is_set():
                 try:
@@ -168,6 +171,9 @@ class Agent:
                            "protection": self.protection, "api": self.api}
             try:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
+                if reply.get("fenced"):
+                    self._fenced(reply)
+                    return
                 for fault in reply.get("inject", []):
                     self._inject(fault)
             except ControlError as e:
@@ -178,11 +184,19 @@ class Agent:
         ev = {"node_id": self.node_id, "generation": self.generation, "slot": self.slot, **ev}
         for _ in range(3):
             try:
-                self.client.post("/v1/report", ev)
+                reply = self.client.post("/v1/report", ev)
+                if reply.get("fenced"):
+                    self._fenced(reply)
                 return
             except ControlError as e:
                 log.warning("report %s failed: %s", ev.get("kind"), e)
                 time.sleep(0.2)
+
+    def _fenced(self, reply: dict) -> None:
+        """The master says this node was replaced: it must never rejoin. Kill the workers and exit."""
+        log.error("%s; killing this node's workers and exiting", reply.get("reason", "fenced by the master"))
+        self.exit_code = reply.get("exit_code", 0)
+        self._stop.set()
 
     # ------------------------------------------------------------------ directives
     def _apply(self, d: dict) -> None:
@@ -221,6 +235,8 @@ class Agent:
         elif cmd == "restore":
             threading.Thread(target=self._restore, args=(d,), daemon=True, name="restore").start()
         elif cmd == "stop":
+            if d.get("fenced"):
+                log.error("%s; killing this node's workers and exiting", d.get("reason"))
             self.exit_code = d.get("exit_code", 0)
             self._stop.set()
 
@@ -331,7 +347,14 @@ class Agent:
         log.warning("injecting fault %r", fault)
         with self.lock:
             workers = [w for w in self.workers.values() if w.poll() is None]
-        if fault == "crash-worker" and workers:
+            conns = [self.conns[lr] for lr in sorted(self.conns) if self.workers.get(lr) in workers]
+        if fault == "comm-timeout" and conns:
+            conns[0].send({"op": "abort_comm"})     # its collectives fail for real; the node stays healthy
+        elif fault == "nan" and conns:
+            conns[0].send({"op": "poison_loss"})    # its next job.observe_loss() sees NaN
+        elif fault == "partition" or fault.startswith("partition:"):
+            self._partition(float(fault.partition(":")[2] or 0) or None, conns)
+        elif fault == "crash-worker" and workers:
             os.kill(workers[0].pid, signal.SIGKILL)
         elif fault == "hang" and workers:
             os.kill(workers[0].pid, signal.SIGSTOP)
@@ -345,6 +368,30 @@ class Agent:
             self.injected.inject(Signal(kind="ecc_uncorrectable", node=self.slot, detail="injected"))
         else:
             log.error("cannot inject %r here", fault)
+
+    def _partition(self, seconds: float | None, conns: list[WorkerConn]) -> None:
+        """Drop this node's traffic (agents/partition.py); it comes back after `seconds` (None: never)."""
+        log.warning("partition drill: dropping this node's traffic%s",
+                    f" for {seconds:g}s" if seconds else f" until kill -USR1 {os.getpid()}")
+        self.cut.start()
+        self.peer_server.suspend()
+        self.peers.drop_all()
+        for conn in conns:                         # the node-local channel still works
+            conn.send({"op": "abort_comm"})
+        if seconds:
+            t = threading.Timer(seconds, self._heal)
+            t.daemon = True
+            t.start()
+
+    def _heal(self) -> None:
+        if self._stop.is_set() or not self.cut.active:
+            return
+        try:
+            self.peer_server.resume()
+        except OSError as e:                       # the port was taken meanwhile: peers cannot reach us
+            log.warning("partition healed but the peer server cannot listen again: %s", e)
+        self.cut.heal()
+        log.warning("partition drill over: this node's traffic flows again")
 
     def _poll_health(self) -> None:
         if time.time() < self._next_health_poll:
@@ -457,6 +504,10 @@ class Agent:
                           "step": msg.get("step"), "t": time.time()})
         elif op in ("progress", "pong"):
             pass
+        elif op == "nan_loss":   # the script handed a non-finite loss to job.observe_loss()
+            self.error_text[conn.local_rank] = msg.get("text", "")
+            self._report({"kind": "nan_loss", "rank": self._rank(conn.local_rank), "text": msg.get("text", ""),
+                          "step": msg.get("step"), "t": time.time()})
         elif op == "error":   # the script's own exception, before the worker exits: report it now
             self.error_text[conn.local_rank] = msg.get("text", "")
             self._report({"kind": "worker_error", "rank": self._rank(conn.local_rank), "text": msg.get("text", ""),

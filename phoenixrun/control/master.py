@@ -24,7 +24,7 @@ from pathlib import Path
 from phoenixrun import auth
 from phoenixrun.control import metrics
 from phoenixrun.control.events import EventLog
-from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit,
+from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit, fence_reply,
                                       pick_spare, plan_recovery)
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
 from phoenixrun.topology import Layout, place_replicas
@@ -54,7 +54,7 @@ class MasterConfig:
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
-ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error")
+ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error", "nan_loss")
 # which decision of an incident is carried out first
 SEVERITY = {Action.EXTERNAL_FALLBACK: 0, Action.NODE_REPLACE: 1, Action.LOCAL_RESET: 2}
 
@@ -97,6 +97,7 @@ class Master:
         self._inbox: queue.Queue[dict] = queue.Queue()
         self._progress: list[tuple[float, int]] = []
         self._stopped = threading.Event()
+        self._fenced: set[str] = set()           # replaced nodes already told to go (one event each)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -135,6 +136,9 @@ class Master:
     # ---------------------------------------------------------------- API handlers (HTTP threads)
     def register(self, p: dict) -> dict:
         with self.cv:
+            fenced = self._fence(p.get("node_id", ""), "register")
+            if fenced:
+                return fenced
             role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING)
             node = NodeRecord(node_id=p["node_id"], host=p["host"], agent_pid=int(p["agent_pid"]),
                               peer_addr=p["peer_addr"], fault_domain=p.get("fault_domain") or p["node_id"],
@@ -157,6 +161,9 @@ class Master:
             node = self.nodes.get(p.get("node_id", ""))
             if node is None:
                 return {"error": "unknown node: register first"}
+            fenced = self._fence(node.node_id, "heartbeat")
+            if fenced:
+                return fenced
             node.last_heartbeat = time.time()
             node.worker_pids = list(p.get("worker_pids", []))
             node.snapshots = {int(k): v for k, v in p.get("snapshots", {}).items()}
@@ -184,6 +191,10 @@ class Master:
     def report(self, p: dict) -> dict:
         if p.get("node_id") not in self.nodes:
             return {"error": "unknown node"}
+        with self.cv:
+            fenced = self._fence(p["node_id"], "report")
+        if fenced:
+            return fenced
         p.setdefault("t", time.time())
         self._inbox.put(p)
         return {"ok": True}
@@ -193,6 +204,9 @@ class Master:
         timeout = min(float(p.get("timeout", 10.0)), 30.0)
         deadline = time.time() + timeout
         with self.cv:
+            fenced = self._fence(node_id, "directive")
+            if fenced:
+                return {**fenced, "version": known + 1, "generation": self.generation}
             if known >= 0 and node_id in self._directives and self._directives[node_id]["version"] == known:
                 self._directives[node_id]["acked"] = True
                 self.cv.notify_all()
@@ -224,6 +238,15 @@ class Master:
             }
 
     # ---------------------------------------------------------------- helpers (call with self.cv held)
+    def _fence(self, node_id: str, via: str) -> dict | None:
+        """Fencing on rejoin: a node that was replaced gets only a stop order, whatever it asked."""
+        reply = fence_reply(self.nodes.get(node_id))
+        if reply is not None and node_id not in self._fenced:
+            self._fenced.add(node_id)
+            log.warning("node %s contacted the master (%s) after it was replaced: fenced", node_id, via)
+            self.events.emit("node_fenced", self.generation, node=node_id, via=via, reason=reply["reason"])
+        return reply
+
     def _set_directive(self, node_id: str, **d) -> None:
         self._version += 1
         d.update(version=self._version, generation=self.generation, acked=False)
@@ -334,8 +357,8 @@ class Master:
             return
         incident = self._incident(ev)
         if incident is not None:
-            node, ev, verdict = incident
-            self._handle_fault(node, ev, verdict)
+            node, ev, verdict, context = incident
+            self._handle_fault(node, ev, verdict, context)
 
     def _signal_of(self, ev: dict, slot: int | None) -> Signal:
         kind = ev.get("kind")
@@ -345,6 +368,9 @@ class Master:
             return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=ev["t"])
         if kind == "health":
             return Signal.from_dict({**ev["signal"], "node": slot})
+        if kind == "nan_loss":
+            return Signal(kind="nan_loss", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
+                          timestamp=ev["t"])
         if kind == "worker_error":
             return Signal(kind="user_exception", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
                           timestamp=ev["t"])
@@ -357,7 +383,7 @@ class Master:
         return Signal(kind="collective_error", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
                       timestamp=ev["t"])
 
-    def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification] | None:
+    def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification, dict] | None:
         """Root cause vs symptom: gather the reports of one incident and let `faults.correlate` decide.
 
         A definite root cause (a killed worker, a lost node, an Xid...) is acted on at once, with whatever
@@ -404,7 +430,12 @@ class Master:
         ev = next(e for sig, e in pairs if sig is d.signal)
         with self.cv:
             node = self.nodes[ev["node_id"]]
-        return node, ev, d.classification
+            # recorded with the fault: how the window was decided and who reported what (nodes by id)
+            ids = {self.nodes[e["node_id"]].slot: e["node_id"] for _, e in pairs}
+        context = {"verdict": d.verdict.value,
+                   "reporters": sorted({ids[x.node] for x in corr.decisions}),
+                   "symptoms": sorted({ids[x.node] for x in corr.symptoms})}
+        return node, ev, d.classification, context
 
     def _definite(self, ev: dict) -> bool:
         with self.cv:
@@ -414,7 +445,7 @@ class Master:
         c = classify(self._signal_of(ev, node.slot), max_local_resets=self.cfg.max_local_resets)
         return c.root_cause and not c.ambiguous
 
-    def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification) -> None:
+    def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification, context: dict | None = None) -> None:
         with self.cv:
             self.fault_history.setdefault(node.slot, []).append(self._signal_of(ev, node.slot))
             node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
@@ -422,11 +453,12 @@ class Master:
                              signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
                              detail=(ev.get("detail") or ev.get("text") or "")[:300],
                              **{"class": verdict.fault_class.value}, action=verdict.action.value,
-                             kind=verdict.fault_class.value)
+                             kind=verdict.fault_class.value, step=ev.get("step"), **(context or {}))
             api = self._api_mode()
         failing_code = _exit_code(ev)
         if verdict.action == Action.EXTERNAL_FALLBACK:
-            raise Stop(failing_code or 1, f"{verdict.reason} (rank {ev.get('rank')} on slot {node.slot})")
+            what = f"{verdict.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") else verdict.reason
+            raise Stop(failing_code or 1, f"{what} (rank {ev.get('rank')} on slot {node.slot})")
         lost = {node.slot} if verdict.action == Action.NODE_REPLACE else set()
         if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
             # the node is still up but must go: fence it (its agent kills its workers and exits)
@@ -631,8 +663,15 @@ class Master:
             self.exit_code = exit_code
             self.reason = reason
             self.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED
+            # what an external restart could resume from: the newest step every rank has committed, and the
+            # newest any rank has (a non-finite step must never appear here)
+            newest = {r: max(s) for n in self.nodes.values() if n.role == Role.ACTIVE
+                      for r, s in n.snapshots.items() if s}
+            complete = len(newest) == self.layout.world_size
             self.events.emit("job_finished", self.generation, exit_code=exit_code, reason=reason,
-                             restarts=self.restart_count, recoveries=self.recoveries)
+                             restarts=self.restart_count, recoveries=self.recoveries,
+                             committed_step=min(newest.values()) if complete else None,
+                             newest_snapshot=max(newest.values(), default=None))
             for n in self.nodes.values():
                 if n.role != Role.FAILED:
                     self._set_directive(n.node_id, command="stop", exit_code=exit_code, reason=reason)
