@@ -68,6 +68,7 @@ class Agent:
         self.role = "unknown"
         self.slot: int | None = None
         self.generation = 0
+        self.store_prefix: str | None = None   # the generation's rendezvous prefix, from the master's directives
         self.restart_count = 0
         self.world: dict = {}
         self.job: dict = {}
@@ -206,6 +207,7 @@ class Agent:
         log.debug("directive %s gen %s", cmd, d.get("generation"))
         with self.lock:
             self.generation = d.get("generation", self.generation)
+            self.store_prefix = d.get("store_prefix", self.store_prefix)
             if "slot" in d:
                 self.slot = d["slot"]
             if "world" in d:
@@ -276,6 +278,7 @@ class Agent:
         return {"op": "assign", "rank": self._rank(local_rank), "local_rank": local_rank,
                 "slot": self.slot, "nnodes": self.job["nnodes"], "nproc_per_node": self.cfg.nproc_per_node,
                 "world_size": self.job["nnodes"] * self.cfg.nproc_per_node, "generation": self.generation,
+                "store_prefix": self.store_prefix,
                 "restart_count": self.restart_count, "restore_step": self.restore_step,
                 "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": self.job["store_port"],
                 "tp": self.job["tp"], "pp": self.job["pp"], "run_id": self.job["run_id"]}
@@ -337,7 +340,8 @@ class Agent:
                             self.conns[lr] = conn
                             conn.send(self._assignment(lr))
                     elif lr in self.conns:
-                        self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step})
+                        self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step,
+                                             "store_prefix": self.store_prefix})
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
             self._report({"kind": "restore_failed", "reason": str(e)})

@@ -89,3 +89,19 @@ def test_cut_fails_control_and_peer_calls_and_heal_restores_them():
 ])
 def test_inject_accepts_known_faults_only(fault, ok):
     assert valid_fault(fault) is ok
+
+
+def test_store_prefix_is_per_generation_and_not_guessable(tmp_path):
+    """Generation fencing: a generation's rendezvous prefix is known only through the master's directives, so
+    an old generation's worker cannot compute a newer one's; every directive carries the current one."""
+    a = Master(MasterConfig(run_dir=tmp_path / "a", nnodes=1, nproc_per_node=1), auth.new_secret())
+    b = Master(MasterConfig(run_dir=tmp_path / "b", nnodes=1, nproc_per_node=1), auth.new_secret())
+    assert a.store_prefix(4) == a.store_prefix(4) != a.store_prefix(5)
+    assert a.store_prefix(4) != b.store_prefix(4)       # not a function of the generation number alone
+    assert a.store_prefix(4).startswith("/phoenixrun/gen4-")
+    with a.cv:
+        a.generation = 4
+        a._set_directive("x", command="quiesce")
+    assert a._directives["x"]["store_prefix"] == a.store_prefix(4)
+    a.events.close()
+    b.events.close()

@@ -10,9 +10,12 @@ with a new generation instead of being dropped.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import queue
 import socket
 import threading
@@ -98,6 +101,7 @@ class Master:
         self._progress: list[tuple[float, int]] = []
         self._stopped = threading.Event()
         self._fenced: set[str] = set()           # replaced nodes already told to go (one event each)
+        self._prefix_key = secrets.token_bytes(16)   # never leaves the master: see store_prefix()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -247,9 +251,20 @@ class Master:
             self.events.emit("node_fenced", self.generation, node=node_id, via=via, reason=reply["reason"])
         return reply
 
+    def store_prefix(self, generation: int) -> str:
+        """Generation fencing: the store key prefix a generation's process groups rendezvous on.
+
+        It carries a token only the master can compute and only current members receive (in their directives),
+        so a worker of an older generation - a fenced node's, say - cannot join a newer generation's
+        rendezvous even if it guesses the generation number.
+        """
+        token = hmac.new(self._prefix_key, f"gen{generation}".encode(), hashlib.sha256).hexdigest()[:16]
+        return f"/phoenixrun/gen{generation}-{token}/"
+
     def _set_directive(self, node_id: str, **d) -> None:
         self._version += 1
-        d.update(version=self._version, generation=self.generation, acked=False)
+        d.update(version=self._version, generation=self.generation, store_prefix=self.store_prefix(self.generation),
+                 acked=False)
         self._directives[node_id] = d
         self.cv.notify_all()
 

@@ -174,6 +174,7 @@ class _Runtime:
         self.local_rank = local_rank
         self.master_addr, self.master_port = assign["master_addr"], int(assign["master_port"])
         self.generation = assign["generation"]
+        self.store_prefix = assign.get("store_prefix")
         self.restore_step = assign["restore_step"]
         self.timeout = timedelta(seconds=float(os.environ.get("PHOENIXRUN_COLLECTIVE_TIMEOUT", "30")))
         # a warm spare learns its identity only now: give the script what torchrun would have
@@ -222,7 +223,7 @@ class _Runtime:
                 gen.store = None
         self._retired, self._gen = [], None
 
-    def connect(self, generation: int) -> None:
+    def connect(self, generation: int, store_prefix: str | None = None) -> None:
         """Rendezvous generation `generation` (blocks until the whole world has joined)."""
         self.pg.set_backend(None)
         if self._gen is not None:
@@ -231,7 +232,9 @@ class _Runtime:
             self._retired.append(self._gen)
         self._gen = None
         self._baseline = set(_socket_inodes())
-        gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout)
+        self.store_prefix = store_prefix or self.store_prefix
+        gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout,
+                         self.store_prefix)
         self._gen, self.generation = gen, generation
         self.pg.set_backend(gen.backend)
 
@@ -400,7 +403,7 @@ class Job:
                         order["generation"], order["restore_step"])
             try:
                 t1 = time.time()
-                self.rt.connect(order["generation"])
+                self.rt.connect(order["generation"], order.get("store_prefix"))
                 t2 = time.time()
                 self._restore(order["restore_step"])
                 t3 = time.time()
