@@ -31,6 +31,10 @@ from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
 PING_GRACE_S = 1.0   # a live worker's agent-link thread answers a ping well within this
+# A worker normally acknowledges a quiesce within milliseconds (its sockets are shut down under it). One whose
+# training thread is waiting on a gloo op that was enqueued as its connections went down stays blocked until the
+# collective timeout; past this grace it is killed and restarts from this node's snapshot (a local reset).
+QUIESCE_GRACE_S = 5.0
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Agent:
         self.job: dict = {}
         self.restore_step: int | None = None
         self.pending_quiesce: set[int] = set()
+        self.quiesce_deadline = 0.0
         self.quiesced_next_step = 0          # furthest step any local worker had completed when quiesced
         self.pending_resume: set[int] = set()
         self.resume_timings: dict[str, float] = {}
@@ -288,6 +293,7 @@ class Agent:
             self.slots.frozen = self.replicas.frozen = True
             live = {lr for lr, w in self.workers.items() if w.poll() is None and lr in self.conns}
             self.pending_quiesce = set(live)
+            self.quiesce_deadline = time.time() + QUIESCE_GRACE_S
             self.quiesced_next_step = 0
             g = self.generation
             for lr in live:
@@ -409,6 +415,17 @@ class Agent:
         self._poll_health()
         now = time.time()
         with self.lock:
+            if self.slots.frozen and self.pending_quiesce and -1 not in self.pending_quiesce \
+                    and now > self.quiesce_deadline:
+                for lr in sorted(self.pending_quiesce):
+                    w = self.workers.get(lr)
+                    log.warning("rank %s did not quiesce within %.0fs (blocked in a collective): killing it; it "
+                                "restarts from this node's snapshot", w.rank if w else lr, QUIESCE_GRACE_S)
+                    self.reported_exit.add(lr)      # our doing, not a fault to report
+                    self.conns.pop(lr, None)
+                    if w is not None:
+                        w.kill_tree(grace=0.1)
+                self.pending_quiesce.clear()
             if not self.slots.frozen:   # waiting is legitimate during a recovery
                 for lr, w in list(self.workers.items()):
                     last, conn = self.last_progress.get(lr), self.conns.get(lr)
