@@ -26,6 +26,7 @@ from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerError, PeerServer
+from phoenixrun.agents.persister import PersistConfig, PersistError, Persister
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
@@ -60,6 +61,7 @@ class Agent:
         self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         self.lock = threading.RLock()
         self.directives: queue.Queue[dict] = queue.Queue()
+        self.outbox: queue.Queue[dict | None] = queue.Queue()   # reports, delivered in order, retried
         self.slots = LocalSlots(prefix=f"phoenixrun-{self.node_id}")
         self.replicas = ReplicaStore()
         self.peers = GatedPeerClient(cfg.secret, self.cut)
@@ -87,11 +89,13 @@ class Agent:
         self.last_progress: dict[int, float] = {}
         self.pinged: dict[int, float] = {}
         self.error_text: dict[int, str] = {}     # a worker's own exception, sent before it exits
+        self.persister: Persister | None = None
         self.injected = InjectedHealthSource()
         self.health = [self.injected, NvmlHealthSource()]
         self._next_health_poll = 0.0
         self._version = -1
         self._stop = threading.Event()
+        self._flush_deadline = float("inf")
 
     # ------------------------------------------------------------------ startup
     def run(self) -> int:
@@ -109,10 +113,16 @@ class Agent:
             return 2
         self.job = reg
         self.role, self.slot = reg["role"], reg["slot"]
+        persist_cfg = PersistConfig.from_json(reg.get("persist"))
+        if persist_cfg is not None:
+            self.persister = Persister(persist_cfg, self.slots.copy_snapshot, prefix=f"phoenixrun-{self.node_id}",
+                                       backlog=2 * self.cfg.nproc_per_node)
         log.info("agent %s registered as %s%s", self.node_id, self.role,
                  f" (slot {self.slot})" if self.slot is not None else "")
         for target in (self._poll_directives, self._heartbeat):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
+        self._sender = threading.Thread(target=self._send_reports, daemon=True, name="reports")
+        self._sender.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         signal.signal(signal.SIGUSR1, lambda signum, frame: self._heal())   # ends a partition drill by hand
@@ -128,18 +138,39 @@ class Agent:
             self._cleanup()
         return self.exit_code or 0
 
-    def _register(self) -> dict:
+    def _register(self, rejoin: dict | None = None) -> dict:
         deadline = time.time() + 60
+        payload = {"node_id": self.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
+                   "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
+                   "nproc_per_node": self.cfg.nproc_per_node, "rejoin": rejoin}
         while True:
             try:
-                return self.client.post("/v1/register", {
-                    "node_id": self.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
-                    "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
-                    "nproc_per_node": self.cfg.nproc_per_node})
+                return self.client.post("/v1/register", payload)
             except ControlError:
                 if time.time() > deadline:
                     raise
                 time.sleep(0.2)
+
+    def _rejoin(self) -> None:
+        """The master restarted and does not know us: tell it what we are, so it can rebuild the job's
+        state from the agents (membership, slots, generation, snapshots)."""
+        with self.lock:
+            state = {"role": self.role, "slot": self.slot, "generation": self.generation,
+                     "restart_count": self.restart_count, "api": self.api, "world": self.world,
+                     "frozen": self.slots.frozen,
+                     "snapshots": self.slots.available(), "replicas": self.replicas.available()}
+        try:
+            reply = self._register(rejoin=state)
+        except ControlError as e:
+            log.warning("rejoin failed: %s", e)
+            return
+        if reply.get("role") == "failed":
+            log.error("the master fenced this node on rejoin: %s", reply.get("reason", "replaced"))
+            self.exit_code = 0
+            self._stop.set()
+            return
+        log.warning("rejoined a restarted master as %s%s", reply["role"],
+                    f" (slot {reply['slot']})" if reply.get("slot") is not None else "")
 
     def _on_signal(self, signum, frame) -> None:
         log.warning("agent got signal %d: stopping workers", signum)
@@ -150,6 +181,17 @@ class Agent:
     def _cleanup(self) -> None:
         for w in list(self.workers.values()):
             w.kill_tree()
+        self._flush_deadline = time.time() + 1.0     # last reports (why we left) get a moment to go out
+        self.outbox.put(None)
+        if getattr(self, "_sender", None) is not None:
+            self._sender.join(timeout=1.5)
+        if self.persister is not None:
+            if self.exit_code == 128 + signal.SIGTERM and self.role == "active":
+                # preemption: what is committed goes to disk before the memory does
+                self.persister.write_now([(r, s) for r, steps in self.slots.available().items() for s in steps])
+            elif self.exit_code == 0:
+                self.persister.drain(timeout=30)    # a finished job keeps its last checkpoints
+            self.persister.close()
         self.slots.clear()
         self.channel.close()
         self.peer_server.close()
@@ -177,26 +219,44 @@ class Agent:
                            "protection": self.protection, "api": self.api}
             try:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
-                if reply.get("fenced"):
+                if reply.get("fenced"):    # replaced while it was away: never rejoin
                     self._fenced(reply)
                     return
+                if reply.get("error"):       # a restarted master: it learns the job from us
+                    self._rejoin()
                 for fault in reply.get("inject", []):
                     self._inject(fault)
             except ControlError as e:
+                # the master may be restarting: keep going (training does not need it), keep trying
                 log.debug("heartbeat failed: %s", e)
             self._stop.wait(self.cfg.heartbeat_interval)
 
     def _report(self, ev: dict) -> None:
-        ev = {"node_id": self.node_id, "generation": self.generation, "slot": self.slot, **ev}
-        for _ in range(3):
-            try:
-                reply = self.client.post("/v1/report", ev)
-                if reply.get("fenced"):
-                    self._fenced(reply)
+        """Queue a report for the master; delivered in order, retried until it gets through."""
+        self.outbox.put({"node_id": self.node_id, "generation": self.generation, "slot": self.slot,
+                         "t": time.time(), **ev})
+
+    def _send_reports(self) -> None:
+        while True:
+            ev = self.outbox.get()
+            if ev is None:
                 return
-            except ControlError as e:
-                log.warning("report %s failed: %s", ev.get("kind"), e)
-                time.sleep(0.2)
+            delay = 0.1
+            while True:
+                try:
+                    reply = self.client.post("/v1/report", ev)
+                    if reply.get("fenced"):      # replaced while it was away: never rejoin
+                        self._fenced(reply)
+                        break
+                    if not reply.get("error"):
+                        break
+                except ControlError as e:    # master down or restarting: a fault seen now is handled later
+                    log.debug("report %s not delivered yet: %s", ev.get("kind"), e)
+                if self._stop.is_set() and time.time() > self._flush_deadline:
+                    log.warning("report %s not delivered: the master is unreachable", ev.get("kind"))
+                    break
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     def _fenced(self, reply: dict) -> None:
         """The master says this node was replaced: it must never rejoin. Kill the workers and exit."""
@@ -233,9 +293,17 @@ class Agent:
             with self.lock:
                 self.role = "active"
                 self._kill_all()
-                self.restore_step = None
                 self.slots.clear()
+            step = d.get("restore_step")
+            if step is not None and not self._stage_from_disk(step):
+                return
+            with self.lock:
+                self.restore_step = step
                 self.slots.frozen = self.replicas.frozen = False
+                if step is not None:
+                    self.replicas.restore_point(step)
+                    self.pending_resume = set(range(self.cfg.nproc_per_node))
+                    self.resume_timings = {}
                 self._spawn_all(rank_known=True)
         elif cmd == "quiesce":
             self._quiesce()
@@ -332,6 +400,8 @@ class Agent:
                 for lr in range(self.cfg.nproc_per_node):
                     self.slots.restore_point(self._rank(lr), step)
                 self.replicas.restore_point(step)
+                if self.persister is not None:
+                    self.persister.reset(step)
                 self.pending_resume = set(range(self.cfg.nproc_per_node))
                 self.last_progress.clear()
                 self.resume_timings = timings
@@ -351,6 +421,22 @@ class Agent:
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
             self._report({"kind": "restore_failed", "reason": str(e)})
+
+    def _stage_from_disk(self, step: int) -> bool:
+        """Fallback restart: load this node's ranks of persistent checkpoint `step` into their slots."""
+        t0 = time.time()
+        try:
+            if self.persister is None:
+                raise PersistError("this job writes no persistent checkpoints")
+            for lr in range(self.cfg.nproc_per_node):
+                self.slots.install_image(self._rank(lr), self.persister.read(step, self._rank(lr)))
+        except (PersistError, SlotError, OSError) as e:
+            log.error("cannot restore checkpoint step %d: %s", step, e)
+            self._report({"kind": "restore_failed", "reason": str(e), "persist_step": step})
+            return False
+        self.persister.reset(step)
+        log.info("staged checkpoint step %d from %s in %.2fs", step, self.persister.cfg.dir, time.time() - t0)
+        return True
 
     def _inject(self, fault: str) -> None:
         """`phoenixrun inject`: real effects where this machine allows, the injected source for hardware."""
@@ -562,6 +648,8 @@ class Agent:
         h2h = time.time() - t0
         conn.send({"op": "committed", "step": step, "h2h_s": round(h2h, 6),
                    "replicated_bytes": h.replicated_len if holders else 0})
+        if self.persister is not None:
+            self.persister.offer(rank, step)
         with self.lock:
             self.protection[rank] = {**stats, "committed_step": step, "h2h_s": round(h2h, 5),
                                      "replicated_bytes": h.replicated_len if holders else 0,

@@ -122,6 +122,28 @@ class LocalSlots:
                 return i
         return None
 
+    def copy_snapshot(self, rank: int, step: int) -> bytearray | None:
+        """A private copy of the sealed S_step of `rank` (for the persister), or None if it is gone.
+        Copied without holding the lock; valid only if no writer was handed the slot meanwhile."""
+        with self._lock:
+            rs = self._ranks.get(rank)
+            idx = None if rs is None else next((i for i in (0, 1) if rs.steps[i] == step), None)
+            if idx is None:
+                return None
+            mm = rs.maps[idx]
+        try:
+            image = bytearray(mm[:SlotHeader.unpack(mm).total_len])
+        except ValueError:      # unmapped meanwhile (slots cleared for a restart)
+            return None
+        with self._lock:
+            return image if self._ranks.get(rank) is rs and rs.steps[idx] == step else None
+
+    def install_image(self, rank: int, image: bytearray) -> None:
+        """Make a full sealed slot image (read from a persistent checkpoint) the committed snapshot."""
+        h = SlotHeader.unpack(image)
+        self.install(rank, bytes(memoryview(image)[:h.replicated_len]),
+                     bytes(memoryview(image)[h.shared_off:h.shared_off + h.shared_len]), h.step)
+
     def available(self) -> dict[int, list[int]]:
         with self._lock:
             return {r: sorted(s for s in rs.steps if s is not None) for r, rs in self._ranks.items()}

@@ -7,7 +7,10 @@ does). It reports the median step-time ratio, the D2H and H2H times against the 
 (the paper's Fig. 9 breakdown), bytes replicated per step and host memory per rank, then grows
 the model to find the knee where the transfer no longer hides behind compute.
 
-    python benchmarks/overhead.py [--pairs 3] [--steps 40] [--sizes 256,512,1024] [--json out.json]
+With --persist-every N a third arm runs protection plus the agents' persistent checkpoints every
+N steps, so both ratios come from the same run.
+
+    python benchmarks/overhead.py [--pairs 3] [--steps 40] [--sizes 256,512,1024] [--persist-every 10]
 """
 from __future__ import annotations
 
@@ -46,18 +49,24 @@ def trimmed(xs: list[float], warmup: int) -> list[float]:
 
 
 def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: list[str], persist: list[str]) -> dict:
-    on, off, stats = [], [], []
+    """Arms: protection off, on, and (with --persist-every) on + persistent checkpoints, rotated per round."""
+    arms = [("off", False, []), ("on", True, [])] + ([("persist", True, persist)] if persist else [])
+    times: dict[str, list[float]] = {tag: [] for tag, _, _ in arms}
+    stats = []
     for i in range(pairs):
-        # alternate which goes first so drift in machine load hits both sides
-        order = [(True, "on"), (False, "off")] if i % 2 == 0 else [(False, "off"), (True, "on")]
-        for protect, tag in order:
-            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps, model, persist)
-            (on if protect else off).extend(trimmed(r["steps"], warmup))
-            stats.extend(s for s in r["stats"] if s["step"] > warmup)
+        # rotate which goes first so drift in machine load hits every arm alike
+        for tag, protect, flags in arms[i % len(arms):] + arms[:i % len(arms)]:
+            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps, model, flags)
+            times[tag].extend(trimmed(r["steps"], warmup))
+            if tag == "on":
+                stats.extend(s for s in r["stats"] if s["step"] > warmup)
     med = lambda key: statistics.median(s[key] for s in stats if s.get(key) is not None)  # noqa: E731
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
     return {
-        "model": label, "step_on_s": statistics.median(on), "step_off_s": statistics.median(off),
-        "ratio": statistics.median(on) / statistics.median(off),
+        "model": label, "step_on_s": on, "step_off_s": off, "ratio": on / off,
+        "persist_every": int(persist[1]) if persist else 0,
+        "step_persist_s": statistics.median(times["persist"]) if persist else None,
+        "ratio_persist": statistics.median(times["persist"]) / off if persist else None,
         "d2h_s": med("d2h_s"), "h2h_s": med("h2h_s"), "window_s": med("window_s"), "stall_s": med("stall_s"),
         "replicated_bytes_per_rank": med("replicated_bytes"), "slot_bytes": med("slot_bytes"),
         # host memory per rank: two local slots + (k=1) two receive buffers for the peer's replicated part
@@ -73,7 +82,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--sizes", default="256,512,768", help="d_model values: the first is the default config")
     p.add_argument("--knee-pairs", type=int, default=1)
-    p.add_argument("--persist-every", type=int, default=0, help="also pass --persist-every N (if supported)")
+    p.add_argument("--persist-every", type=int, default=0,
+                   help="add a third arm: protection on + persistent checkpoints every N steps")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     persist = ["--persist-every", str(args.persist_every)] if args.persist_every else []
@@ -90,12 +100,17 @@ def main() -> int:
     knee = next((r["model"] for r in rows if r["d2h_s"] + r["h2h_s"] > r["window_s"]), None)
     print(f"default config ratio {rows[0]['ratio']:.3f} (goal <= 1.02); transfer stops hiding behind compute at: "
           f"{knee or 'not reached up to d_model ' + args.sizes.split(',')[-1]}")
+    if args.persist_every:
+        print(f"with --persist-every {args.persist_every}: ratio {rows[0]['ratio_persist']:.3f} "
+              f"(vs {rows[0]['ratio']:.3f} without persistence, same run)")
     return 0
 
 
 def _fmt(r: dict) -> str:
+    persist = (f" (+ persist every {r['persist_every']}: {1000 * r['step_persist_s']:.1f} ms = ratio "
+               f"{r['ratio_persist']:.3f})" if r["persist_every"] else "")
     return (f"{r['model']}: step on {1000 * r['step_on_s']:.1f} ms / off {1000 * r['step_off_s']:.1f} ms = "
-            f"ratio {r['ratio']:.3f}; d2h {1000 * r['d2h_s']:.2f} ms, h2h {1000 * r['h2h_s']:.2f} ms vs compute "
+            f"ratio {r['ratio']:.3f}{persist}; d2h {1000 * r['d2h_s']:.2f} ms, h2h {1000 * r['h2h_s']:.2f} ms vs compute "
             f"window {1000 * r['window_s']:.1f} ms (exposed stall {1000 * r['stall_s']:.2f} ms); replicated "
             f"{r['replicated_bytes_per_rank'] / 1e6:.2f} MB/rank/step; host memory {r['host_bytes_per_rank'] / 1e6:.1f}"
             f" MB/rank for {r['state_bytes_per_rank'] / 1e6:.1f} MB of state")

@@ -102,6 +102,30 @@ def _timeouts(f):
     return f
 
 
+def _persistence(f):
+    for opt in reversed([
+        _opt("--persist-every", type=click.IntRange(min=0), default=0, show_default=True,
+             help="Agents write each rank's committed snapshot to --persist-dir every N steps, in the "
+                  "background (0: only when an agent gets SIGTERM). The fallback when in-memory recovery "
+                  "is impossible, and what a job started on the same directory resumes from."),
+        _opt("--persist-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+             help="Persistent checkpoints (DCP format, one directory per step) [default: RUN_DIR/checkpoints "
+                  "when --persist-every is set]. Must be reachable from every node."),
+        _opt("--persist-keep", type=click.IntRange(min=1), default=2, show_default=True,
+             help="Complete checkpoints kept; older ones are pruned."),
+        _opt("--max-fallbacks", type=click.IntRange(min=0), default=3, show_default=True,
+             help="Restarts from the persistent checkpoint before the job gives up."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) -> Path | None:
+    if persist_dir is not None:
+        return persist_dir.resolve()
+    return (run_dir / "checkpoints").resolve() if persist_every else None
+
+
 @click.command("phoenixrun", context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
                epilog="Subcommands: phoenixrun master|agent|status|simulate --help")
 @_opt("--nnodes", default="1", show_default=True, env="PET_NNODES", help="Active nodes (N; N:N also accepted).")
@@ -142,11 +166,13 @@ def _timeouts(f):
 @_opt("--collective-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
       help="Timeout of the workers' process groups (keep it above --hang-timeout).")
 @_timeouts
+@_persistence
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf, max_restarts,
            node_rank, master_addr, master_port, local_addr, log_dir, tee, redirects, monitor_interval, module, no_python,
            spares, run_dir, replicas, tp, pp, fault_domain, collective_timeout, heartbeat_interval, node_timeout,
-           hang_timeout, spare_wait, recovery_timeout, max_local_resets, entry):
+           hang_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
+           max_fallbacks, entry):
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
     from phoenixrun.launcher import LaunchConfig, run
     from phoenixrun.topology import Layout
@@ -171,18 +197,20 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
         raise click.BadParameter(f"{replicas} replicas need at least {replicas + 1} nodes (have {n})",
                                  param_hint="--replicas")
     run_id = rdzv_id or ("standalone-" + uuid.uuid4().hex[:8] if standalone else "phoenixrun")
+    run_dir = run_dir or Path(".phoenixrun") / run_id
     endpoint = rdzv_endpoint or f"{master_addr}:{master_port}"
     cfg = LaunchConfig(
         nnodes=n, nproc_per_node=nproc, entry=list(entry), module=module, no_python=no_python,
-        standalone=standalone, spares=spares, run_dir=run_dir or Path(".phoenixrun") / run_id, run_id=run_id,
+        standalone=standalone, spares=spares, run_dir=run_dir, run_id=run_id,
         endpoint=None if standalone else endpoint, node_rank=node_rank,
         host="127.0.0.1" if standalone else endpoint.rsplit(":", 1)[0],
         local_addr="127.0.0.1" if standalone else (local_addr or _this_host()), replicas=min(replicas, max(0, n - 1)),
         tp=tp, pp=pp, max_restarts=max_restarts, fault_domain=fault_domain, log_dir=log_dir,
         tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval, node_timeout=node_timeout,
         spare_wait=spare_wait, recovery_timeout=recovery_timeout, collective_timeout=collective_timeout,
-        hang_timeout=hang_timeout,
-        max_local_resets=max_local_resets)
+        hang_timeout=hang_timeout, max_local_resets=max_local_resets, persist_every=persist_every,
+        persist_dir=_persist_dir(persist_dir, persist_every, run_dir), persist_keep=persist_keep,
+        max_fallbacks=max_fallbacks)
     sys.exit(run(cfg))
 
 
@@ -207,8 +235,10 @@ def commands():
 @_opt("--spare-wait", type=click.FloatRange(min=0), default=30.0)
 @_opt("--recovery-timeout", type=click.FloatRange(min=1), default=60.0)
 @_opt("--max-local-resets", type=click.IntRange(min=0), default=3)
+@_persistence
 def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port, replicas, tp, pp, max_restarts,
-               node_timeout, spare_wait, recovery_timeout, max_local_resets):
+               node_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
+               max_fallbacks):
     """Run the rendezvous master (control plane) in the foreground."""
     from phoenixrun.control.master import Master, MasterConfig
     _logging()
@@ -219,7 +249,9 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
         cfg = MasterConfig(run_dir=run_dir, nnodes=nnodes, nproc_per_node=nproc_per_node, run_id=rdzv_id, tp=tp,
                            pp=pp, replicas=replicas, max_restarts=max_restarts, host=host, port=port,
                            store_port=store_port, node_timeout=node_timeout, spare_wait=spare_wait,
-                           recovery_timeout=recovery_timeout, max_local_resets=max_local_resets)
+                           recovery_timeout=recovery_timeout, max_local_resets=max_local_resets,
+                           persist_dir=_persist_dir(persist_dir, persist_every, run_dir), persist_every=persist_every,
+                           persist_keep=persist_keep, max_fallbacks=max_fallbacks)
         m = Master(cfg, secret)
         m.start()
     except (ValueError, OSError) as e:

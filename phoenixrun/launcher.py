@@ -48,7 +48,14 @@ class LaunchConfig:
     collective_timeout: float = 60.0
     hang_timeout: float = 20.0
     max_local_resets: int = 3
+    persist_every: int = 0
+    persist_dir: Path | None = None
+    persist_keep: int = 2
+    max_fallbacks: int = 3
     extra_env: dict[str, str] = field(default_factory=dict)
+
+
+MAX_MASTER_RESTARTS = 10
 
 
 def _py() -> list[str]:
@@ -61,7 +68,9 @@ def master_argv(c: LaunchConfig, port: int) -> list[str]:
                     "--replicas", str(c.replicas), "--tp", str(c.tp), "--pp", str(c.pp),
                     "--max-restarts", str(c.max_restarts), "--node-timeout", str(c.node_timeout),
                     "--spare-wait", str(c.spare_wait), "--recovery-timeout", str(c.recovery_timeout),
-                    "--max-local-resets", str(c.max_local_resets)]
+                    "--max-local-resets", str(c.max_local_resets), "--persist-every", str(c.persist_every),
+                    "--persist-keep", str(c.persist_keep), "--max-fallbacks", str(c.max_fallbacks)] + \
+        (["--persist-dir", str(c.persist_dir)] if c.persist_dir else [])
 
 
 def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
@@ -150,10 +159,24 @@ def run(c: LaunchConfig) -> int:
             domain = c.fault_domain or (f"local{i}" if c.standalone else "")
             agents.append(procs.start(agent_argv(c, endpoint, domain), env))
         watched = master if master is not None else agents[0]
-        while watched.poll() is None and stop["sig"] is None:
-            time.sleep(0.1)
-        if stop["sig"] is not None:
-            return 128 + stop["sig"]
+        master_restarts = 0
+        while True:
+            while watched.poll() is None and stop["sig"] is None:
+                time.sleep(0.1)
+            if stop["sig"] is not None:
+                return 128 + stop["sig"]
+            if master is None or master.returncode >= 0 or master_restarts >= MAX_MASTER_RESTARTS:
+                break
+            # the master was killed, not finished: the job runs on without it; bring it back on the
+            # same endpoint and store port, where the agents rebuild its state by rejoining
+            master_restarts += 1
+            print(f"phoenixrun: the master died (signal {-master.returncode}); restarting it on {endpoint} "
+                  f"({master_restarts}/{MAX_MASTER_RESTARTS})", file=sys.stderr, flush=True)
+            time.sleep(min(5.0, 0.5 * master_restarts))
+            master = procs.start(master_argv(c, int(endpoint.rsplit(":", 1)[1])) +
+                                 ["--store-port", str(info["store_port"])], env)
+            info = wait_for_master(c.run_dir, master)
+            watched = master
         if master is not None:
             # agents exit once they read the stop directive; give them a moment
             for a in agents:

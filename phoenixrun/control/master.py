@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from phoenixrun import auth
+from phoenixrun import auth, persist
 from phoenixrun.control import metrics
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit, fence_reply,
@@ -54,6 +54,10 @@ class MasterConfig:
     correlation_window: float = 0.5
     max_local_resets: int = 3
     fault_domains: dict[int, str] = field(default_factory=dict)
+    persist_dir: Path | None = None    # persistent checkpoints (written by the agents); None: none
+    persist_every: int = 0
+    persist_keep: int = 2
+    max_fallbacks: int = 3             # restarts from a persistent checkpoint before giving up
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
@@ -64,6 +68,10 @@ SEVERITY = {Action.EXTERNAL_FALLBACK: 0, Action.NODE_REPLACE: 1, Action.LOCAL_RE
 
 class Cascade(Exception):
     """A new fault arrived while a recovery was in flight: start over at QUIESCE."""
+
+    def __init__(self, reason: str, event: dict | None = None):
+        super().__init__(reason)
+        self.event = event or {}
 
 
 class Stop(Exception):
@@ -88,6 +96,8 @@ class Master:
         self.phase = Phase.WAITING
         self.restart_count = 0
         self.recoveries = 0
+        self.fallbacks = 0
+        self.bad_checkpoints: set[int] = set()   # steps whose persistent checkpoint failed to load
         self.exit_code: int | None = None
         self.reason = ""
         self.api_mode = False
@@ -96,7 +106,10 @@ class Master:
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
         self._directives: dict[str, dict] = {}
         self._injections: dict[str, list[str]] = {}
-        self._version = 0
+        # directive versions only grow, across master restarts too: agents ignore what is not newer
+        self._version = int(time.time() * 1e6)
+        self.resumed_at: float | None = None      # set when agents of a running job rejoin (master restart)
+        self._peer_hint: dict[int, str] = {}      # slot -> peer address, as the rejoining agents knew it
         self._inbox: queue.Queue[dict] = queue.Queue()
         self._progress: list[tuple[float, int]] = []
         self._stopped = threading.Event()
@@ -143,7 +156,9 @@ class Master:
             fenced = self._fence(p.get("node_id", ""), "register")
             if fenced:
                 return fenced
-            role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING)
+            if p.get("rejoin"):
+                return self._readmit(p, p["rejoin"])
+            role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING or bool(self.resumed_at))
             node = NodeRecord(node_id=p["node_id"], host=p["host"], agent_pid=int(p["agent_pid"]),
                               peer_addr=p["peer_addr"], fault_domain=p.get("fault_domain") or p["node_id"],
                               role=role, slot=slot)
@@ -155,10 +170,43 @@ class Master:
             if role == Role.SPARE:
                 self._set_directive(node.node_id, command="wait", warm=self._api_mode())
             self._inbox.put({"kind": "joined", "node_id": node.node_id})
-            return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id,
-                    "store_port": self.store_port, "nnodes": self.cfg.nnodes,
-                    "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
-                    "max_restarts": self.cfg.max_restarts}
+            return self._job_json(role, slot)
+
+    def _readmit(self, p: dict, r: dict) -> dict:
+        """An agent of a job already running when this master started (it restarted): rebuild the
+        job's state from what the agents report - membership, slots, generation, snapshots."""
+        nid = p["node_id"]
+        slot = r.get("slot") if r.get("role") == "active" else None
+        known = self.nodes.get(nid)
+        holder = self.slots.get(slot) if slot is not None else None
+        if (known is not None and known.role == Role.FAILED) or holder not in (None, nid):
+            reason = f"slot {slot} belongs to {holder}" if holder not in (None, nid) else "replaced while away"
+            self.events.emit("node_fenced", self.generation, node=nid, slot=slot, reason=reason)
+            return {"role": Role.FAILED.value, "slot": None, "reason": reason}
+        role = Role.ACTIVE if slot is not None else Role.SPARE
+        node = NodeRecord(node_id=nid, host=p["host"], agent_pid=int(p["agent_pid"]), peer_addr=p["peer_addr"],
+                          fault_domain=p.get("fault_domain") or nid, role=role, slot=slot, api=bool(r.get("api")))
+        node.snapshots = {int(k): v for k, v in r.get("snapshots", {}).items()}
+        node.replicas = {int(k): v for k, v in r.get("replicas", {}).items()}
+        self.nodes[nid] = node
+        if slot is not None:
+            self.slots[slot] = nid
+        self.generation = max(self.generation, int(r.get("generation", 0)))
+        self.restart_count = max(self.restart_count, int(r.get("restart_count", 0)))
+        self._peer_hint.update({int(k): v for k, v in (r.get("world") or {}).get("slots", {}).items()})
+        self.resumed_at = self.resumed_at or time.time()
+        self.events.emit("node_rejoined", self.generation, node=nid, role=role.value, slot=slot,
+                         agent_generation=int(r.get("generation", 0)), interrupted=bool(r.get("frozen")))
+        if role == Role.SPARE:
+            self._set_directive(nid, command="wait", warm=node.api)
+        self._inbox.put({"kind": "joined", "node_id": nid, "interrupted": bool(r.get("frozen"))})
+        return self._job_json(role, slot)
+
+    def _job_json(self, role: Role, slot: int | None) -> dict:
+        return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id,
+                "store_port": self.store_port, "nnodes": self.cfg.nnodes,
+                "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
+                "max_restarts": self.cfg.max_restarts, "persist": self._persist_json()}
 
     def heartbeat(self, p: dict) -> dict:
         with self.cv:
@@ -268,6 +316,12 @@ class Master:
         self._directives[node_id] = d
         self.cv.notify_all()
 
+    def _persist_json(self) -> dict | None:
+        if self.cfg.persist_dir is None:
+            return None
+        return {"dir": str(self.cfg.persist_dir), "every": self.cfg.persist_every, "keep": self.cfg.persist_keep,
+                "world_size": self.layout.world_size}
+
     def _api_mode(self) -> bool:
         """The job's workers use the phoenixrun API (hot swap possible). Decided once every initial
         node has reported it; spares run the same script, so a promotion does not change it."""
@@ -327,18 +381,60 @@ class Master:
             self._finish(70, f"master error: {e}")
 
     def _wait_for_start(self) -> None:
+        held: list[dict] = []     # reports a restarted master gets before it runs: handled once it does
         while True:
-            ev = self._inbox.get()
-            self._absorb(ev)
+            try:
+                ev = self._inbox.get(timeout=0.2)
+                self._absorb(ev)
+                resumed_fault = self.resumed_at is not None and ev.get("kind") != "joined"
+                if resumed_fault or ev.get("interrupted"):
+                    held.append(ev)
+            except queue.Empty:
+                pass
             with self.cv:
                 if len(self.slots) == self.cfg.nnodes:
-                    self.phase = Phase.RUNNING
-                    for slot, nid in self.slots.items():
-                        self._set_directive(nid, command="run", slot=slot, restart_count=0,
-                                            world=self._world(), restore_step=None)
-                    self.events.emit("job_started", self.generation, world_size=self.layout.world_size,
-                                     slots={s: n for s, n in self.slots.items()})
-                    return
+                    break
+                if self.resumed_at is not None and time.time() > self.resumed_at + self.cfg.node_timeout:
+                    break             # whoever has not rejoined by now is lost
+        if self.resumed_at is not None:
+            self._resume(held)
+            return
+        with self.cv:
+            self.phase = Phase.RUNNING
+            self.events.emit("job_started", self.generation, world_size=self.layout.world_size,
+                             slots={s: n for s, n in self.slots.items()})
+            resume = self._newest_checkpoint()
+            if resume is None:
+                for slot, nid in self.slots.items():
+                    self._set_directive(nid, command="run", slot=slot, restart_count=0,
+                                        world=self._world(), restore_step=None)
+                return
+        # a run directory with checkpoints: resume the job from the newest complete one
+        if not self._fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
+            raise Stop(1, f"cannot resume from the checkpoints in {self.cfg.persist_dir}")
+
+    def _resume(self, held: list[dict]) -> None:
+        """Carry on a running job after a master restart. A slot nobody rejoined for lost its node
+        while the master was down: it gets a stand-in record and the usual node-lost handling."""
+        with self.cv:
+            self.phase = Phase.RUNNING
+            missing = [s for s in range(self.cfg.nnodes) if s not in self.slots]
+            api = any(n.api for n in self.nodes.values())
+            for s in missing:
+                nid = f"lost-slot{s}"
+                self.nodes[nid] = NodeRecord(node_id=nid, host="?", agent_pid=0, peer_addr=self._peer_hint.get(s, ""),
+                                             fault_domain=nid, role=Role.ACTIVE, slot=s, api=api)
+                self.slots[s] = nid
+            self.events.emit("master_recovered", self.generation, nodes=len(self.nodes) - len(missing),
+                             missing_slots=missing, restart_count=self.restart_count)
+        for s in missing:
+            self._inbox.put({"kind": "node_lost", "node_id": f"lost-slot{s}", "t": time.time(),
+                             "detail": "did not rejoin the restarted master"})
+        for ev in held:
+            if ev.get("interrupted"):   # it was mid-recovery when the master died: recover again
+                ev = {"kind": "comm_error", "node_id": ev["node_id"], "t": time.time(),
+                      "text": "recovery interrupted by a master restart"}
+            self._inbox.put(ev)
 
     def _absorb(self, ev: dict) -> None:
         """Bookkeeping any event needs whatever the phase; faults are left to the caller."""
@@ -472,8 +568,12 @@ class Master:
             api = self._api_mode()
         failing_code = _exit_code(ev)
         if verdict.action == Action.EXTERNAL_FALLBACK:
-            what = f"{verdict.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") else verdict.reason
-            raise Stop(failing_code or 1, f"{what} (rank {ev.get('rank')} on slot {node.slot})")
+            what = f"{verdict.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") \
+                else verdict.reason
+            why = f"{what} (rank {ev.get('rank')} on slot {node.slot})"
+            if api and self._fallback(set(), why):
+                return
+            raise Stop(failing_code or 1, why)
         lost = {node.slot} if verdict.action == Action.NODE_REPLACE else set()
         if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
             # the node is still up but must go: fence it (its agent kills its workers and exits)
@@ -539,6 +639,57 @@ class Master:
                 self._pump(min(0.5, max(0.01, deadline - time.time())), lost)
         return out
 
+    # ---------------------------------------------------------------- persistent fallback
+    def _newest_checkpoint(self) -> int | None:
+        if self.cfg.persist_dir is None:
+            return None
+        return persist.newest_complete(self.cfg.persist_dir, self.layout.world_size, exclude=self.bad_checkpoints)
+
+    def _fallback(self, lost: set[int], reason: str, counted: bool = True) -> bool:
+        """Restart every worker from the newest complete persistent checkpoint (spares fill `lost`).
+
+        For what in-memory recovery cannot cover: the owner of a shard and all its replica holders
+        lost together, or a fault class that must not be hot-swapped around. A checkpoint that fails
+        to load (checksum) is never resumed from: the next older one is tried. False: nothing to
+        fall back to (no checkpoint, or --max-fallbacks used up)."""
+        if counted and self.fallbacks >= self.cfg.max_fallbacks:
+            return False
+        t0 = time.time()
+        for _ in range(5):
+            step = self._newest_checkpoint()
+            if step is None:
+                return False
+            self._replace_slots(lost)
+            lost.clear()
+            with self.cv:
+                self.generation += 1
+                g = self.generation
+                self.fallbacks += counted
+                self.restart_count += 1
+                self.phase = Phase.RESTORE
+                self.done_nodes.clear()
+                self.events.emit("fallback_restart", g, restore_step=step, reason=reason, fallbacks=self.fallbacks,
+                                 checkpoint=str(persist.step_dir(self.cfg.persist_dir, step)))
+                for slot, nid in self.slots.items():
+                    self._set_directive(nid, command="restart", slot=slot, restart_count=self.restart_count,
+                                        world=self._world(), restore_step=step)
+            resumed: dict[str, dict] = {}
+            try:
+                self._wait_event(lambda: all(nid in resumed for nid in self.slots.values()),
+                                 self.cfg.recovery_timeout, lost, acks=("resumed", g, resumed))
+            except Cascade as c:
+                if c.event.get("persist_step") == step:
+                    self.bad_checkpoints.add(step)
+                    self.events.emit("checkpoint_rejected", g, step=step, reason=c.event.get("reason", ""))
+                log.warning("fallback to checkpoint step %d interrupted: %s", step, c)
+                continue
+            with self.cv:
+                self.phase = Phase.RUNNING
+                self.events.emit("fallback_done", g, restore_step=step, duration_s=round(time.time() - t0, 4))
+            self._drain_stale()
+            return True
+        raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason})")
+
     # ---------------------------------------------------------------- hot swap
     def _hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
                   failing_code: int | None) -> None:
@@ -560,8 +711,9 @@ class Master:
                     raise Stop(1, f"recovery kept failing: {c}")
             except PlanError as e:
                 self.events.emit("recovery_failed", self.generation, reason=str(e))
-                # no in-memory state to resume from: torchrun-style restart if allowed
-                self._restart(set(), failing_code, f"in-memory recovery impossible: {e}")
+                # no in-memory state to resume from: the persistent checkpoint, else torchrun-style restart
+                if not self._fallback(set(), f"in-memory recovery impossible: {e}"):
+                    self._restart(set(), failing_code, f"in-memory recovery impossible: {e}")
                 return
         with self.cv:
             self.recoveries += 1
@@ -661,7 +813,7 @@ class Master:
             acks[2][ev["node_id"]] = ev
             return
         if kind == "restore_failed":
-            raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}")
+            raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}", ev)
         if node is None or node.role != Role.ACTIVE or node.slot in lost:
             return
         if kind in ("node_lost", "left"):

@@ -158,6 +158,6 @@ def fence_reply(node: NodeRecord | None) -> dict | None:
     """
     if node is None or node.role != Role.FAILED:
         return None
-    return {"fenced": True, "command": "stop", "exit_code": 0,
+    return {"fenced": True, "command": "stop", "exit_code": 0, "role": Role.FAILED.value, "slot": None,
             "reason": f"fenced: node {node.node_id} was declared lost ({node.last_fault or 'no detail'}) "
                       "and is no longer part of the job"}

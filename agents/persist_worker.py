@@ -1,0 +1,66 @@
+"""The agent's checkpoint I/O process: DCP writes and reads of slot images, out of the agent's process.
+
+Importing torch.distributed.checkpoint and serialising tensors hold the GIL for seconds on a busy
+node; in the agent that would starve its heartbeat thread into a false "node lost". So the agent
+hands images over in /dev/shm files and this process does the disk work. Protocol: one JSON
+object per line on stdin, one reply per line on stdout.
+
+    {"op": "write", "rank": r, "image": PATH}        -> {"ok": true, "step": s, "pruned": [...]}
+                                                         (then prunes old checkpoints)
+    {"op": "read", "rank": r, "step": s, "out": PATH} -> {"ok": true, "step": s}   (image in PATH)
+
+Errors come back as {"ok": false, "error": "..."}; the process keeps serving.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from phoenixrun import persist
+
+
+def serve(root: Path, world_size: int, keep: int, inp=sys.stdin, out=sys.stdout) -> None:
+    import torch.distributed.checkpoint  # noqa: F401 - pay the import once, before the first request
+    out.write(json.dumps({"ok": True, "ready": True}) + "\n")
+    out.flush()
+    for line in inp:
+        req = json.loads(line)
+        try:
+            reply = _handle(req, root, world_size, keep)
+        except (persist.CheckpointError, OSError, ValueError) as e:
+            reply = {"ok": False, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - DCP wraps I/O failures in its own exception types
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps({"op": req.get("op"), "rank": req.get("rank"), **reply}) + "\n")
+        out.flush()
+
+
+def _handle(req: dict, root: Path, world_size: int, keep: int) -> dict:
+    op = req["op"]
+    if op == "write":
+        path = Path(req["image"])
+        try:
+            image = bytearray(path.read_bytes())
+        finally:
+            path.unlink(missing_ok=True)
+        step = persist.parse_image(image)[0].step
+        persist.write_rank(root, int(req["rank"]), image)
+        return {"ok": True, "step": step, "pruned": persist.prune(root, world_size, keep)}
+    if op == "read":
+        image = persist.read_rank(root, int(req["step"]), int(req["rank"]))
+        tmp = Path(req["out"] + ".tmp")
+        tmp.write_bytes(image)
+        os.replace(tmp, req["out"])
+        return {"ok": True, "step": int(req["step"])}
+    raise ValueError(f"unknown op {op!r}")
+
+
+if __name__ == "__main__":
+    # the agent decides when this ends (stdin closes): a SIGTERM sent to the whole node must not
+    # cut short the checkpoint the agent is writing because of that same SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    serve(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
