@@ -27,7 +27,7 @@ from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.agents.persister import PersistConfig, PersistError, Persister
-from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
+from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError, remove_orphans
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
@@ -62,6 +62,9 @@ class Agent:
         self.lock = threading.RLock()
         self.directives: queue.Queue[dict] = queue.Queue()
         self.outbox: queue.Queue[dict | None] = queue.Queue()   # reports, delivered in order, retried
+        orphans = remove_orphans(socket.gethostname())
+        if orphans:
+            log.info("removed %d snapshot files left by dead agents on this host", len(orphans))
         self.slots = LocalSlots(prefix=f"phoenixrun-{self.node_id}")
         self.replicas = ReplicaStore()
         self.peers = GatedPeerClient(cfg.secret, self.cut)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,29 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 class SlotError(Exception):
     pass
+
+
+def remove_orphans(host: str) -> list[Path]:
+    """Delete the shm files of this host's agents that died without cleaning up (SIGKILL, OOM):
+    agent node ids are `<host>-<pid>-<tag>`, so a file whose agent pid is gone is garbage."""
+    removed = []
+    pattern = re.compile(rf"^phoenixrun-{re.escape(host)}-(\d+)-[0-9a-f]+-")
+    for path in SHM_DIR.glob(f"phoenixrun-{host}-*"):
+        m = pattern.match(path.name)
+        if m and not _pid_alive(int(m.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _map(path: Path, size: int, create: bool) -> mmap.mmap:

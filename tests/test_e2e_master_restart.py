@@ -54,6 +54,23 @@ def test_master_killed_mid_run_training_continues_and_recovery_still_works(tmp_p
     assert_identical(job.out, ref4)
 
 
+def test_node_lost_while_the_master_is_down_is_recovered_once_it_is_back(tmp_path, ref4):
+    job = launch(tmp_path, "both", nnodes=2, spares=1, steps=STEPS)
+    before = job.wait_step(5)
+    os.kill(before["master_pid"], signal.SIGKILL)
+    lost = kill_node(before, 1)                  # dies while nobody is watching
+    assert job.finish() == 0, job.log()[-3000:]
+    ev = job.events()
+    recovered = by_event(ev, "master_recovered")
+    assert recovered and recovered[0]["missing_slots"] == [1]   # it never rejoined
+    assert {e["node"] for e in by_event(ev, "node_rejoined")} == {n["node_id"] for n in before["nodes"]} - {lost["node_id"]}
+    f = [e for e in by_event(ev, "fault_detected") if e["t"] > recovered[0]["t"]][0]
+    assert f["slot"] == 1 and f["action"] == "node_replace"
+    done = by_event(ev, "recovery_done")
+    assert done and done[0]["replaced_slots"] == {"1": next(n["node_id"] for n in before["nodes"] if n["role"] == "spare")}
+    assert_identical(job.out, ref4)
+
+
 def test_a_new_node_joins_a_running_job_as_spare_and_replaces_a_failed_one(tmp_path, ref4):
     """Spare replenishment: `phoenixrun agent` started by hand against a running job."""
     from tests.harness import BIN, EXAMPLE, SMALL, env

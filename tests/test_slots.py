@@ -1,4 +1,6 @@
 """Agent-owned snapshot memory: commit protocol and replica store invariants (no processes)."""
+import os
+
 import pytest
 
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
@@ -68,3 +70,23 @@ def test_replica_store_verifies_checksum_and_keeps_previous(slots):
         store.put(0, 2, bytes(corrupt))
     assert store.available() == {0: [1]}     # the failed write left the good copy alone
     assert crc_private(store.get(0, 1), h) == h.crc_private
+
+
+def test_orphaned_files_of_dead_agents_are_removed():
+    import subprocess
+    import socket
+
+    from phoenixrun.agents.slots import SHM_DIR, remove_orphans
+    host = socket.gethostname()
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                      # a pid that no longer runs
+    orphan = SHM_DIR / f"phoenixrun-{host}-{dead.pid}-beef-r0-s0"
+    alive = SHM_DIR / f"phoenixrun-{host}-{os.getpid()}-beef-r0-s0"
+    for p in (orphan, alive):
+        p.write_bytes(b"x")
+    try:
+        assert orphan in remove_orphans(host)
+        assert not orphan.exists() and alive.exists()   # a live agent's slots are never touched
+    finally:
+        orphan.unlink(missing_ok=True)
+        alive.unlink(missing_ok=True)
