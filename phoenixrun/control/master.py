@@ -110,6 +110,7 @@ class Master:
         self._version = int(time.time() * 1e6)
         self.resumed_at: float | None = None      # set when agents of a running job rejoin (master restart)
         self._peer_hint: dict[int, str] = {}      # slot -> peer address, as the rejoining agents knew it
+        self._rejoin_generation: dict[str, int] = {}   # node -> generation it reported when rejoining
         self._inbox: queue.Queue[dict] = queue.Queue()
         self._progress: list[tuple[float, int]] = []
         self._stopped = threading.Event()
@@ -176,13 +177,23 @@ class Master:
         """An agent of a job already running when this master started (it restarted): rebuild the
         job's state from what the agents report - membership, slots, generation, snapshots."""
         nid = p["node_id"]
+        gen = int(r.get("generation", 0))
         slot = r.get("slot") if r.get("role") == "active" else None
         known = self.nodes.get(nid)
         holder = self.slots.get(slot) if slot is not None else None
+        if holder not in (None, nid) and gen > self._rejoin_generation.get(holder, gen):
+            # two agents claim one slot: the one with the older generation missed a recovery while it
+            # was away (a healed partition that got here first) - it is the one to fence
+            stale = self.nodes[holder]
+            stale.role, stale.slot = Role.FAILED, None      # fenced at its next call (_fence)
+            stale.last_fault = f"slot {slot} was given to {nid} in generation {gen}"
+            del self.slots[slot]
+            holder = None
         if (known is not None and known.role == Role.FAILED) or holder not in (None, nid):
             reason = f"slot {slot} belongs to {holder}" if holder not in (None, nid) else "replaced while away"
             self.events.emit("node_fenced", self.generation, node=nid, slot=slot, reason=reason)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
+        self._rejoin_generation[nid] = gen
         role = Role.ACTIVE if slot is not None else Role.SPARE
         node = NodeRecord(node_id=nid, host=p["host"], agent_pid=int(p["agent_pid"]), peer_addr=p["peer_addr"],
                           fault_domain=p.get("fault_domain") or nid, role=role, slot=slot, api=bool(r.get("api")))
