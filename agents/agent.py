@@ -19,18 +19,23 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.control.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
-from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
+from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
+from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.agents.persister import PersistConfig, PersistError, Persister
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError, remove_orphans
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
 PING_GRACE_S = 1.0   # a live worker's agent-link thread answers a ping well within this
+# A worker normally acknowledges a quiesce within milliseconds (its sockets are shut down under it). One whose
+# training thread is waiting on a gloo op that was enqueued as its connections went down stays blocked until the
+# collective timeout; past this grace it is killed and restarts from this node's snapshot (a local reset).
+QUIESCE_GRACE_S = 5.0
 
 
 @dataclass
@@ -52,7 +57,8 @@ class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
         self.node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        self.client = ControlClient(cfg.endpoint, cfg.secret)
+        self.cut = NetworkCut()            # partition drill: while active, this node's traffic is dropped
+        self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         self.lock = threading.RLock()
         self.directives: queue.Queue[dict] = queue.Queue()
         self.outbox: queue.Queue[dict | None] = queue.Queue()   # reports, delivered in order, retried
@@ -61,7 +67,7 @@ class Agent:
             log.info("removed %d snapshot files left by dead agents on this host", len(orphans))
         self.slots = LocalSlots(prefix=f"phoenixrun-{self.node_id}")
         self.replicas = ReplicaStore()
-        self.peers = PeerClient(cfg.secret)
+        self.peers = GatedPeerClient(cfg.secret, self.cut)
         self.workers: dict[int, Worker] = {}
         self.conns: dict[int, WorkerConn] = {}
         self.waiting_hello: dict[int, WorkerConn] = {}
@@ -71,11 +77,13 @@ class Agent:
         self.role = "unknown"
         self.slot: int | None = None
         self.generation = 0
+        self.store_prefix: str | None = None   # the generation's rendezvous prefix, from the master's directives
         self.restart_count = 0
         self.world: dict = {}
         self.job: dict = {}
         self.restore_step: int | None = None
         self.pending_quiesce: set[int] = set()
+        self.quiesce_deadline = 0.0
         self.quiesced_next_step = 0          # furthest step any local worker had completed when quiesced
         self.pending_resume: set[int] = set()
         self.resume_timings: dict[str, float] = {}
@@ -120,6 +128,7 @@ class Agent:
         self._sender.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self._heal())   # ends a partition drill by hand
         try:
             while not self._stop.is_set():
                 try:
@@ -213,6 +222,9 @@ class Agent:
                            "protection": self.protection, "api": self.api}
             try:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
+                if reply.get("fenced"):    # replaced while it was away: never rejoin
+                    self._fenced(reply)
+                    return
                 if reply.get("error"):       # a restarted master: it learns the job from us
                     self._rejoin()
                 for fault in reply.get("inject", []):
@@ -235,7 +247,11 @@ class Agent:
             delay = 0.1
             while True:
                 try:
-                    if not self.client.post("/v1/report", ev).get("error"):
+                    reply = self.client.post("/v1/report", ev)
+                    if reply.get("fenced"):      # replaced while it was away: never rejoin
+                        self._fenced(reply)
+                        break
+                    if not reply.get("error"):
                         break
                 except ControlError as e:    # master down or restarting: a fault seen now is handled later
                     log.debug("report %s not delivered yet: %s", ev.get("kind"), e)
@@ -245,6 +261,12 @@ class Agent:
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)
 
+    def _fenced(self, reply: dict) -> None:
+        """The master says this node was replaced: it must never rejoin. Kill the workers and exit."""
+        log.error("%s; killing this node's workers and exiting", reply.get("reason", "fenced by the master"))
+        self.exit_code = reply.get("exit_code", 0)
+        self._stop.set()
+
     # ------------------------------------------------------------------ directives
     def _apply(self, d: dict) -> None:
         cmd = d["command"]
@@ -253,6 +275,7 @@ class Agent:
         log.debug("directive %s gen %s", cmd, d.get("generation"))
         with self.lock:
             self.generation = d.get("generation", self.generation)
+            self.store_prefix = d.get("store_prefix", self.store_prefix)
             if "slot" in d:
                 self.slot = d["slot"]
             if "world" in d:
@@ -290,6 +313,8 @@ class Agent:
         elif cmd == "restore":
             threading.Thread(target=self._restore, args=(d,), daemon=True, name="restore").start()
         elif cmd == "stop":
+            if d.get("fenced"):
+                log.error("%s; killing this node's workers and exiting", d.get("reason"))
             self.exit_code = d.get("exit_code", 0)
             self._stop.set()
 
@@ -329,6 +354,7 @@ class Agent:
         return {"op": "assign", "rank": self._rank(local_rank), "local_rank": local_rank,
                 "slot": self.slot, "nnodes": self.job["nnodes"], "nproc_per_node": self.cfg.nproc_per_node,
                 "world_size": self.job["nnodes"] * self.cfg.nproc_per_node, "generation": self.generation,
+                "store_prefix": self.store_prefix,
                 "restart_count": self.restart_count, "restore_step": self.restore_step,
                 "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": self.job["store_port"],
                 "tp": self.job["tp"], "pp": self.job["pp"], "run_id": self.job["run_id"]}
@@ -338,6 +364,7 @@ class Agent:
             self.slots.frozen = self.replicas.frozen = True
             live = {lr for lr, w in self.workers.items() if w.poll() is None and lr in self.conns}
             self.pending_quiesce = set(live)
+            self.quiesce_deadline = time.time() + QUIESCE_GRACE_S
             self.quiesced_next_step = 0
             g = self.generation
             for lr in live:
@@ -392,7 +419,8 @@ class Agent:
                             self.conns[lr] = conn
                             conn.send(self._assignment(lr))
                     elif lr in self.conns:
-                        self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step})
+                        self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step,
+                                             "store_prefix": self.store_prefix})
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
             self._report({"kind": "restore_failed", "reason": str(e)})
@@ -418,7 +446,14 @@ class Agent:
         log.warning("injecting fault %r", fault)
         with self.lock:
             workers = [w for w in self.workers.values() if w.poll() is None]
-        if fault == "crash-worker" and workers:
+            conns = [self.conns[lr] for lr in sorted(self.conns) if self.workers.get(lr) in workers]
+        if fault == "comm-timeout" and conns:
+            conns[0].send({"op": "abort_comm"})     # its collectives fail for real; the node stays healthy
+        elif fault == "nan" and conns:
+            conns[0].send({"op": "poison_loss"})    # its next job.observe_loss() sees NaN
+        elif fault == "partition" or fault.startswith("partition:"):
+            self._partition(float(fault.partition(":")[2] or 0) or None, conns)
+        elif fault == "crash-worker" and workers:
             os.kill(workers[0].pid, signal.SIGKILL)
         elif fault == "hang" and workers:
             os.kill(workers[0].pid, signal.SIGSTOP)
@@ -433,6 +468,30 @@ class Agent:
         else:
             log.error("cannot inject %r here", fault)
 
+    def _partition(self, seconds: float | None, conns: list[WorkerConn]) -> None:
+        """Drop this node's traffic (agents/partition.py); it comes back after `seconds` (None: never)."""
+        log.warning("partition drill: dropping this node's traffic%s",
+                    f" for {seconds:g}s" if seconds else f" until kill -USR1 {os.getpid()}")
+        self.cut.start()
+        self.peer_server.suspend()
+        self.peers.drop_all()
+        for conn in conns:                         # the node-local channel still works
+            conn.send({"op": "abort_comm"})
+        if seconds:
+            t = threading.Timer(seconds, self._heal)
+            t.daemon = True
+            t.start()
+
+    def _heal(self) -> None:
+        if self._stop.is_set() or not self.cut.active:
+            return
+        try:
+            self.peer_server.resume()
+        except OSError as e:                       # the port was taken meanwhile: peers cannot reach us
+            log.warning("partition healed but the peer server cannot listen again: %s", e)
+        self.cut.heal()
+        log.warning("partition drill over: this node's traffic flows again")
+
     def _poll_health(self) -> None:
         if time.time() < self._next_health_poll:
             return
@@ -445,6 +504,17 @@ class Agent:
         self._poll_health()
         now = time.time()
         with self.lock:
+            if self.slots.frozen and self.pending_quiesce and -1 not in self.pending_quiesce \
+                    and now > self.quiesce_deadline:
+                for lr in sorted(self.pending_quiesce):
+                    w = self.workers.get(lr)
+                    log.warning("rank %s did not quiesce within %.0fs (blocked in a collective): killing it; it "
+                                "restarts from this node's snapshot", w.rank if w else lr, QUIESCE_GRACE_S)
+                    self.reported_exit.add(lr)      # our doing, not a fault to report
+                    self.conns.pop(lr, None)
+                    if w is not None:
+                        w.kill_tree(grace=0.1)
+                self.pending_quiesce.clear()
             if not self.slots.frozen:   # waiting is legitimate during a recovery
                 for lr, w in list(self.workers.items()):
                     last, conn = self.last_progress.get(lr), self.conns.get(lr)
@@ -544,6 +614,10 @@ class Agent:
                           "step": msg.get("step"), "t": time.time()})
         elif op in ("progress", "pong"):
             pass
+        elif op == "nan_loss":   # the script handed a non-finite loss to job.observe_loss()
+            self.error_text[conn.local_rank] = msg.get("text", "")
+            self._report({"kind": "nan_loss", "rank": self._rank(conn.local_rank), "text": msg.get("text", ""),
+                          "step": msg.get("step"), "t": time.time()})
         elif op == "error":   # the script's own exception, before the worker exits: report it now
             self.error_text[conn.local_rank] = msg.get("text", "")
             self._report({"kind": "worker_error", "rank": self._rank(conn.local_rank), "text": msg.get("text", ""),

@@ -80,20 +80,54 @@ class PeerServer:
         self.handlers = handlers
         self.io_timeout = io_timeout
         self.sock = socket.create_server((host, 0), backlog=128)
-        self.addr = f"{host}:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True, name="peer-accept").start()
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.addr = f"{host}:{self.port}"
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        self._listen(self.sock)
 
-    def _accept(self) -> None:
+    def _listen(self, sock: socket.socket) -> None:
+        threading.Thread(target=self._accept, args=(sock,), daemon=True, name="peer-accept").start()
+
+    def _accept(self, sock: socket.socket) -> None:
         while True:
             try:
-                conn, peer = self.sock.accept()
+                conn, peer = sock.accept()
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
+    def suspend(self) -> None:
+        """Partition drill: stop listening (connects fail) and drop every open connection."""
+        try:   # close() alone leaves a blocked accept() holding the socket in LISTEN; shutdown wakes it
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self._open_lock:
+            for c in list(self._open):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def resume(self) -> None:
+        """Listen again on the same address (peers and the master know it)."""
+        self.sock = socket.create_server((self.host, self.port), backlog=128)
+        self._listen(self.sock)
+
     def _serve(self, conn: socket.socket, peer) -> None:
         _tune(conn, self.io_timeout)
         conn.settimeout(None)  # idle persistent connections are fine; I/O inside a frame is bounded by keepalive
+        with self._open_lock:
+            self._open.add(conn)
+        try:
+            self._serve_frames(conn, peer)
+        finally:
+            with self._open_lock:
+                self._open.discard(conn)
+
+    def _serve_frames(self, conn: socket.socket, peer) -> None:
         with conn:
             while True:
                 try:
@@ -164,6 +198,11 @@ class PeerClient:
         _tune(sock, self.io_timeout)
         self._conns[addr] = sock
         return sock
+
+    def drop_all(self) -> None:
+        """Close every open connection (partition drill)."""
+        for addr in list(self._conns):
+            self._drop(addr)
 
     def _drop(self, addr: str) -> None:
         sock = self._conns.pop(addr, None)

@@ -3,7 +3,8 @@
 Each fault is injected with `phoenixrun inject` into a running standalone job (2 nodes x 2 ranks
 + 1 spare, the small example model); latency is `fault_detected.t - fault_injected.t` (the
 injection is queued to the node's agent with its next heartbeat reply, so up to one heartbeat
-interval of the figure is delivery), recovery is `recovery_done.duration_s`.
+interval of the figure is delivery), recovery is `recovery_done.duration_s`. A NaN loss is not recovered
+(the job stops); its latency includes waiting for the poisoned worker's next `job.observe_loss()`.
 
     python benchmarks/detection.py [--hang-timeout 3] [--json out.json]
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.harness import BIN, by_event, env, launch  # noqa: E402  (the e2e harness is the one way to run jobs)
 
-FAULTS = ["crash-worker", "kill-node", "hang", "xid:79", "xid:48", "xid:13"]
+# partition: dropped until the job ends (the launcher then stops that agent); nan: the job stops (exit 1)
+FAULTS = ["crash-worker", "kill-node", "hang", "xid:79", "xid:48", "xid:13", "partition", "comm-timeout", "nan"]
 
 
 def main() -> int:
@@ -47,9 +49,10 @@ def main() -> int:
                          "recovery_s": done[0]["duration_s"] if done else None,
                          "replayed_steps": done[0]["replayed_steps"] if done else None})
             print(json.dumps(rows[-1]), flush=True)
-    print(f"{'fault':<13} {'class':<15} {'action':<13} {'detect s':>9} {'recovery s':>11}")
+    print(f"{'fault':<13} {'class':<16} {'action':<17} {'detect s':>9} {'recovery s':>11} {'exit':>5}")
     for r in rows:
-        print(f"{r['fault']:<13} {r['class']:<15} {r['action']:<13} {r['detect_s']:>9.3f} {r['recovery_s'] or 0:>11.3f}")
+        rec = f"{r['recovery_s']:.3f}" if r["recovery_s"] is not None else "-"
+        print(f"{r['fault']:<13} {r['class']:<16} {r['action']:<17} {r['detect_s']:>9.3f} {rec:>11} {r['exit_code']:>5}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

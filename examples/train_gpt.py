@@ -114,6 +114,7 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--progress-dir", default=None, help="append 'step unix_time' per finished step (benchmarks)")
     p.add_argument("--raise-at", type=int, default=None, help="fault drill: rank 0 raises a user error at this step")
+    p.add_argument("--nan-at", type=int, default=None, help="fault drill: rank 0's loss is NaN at this step")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -137,6 +138,9 @@ def main() -> None:
                 raise ValueError(f"fault drill: user error at step {step}")
             x, y = batch(step, rank, args)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            if step == args.nan_at and rank == 0:
+                loss = loss * float("nan")
+            job.observe_loss(loss)   # a NaN/inf loss stops the job before any rank applies this step
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -14,3 +14,10 @@ def init(*args, **kwargs):
 def protect(*args, **kwargs):
     from phoenixrun.runtime.api import protect as _protect
     return _protect(*args, **kwargs)
+
+
+def __getattr__(name):
+    if name == "NonFiniteLoss":   # raised by job.observe_loss() for a NaN/inf loss
+        from phoenixrun.runtime.api import NonFiniteLoss
+        return NonFiniteLoss
+    raise AttributeError(f"module 'phoenixrun' has no attribute {name!r}")

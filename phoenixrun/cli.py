@@ -312,20 +312,39 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
     sys.exit(show(run_dir, endpoint, secret_file, as_json, watch, interval))
 
 
+FAULTS = ("crash-worker", "kill-node", "hang", "ecc", "partition", "comm-timeout", "nan")
+
+
+def valid_fault(fault: str) -> bool:
+    """A fault name `phoenixrun inject` accepts (the agent's _inject carries it out)."""
+    name, sep, arg = fault.partition(":")
+    if not sep:
+        return fault in FAULTS
+    if name == "xid":
+        return arg.isdigit()
+    if name == "partition":
+        try:
+            return 0 < float(arg) < float("inf")
+        except ValueError:
+            return False
+    return False
+
+
 @commands.command("inject")
 @_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--endpoint", default=None, help="host:port of the master (with --secret-file or $PHOENIXRUN_SECRET).")
 @_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--node", "slot", type=click.IntRange(min=0), required=True, help="Node slot to hit.")
 @click.option("--fault", required=True, metavar="FAULT",
-              help="crash-worker | kill-node | hang | xid:N | ecc (the last two through the agent's injected "
-                   "health source, as NVML would report them)")
+              help="crash-worker | kill-node | hang | xid:N | ecc | partition[:SECONDS] | comm-timeout | nan. "
+                   "xid and ecc go through the agent's injected health source, as NVML would report them; "
+                   "partition drops the node's traffic (for SECONDS, or until its agent gets SIGUSR1); "
+                   "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN")
 def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
     """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
     from phoenixrun.control.client import ControlError
     from phoenixrun.status import client_for
-    if fault not in ("crash-worker", "kill-node", "hang", "ecc") and not (
-            fault.startswith("xid:") and fault[4:].isdigit()):
+    if not valid_fault(fault):
         raise click.BadParameter(f"unknown fault {fault!r}", param_hint="--fault")
     try:
         reply = client_for(run_dir, endpoint, secret_file).post("/v1/inject", {"slot": slot, "fault": fault})

@@ -1,7 +1,11 @@
 """The fault matrix with real processes: each fault at an arbitrary step, through `phoenixrun inject`
 (or the script itself), checked against the class and action recorded and the final state."""
+import os
+import signal
 import subprocess
+import time
 
+import psutil
 import pytest
 
 from tests.harness import BIN, assert_identical, by_event, env, launch, torchrun
@@ -54,3 +58,73 @@ def test_user_exception_stops_cleanly(tmp_path):
     fin = by_event(job.events(), "job_finished")[-1]
     assert fin["exit_code"] == 1 and "rank 0" in fin["reason"]
     assert not by_event(job.events(), "recovery_started")   # never hot-swapped around a bug
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_partition_is_replaced_and_fenced_when_it_heals(tmp_path, ref4):
+    """The node's traffic is dropped: lost -> node_replace with the spare; when its traffic comes back it is
+    told to stop (fencing on rejoin) instead of rejoining, and the job still ends bit-identical."""
+    job = launch(tmp_path, "partition", nnodes=2, spares=1, steps=STEPS, extra_flags=["--node-timeout", "2"])
+    state = job.wait_step(6)
+    target = next(n for n in state["nodes"] if n["slot"] == 1)
+    inject(job, 1, "partition")                           # lasts until the agent gets SIGUSR1
+    job.wait_for(lambda s: by_event(job.events(), "spare_promoted"), what="a spare to take the partitioned slot")
+    os.kill(target["agent_pid"], signal.SIGUSR1)          # its traffic comes back: it must not rejoin
+    job.wait_for(lambda s: by_event(job.events(), "node_fenced"), timeout=60, what="the healed node to be fenced")
+    ev = job.events()
+    f = [e for e in by_event(ev, "fault_detected") if not e.get("during_recovery")][0]
+    assert (f["class"], f["action"], f["signal"]) == ("host_pcie", "node_replace", "node_lost")
+    assert f["node"] == target["node_id"]                 # the survivors are never blamed
+    assert by_event(ev, "spare_promoted")[0]["replaces"] == target["node_id"]
+    assert [e["node"] for e in by_event(ev, "node_fenced")] == [target["node_id"]]
+    deadline = time.time() + 30                           # fenced: its agent kills its workers and exits
+    while time.time() < deadline and any(_alive(p) for p in [target["agent_pid"], *target["worker_pids"]]):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in [target["agent_pid"], *target["worker_pids"]])
+    assert job.finish() == 0, job.log()[-3000:]
+    assert_identical(job.out, ref4)
+
+
+def test_comm_timeout_is_transient_and_reset_locally(tmp_path, ref4):
+    """One worker's collectives fail on a healthy node: only collective errors, no root cause within the
+    correlation window -> transient -> local reset (no spare needed), bit-identical end."""
+    job = launch(tmp_path, "commtimeout", nnodes=2, steps=STEPS)
+    job.wait_step(6)
+    inject(job, 1, "comm-timeout")
+    assert job.finish() == 0, job.log()[-3000:]
+    ev = job.events()
+    f = [e for e in by_event(ev, "fault_detected") if not e.get("during_recovery")][0]
+    assert (f["class"], f["action"], f["verdict"]) == ("transient_comm", "local_reset", "transient")
+    assert f["signal"] == "comm_error" and not f["symptoms"]
+    done = by_event(ev, "recovery_done")
+    assert done and done[0]["replaced_slots"] == {} and done[0]["replayed_steps"] <= 1
+    assert_identical(job.out, ref4)
+
+
+@pytest.mark.parametrize("how", ["script", "inject"])
+def test_nan_loss_stops_cleanly_and_never_commits_the_bad_step(tmp_path, how):
+    """A non-finite loss is never hot-swapped around: the job stops with a non-zero exit and the reason, and
+    no snapshot of the step that produced it is committed anywhere (the last good one is what remains)."""
+    job = launch(tmp_path, f"nan-{how}", nnodes=2, steps=STEPS,
+                 script_args=["--nan-at", "9"] if how == "script" else [])
+    if how == "inject":
+        job.wait_step(6)
+        inject(job, 1, "nan")
+    rc = job.finish()
+    assert rc == 1, job.log()[-3000:]
+    ev = job.events()
+    f = by_event(ev, "fault_detected")[0]
+    assert (f["signal"], f["class"], f["action"]) == ("nan_loss", "software_unknown", "external_fallback")
+    assert f["rank"] == (0 if how == "script" else 2)      # slot 1's first worker got the poisoned loss
+    bad = f["step"]
+    assert bad == 9 if how == "script" else bad >= 6
+    fin = by_event(ev, "job_finished")[-1]
+    assert fin["exit_code"] == 1 and "non-finite loss" in fin["reason"] and f"at step {bad}" in fin["reason"]
+    assert fin["committed_step"] is not None and fin["newest_snapshot"] <= bad
+    assert not by_event(ev, "recovery_started")

@@ -10,9 +10,12 @@ with a new generation instead of being dropped.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import queue
 import resource
 import threading
@@ -26,7 +29,7 @@ from phoenixrun import persist
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.server import ControlServer
-from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit,
+from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit, fence_reply,
                                       pick_spare, plan_recovery)
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
 from phoenixrun.topology import Layout, place_replicas
@@ -60,7 +63,7 @@ class MasterConfig:
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
-ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error")
+ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error", "nan_loss")
 # which decision of an incident is carried out first
 SEVERITY = {Action.EXTERNAL_FALLBACK: 0, Action.NODE_REPLACE: 1, Action.LOCAL_RESET: 2}
 
@@ -127,6 +130,7 @@ class Master:
         self._version = int(time.time() * 1e6)
         self.resumed_at: float | None = None      # set when agents of a running job rejoin (master restart)
         self._peer_hint: dict[int, str] = {}      # slot -> peer address, as the rejoining agents knew it
+        self._rejoin_generation: dict[str, int] = {}   # node -> generation it reported when rejoining
         self._inbox: queue.Queue[dict] = queue.Queue()
         self._progress: list[tuple[float, int]] = []
         self._progress_at = 0.0
@@ -135,6 +139,8 @@ class Master:
         self._api_nodes: set[str] = set()
         self._wake = lambda node_id: None                     # the transport's: a directive is ready
         self._stopped = threading.Event()
+        self._fenced: set[str] = set()           # replaced nodes already told to go (one event each)
+        self._prefix_key = secrets.token_bytes(16)   # never leaves the master: see store_prefix()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -174,6 +180,9 @@ class Master:
     # ---------------------------------------------------------------- API handlers (transport thread)
     def register(self, p: dict) -> dict:
         with self.cv:
+            fenced = self._fence(p.get("node_id", ""), "register")
+            if fenced:
+                return fenced
             if p.get("rejoin"):
                 return self._readmit(p, p["rejoin"])
             role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING or bool(self.resumed_at),
@@ -197,13 +206,23 @@ class Master:
         """An agent of a job already running when this master started (it restarted): rebuild the
         job's state from what the agents report - membership, slots, generation, snapshots."""
         nid = p["node_id"]
+        gen = int(r.get("generation", 0))
         slot = r.get("slot") if r.get("role") == "active" else None
         known = self.nodes.get(nid)
         holder = self.slots.get(slot) if slot is not None else None
+        if holder not in (None, nid) and gen > self._rejoin_generation.get(holder, gen):
+            # two agents claim one slot: the one with the older generation missed a recovery while it
+            # was away (a healed partition that got here first) - it is the one to fence
+            stale = self.nodes[holder]
+            stale.role, stale.slot = Role.FAILED, None      # fenced at its next call (_fence)
+            stale.last_fault = f"slot {slot} was given to {nid} in generation {gen}"
+            del self.slots[slot]
+            holder = None
         if (known is not None and known.role == Role.FAILED) or holder not in (None, nid):
             reason = f"slot {slot} belongs to {holder}" if holder not in (None, nid) else "replaced while away"
             self.events.emit("node_fenced", self.generation, node=nid, slot=slot, reason=reason)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
+        self._rejoin_generation[nid] = gen
         role = Role.ACTIVE if slot is not None else Role.SPARE
         node = NodeRecord(node_id=nid, host=p["host"], agent_pid=int(p["agent_pid"]), peer_addr=p["peer_addr"],
                           fault_domain=p.get("fault_domain") or nid, role=role, slot=slot, api=bool(r.get("api")))
@@ -238,6 +257,9 @@ class Master:
             node = self.nodes.get(p.get("node_id", ""))
             if node is None:
                 return {"error": "unknown node: register first"}
+            fenced = self._fence(node.node_id, "heartbeat")
+            if fenced:
+                return fenced
             node.last_heartbeat = time.time()
             self._heard.move_to_end(node.node_id)
             node.worker_pids = list(p.get("worker_pids", []))
@@ -268,6 +290,10 @@ class Master:
     def report(self, p: dict) -> dict:
         if p.get("node_id") not in self.nodes:
             return {"error": "unknown node"}
+        with self.cv:
+            fenced = self._fence(p["node_id"], "report")
+        if fenced:
+            return fenced
         p.setdefault("t", time.time())
         self._inbox.put(p)
         return {"ok": True}
@@ -278,6 +304,9 @@ class Master:
         node_id, known = p.get("node_id", ""), int(p.get("version", -1))
         float(p.get("timeout", 10.0))   # malformed -> 400 now, not when the poll expires
         with self.cv:
+            fenced = self._fence(node_id, "directive")
+            if fenced:
+                return {**fenced, "version": known + 1, "generation": self.generation}
             d = self._directives.get(node_id)
             if d is None:
                 return None
@@ -305,9 +334,29 @@ class Master:
             }
 
     # ---------------------------------------------------------------- helpers (call with self.cv held)
+    def _fence(self, node_id: str, via: str) -> dict | None:
+        """Fencing on rejoin: a node that was replaced gets only a stop order, whatever it asked."""
+        reply = fence_reply(self.nodes.get(node_id))
+        if reply is not None and node_id not in self._fenced:
+            self._fenced.add(node_id)
+            log.warning("node %s contacted the master (%s) after it was replaced: fenced", node_id, via)
+            self.events.emit("node_fenced", self.generation, node=node_id, via=via, reason=reply["reason"])
+        return reply
+
+    def store_prefix(self, generation: int) -> str:
+        """Generation fencing: the store key prefix a generation's process groups rendezvous on.
+
+        It carries a token only the master can compute and only current members receive (in their directives),
+        so a worker of an older generation - a fenced node's, say - cannot join a newer generation's
+        rendezvous even if it guesses the generation number.
+        """
+        token = hmac.new(self._prefix_key, f"gen{generation}".encode(), hashlib.sha256).hexdigest()[:16]
+        return f"/phoenixrun/gen{generation}-{token}/"
+
     def _set_directive(self, node_id: str, **d) -> None:
         self._version += 1
-        d.update(version=self._version, generation=self.generation, acked=False)
+        d.update(version=self._version, generation=self.generation, store_prefix=self.store_prefix(self.generation),
+                 acked=False)
         self._directives[node_id] = d
         self._wake(node_id)
 
@@ -478,8 +527,8 @@ class Master:
             return
         incident = self._incident(ev)
         if incident is not None:
-            node, ev, verdict = incident
-            self._handle_fault(node, ev, verdict)
+            node, ev, verdict, context = incident
+            self._handle_fault(node, ev, verdict, context)
 
     def _signal_of(self, ev: dict, slot: int | None) -> Signal:
         kind = ev.get("kind")
@@ -489,6 +538,9 @@ class Master:
             return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=ev["t"])
         if kind == "health":
             return Signal.from_dict({**ev["signal"], "node": slot})
+        if kind == "nan_loss":
+            return Signal(kind="nan_loss", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
+                          timestamp=ev["t"])
         if kind == "worker_error":
             return Signal(kind="user_exception", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
                           timestamp=ev["t"])
@@ -501,7 +553,7 @@ class Master:
         return Signal(kind="collective_error", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
                       timestamp=ev["t"])
 
-    def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification] | None:
+    def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification, dict] | None:
         """Root cause vs symptom: gather the reports of one incident and let `faults.correlate` decide.
 
         A definite root cause (a killed worker, a lost node, an Xid...) is acted on at once, with whatever
@@ -547,7 +599,12 @@ class Master:
         ev = next(e for sig, e in pairs if sig is d.signal)
         with self.cv:
             node = self.nodes[ev["node_id"]]
-        return node, ev, d.classification
+            # recorded with the fault: how the window was decided and who reported what (nodes by id)
+            ids = {self.nodes[e["node_id"]].slot: e["node_id"] for _, e in pairs}
+        context = {"verdict": d.verdict.value,
+                   "reporters": sorted({ids[x.node] for x in corr.decisions}),
+                   "symptoms": sorted({ids[x.node] for x in corr.symptoms})}
+        return node, ev, d.classification, context
 
     def _definite(self, ev: dict) -> bool:
         with self.cv:
@@ -557,7 +614,7 @@ class Master:
         c = classify(self._signal_of(ev, node.slot), max_local_resets=self.cfg.max_local_resets)
         return c.root_cause and not c.ambiguous
 
-    def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification) -> None:
+    def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification, context: dict | None = None) -> None:
         with self.cv:
             self.fault_history.setdefault(node.slot, []).append(self._signal_of(ev, node.slot))
             node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
@@ -565,11 +622,13 @@ class Master:
                              signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
                              detail=(ev.get("detail") or ev.get("text") or "")[:300],
                              **{"class": verdict.fault_class.value}, action=verdict.action.value,
-                             kind=verdict.fault_class.value)
+                             kind=verdict.fault_class.value, step=ev.get("step"), **(context or {}))
             api = self._api_mode()
         failing_code = _exit_code(ev)
         if verdict.action == Action.EXTERNAL_FALLBACK:
-            why = f"{verdict.reason} (rank {ev.get('rank')} on slot {node.slot})"
+            what = f"{verdict.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") \
+                else verdict.reason
+            why = f"{what} (rank {ev.get('rank')} on slot {node.slot})"
             if api and self._fallback(set(), why):
                 return
             raise Stop(failing_code or 1, why)
@@ -830,8 +889,15 @@ class Master:
             self.exit_code = exit_code
             self.reason = reason
             self.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED
+            # what an external restart could resume from: the newest step every rank has committed, and the
+            # newest any rank has (a non-finite step must never appear here)
+            newest = {r: max(s) for n in self.nodes.values() if n.role == Role.ACTIVE
+                      for r, s in n.snapshots.items() if s}
+            complete = len(newest) == self.layout.world_size
             self.events.emit("job_finished", self.generation, exit_code=exit_code, reason=reason,
-                             restarts=self.restart_count, recoveries=self.recoveries)
+                             restarts=self.restart_count, recoveries=self.recoveries,
+                             committed_step=min(newest.values()) if complete else None,
+                             newest_snapshot=max(newest.values(), default=None))
             for n in self.nodes.values():
                 if n.role != Role.FAILED:
                     self._set_directive(n.node_id, command="stop", exit_code=exit_code, reason=reason)

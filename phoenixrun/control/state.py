@@ -163,3 +163,18 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
     new_slots = dict(slots)
     new_slots.update(replacements)
     return RecoveryPlan(restore_step=step, slots=new_slots, fetch=fetch, replaced_slots=dict(replacements))
+
+
+def fence_reply(node: NodeRecord | None) -> dict | None:
+    """What the master answers a node that is no longer part of the job, whatever it asked; None otherwise.
+
+    A node that was declared lost and replaced (or a spare declared lost) may come back: a healed partition, a
+    host that was only slow. It must never rejoin, since its slot now belongs to another node: its agent gets a
+    stop order (it kills its workers and exits). The agent does not fence itself when the master is merely
+    unreachable (the master may be restarting); fencing happens here, when it talks to the master again.
+    """
+    if node is None or node.role != Role.FAILED:
+        return None
+    return {"fenced": True, "command": "stop", "exit_code": 0, "role": Role.FAILED.value, "slot": None,
+            "reason": f"fenced: node {node.node_id} was declared lost ({node.last_fault or 'no detail'}) "
+                      "and is no longer part of the job"}

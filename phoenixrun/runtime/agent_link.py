@@ -33,6 +33,8 @@ class AgentLink:
         self.quiesce_generation = -1                       # highest generation we were told to quiesce for
         self.closed = False
         self.on_quiesce: Callable[[int], None] = lambda g: None
+        self.on_abort: Callable[[], None] = lambda: None   # fault drill: make this worker's collectives fail
+        self.poison_loss = False                           # fault drill: the next observed loss is NaN
         self._reader = threading.Thread(target=self._read, daemon=True, name="phoenixrun-agent-link")
         self._reader.start()
 
@@ -87,6 +89,10 @@ class AgentLink:
                         self.cv.notify_all()
                 elif op == "ping":                  # liveness for the agent's hang watchdog
                     self.send({"op": "pong"})
+                elif op == "abort_comm":            # `phoenixrun inject --fault comm-timeout|partition`
+                    self.on_abort()
+                elif op == "poison_loss":           # `phoenixrun inject --fault nan`
+                    self.poison_loss = True
                 elif op == "quiesce":
                     g = int(msg["generation"])
                     with self.cv:

@@ -6,7 +6,9 @@
     job = phoenixrun.protect(model, opt, state=progress)   # progress: a JSON-able dict you own
     for step in job.steps(total):
         with job.step(step):
-            loss = model(batch(step)).mean(); loss.backward(); opt.step(); opt.zero_grad()
+            loss = model(batch(step)).mean()
+            job.observe_loss(loss)      # NaN/inf: stop the job before any rank applies this step
+            loss.backward(); opt.step(); opt.zero_grad()
 
 Under plain torchrun, or with PHOENIXRUN_PROTECT=0, init() is `dist.init_process_group` and
 protect() returns a pass-through whose step() is a null context: no wrapper code runs per step.
@@ -22,6 +24,7 @@ import atexit
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -54,6 +57,31 @@ ADAPT_PERIOD = 20   # steps between protection-interval decisions
 
 class Quiesced(RuntimeError):
     """Raised inside a step when the master ordered this generation to stop."""
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss handed to `job.observe_loss()` is NaN or infinite.
+
+    Not recoverable by a hot swap (a replacement would compute the same value): the job stops with a non-zero
+    exit, and the step that produced it is never snapshotted, so the last committed snapshot is the state
+    before that step.
+    """
+
+
+def check_loss(loss, step: int | None = None) -> None:
+    """Raise NonFiniteLoss unless `loss` (a float or a tensor) is finite. One device sync for a GPU tensor."""
+    if torch.is_tensor(loss):
+        t = loss.detach()
+        if bool(torch.isfinite(t).all()):
+            return
+        value = "nan" if bool(torch.isnan(t).any()) else "inf"
+    else:
+        v = float(loss)
+        if math.isfinite(v):
+            return
+        value = "nan" if math.isnan(v) else "inf"
+    where = f" at step {step}" if step is not None else ""
+    raise NonFiniteLoss(f"loss is {value}{where}")
 
 
 @dataclass
@@ -129,6 +157,9 @@ class PassThroughJob:
     def step(self, k: int):
         return contextlib.nullcontext()
 
+    def observe_loss(self, loss) -> None:
+        check_loss(loss)
+
 
 class _Runtime:
     """The worker's link to its agent and its reconfigurable process group."""
@@ -136,12 +167,14 @@ class _Runtime:
     def __init__(self, sock_path: str, local_rank: int):
         self.link = AgentLink(sock_path)
         self.link.on_quiesce = self._on_quiesce
+        self.link.on_abort = self.abort   # `phoenixrun inject --fault comm-timeout`: fail our collectives now
         self.link.send({"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "api": True})
         assign = self._next_order({"assign"})
         self.rank, self.world_size = assign["rank"], assign["world_size"]
         self.local_rank = local_rank
         self.master_addr, self.master_port = assign["master_addr"], int(assign["master_port"])
         self.generation = assign["generation"]
+        self.store_prefix = assign.get("store_prefix")
         self.restore_step = assign["restore_step"]
         self.timeout = timedelta(seconds=float(os.environ.get("PHOENIXRUN_COLLECTIVE_TIMEOUT", "30")))
         # a warm spare learns its identity only now: give the script what torchrun would have
@@ -190,7 +223,7 @@ class _Runtime:
                 gen.store = None
         self._retired, self._gen = [], None
 
-    def connect(self, generation: int) -> None:
+    def connect(self, generation: int, store_prefix: str | None = None) -> None:
         """Rendezvous generation `generation` (blocks until the whole world has joined)."""
         self.pg.set_backend(None)
         if self._gen is not None:
@@ -199,7 +232,9 @@ class _Runtime:
             self._retired.append(self._gen)
         self._gen = None
         self._baseline = set(_socket_inodes())
-        gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout)
+        self.store_prefix = store_prefix or self.store_prefix
+        gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout,
+                         self.store_prefix)
         self._gen, self.generation = gen, generation
         self.pg.set_backend(gen.backend)
 
@@ -246,6 +281,18 @@ class Job:
 
     def step(self, k: int) -> "_StepScope":
         return _StepScope(self, k)
+
+    def observe_loss(self, loss) -> None:
+        """Hand the step's loss to phoenixrun (inside `with job.step(k)`, before `backward()`).
+
+        A NaN or infinite loss raises NonFiniteLoss at once: this rank never joins the step's gradient
+        all-reduce, so no rank applies the step and no snapshot of it is committed anywhere; the master is told
+        (class software_unknown, external fallback) and stops the job. Costs one isfinite() on a scalar.
+        """
+        if self.link.poison_loss:         # fault drill (`phoenixrun inject --fault nan`)
+            self.link.poison_loss = False
+            loss = loss * float("nan")
+        check_loss(loss, self.current)
 
     # ---------------------------------------------------------------- snapshot path
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -356,7 +403,7 @@ class Job:
                         order["generation"], order["restore_step"])
             try:
                 t1 = time.time()
-                self.rt.connect(order["generation"])
+                self.rt.connect(order["generation"], order.get("store_prefix"))
                 t2 = time.time()
                 self._restore(order["restore_step"])
                 t3 = time.time()
@@ -424,6 +471,9 @@ class _StepScope:
         if exc is None and not job.rt.quiesce_pending:
             job.next_step = self.k + 1
             job._snapshot(self.k + 1)
+            return False
+        if isinstance(exc, NonFiniteLoss):   # never snapshotted; the job must stop, not hot-swap
+            job.link.send({"op": "nan_loss", "text": str(exc), "step": self.k})
             return False
         if exc is not None and not job.rt.quiesce_pending and not _recoverable(exc):
             # the script's own error: not ours to hide; tell the agent what it was (classification)

@@ -40,11 +40,12 @@ class Generation:
     """One generation's store connection and gloo backend (on a fresh key prefix)."""
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, generation: int,
-                 timeout: timedelta):
+                 timeout: timedelta, store_prefix: str | None = None):
         self.generation = generation
         self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout,
                                    use_libuv=True)
-        prefix = dist.PrefixStore(f"/phoenixrun/gen{generation}/", self.store)
+        # the master's per-generation prefix (generation fencing); the plain one for an agent that sends none
+        prefix = dist.PrefixStore(store_prefix or f"/phoenixrun/gen{generation}/", self.store)
         self.backend = ProcessGroupGloo(prefix, rank, world_size, timeout)
 
 

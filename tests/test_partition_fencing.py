@@ -1,0 +1,107 @@
+"""Partition drill building blocks and fencing on rejoin, without a job: the pure fence decision, the master's
+answers to a replaced node on every endpoint, and the agent's cut (control calls, peer server, peer calls)."""
+import socket
+
+import pytest
+
+from phoenixrun import auth
+from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
+from phoenixrun.agents.peer import PeerError, PeerServer
+from phoenixrun.cli import valid_fault
+from phoenixrun.control.client import ControlError
+from phoenixrun.control.events import read_events
+from phoenixrun.control.master import Master, MasterConfig
+from phoenixrun.control.state import NodeRecord, Role, fence_reply
+
+
+def _node(role, slot=None):
+    return NodeRecord(node_id="n1", host="h", agent_pid=1, peer_addr="h:1", fault_domain="d", role=role, slot=slot,
+                      last_fault="host_pcie: no heartbeat")
+
+
+@pytest.mark.parametrize("role", [Role.ACTIVE, Role.SPARE])
+def test_live_nodes_are_not_fenced(role):
+    assert fence_reply(_node(role, 0 if role == Role.ACTIVE else None)) is None
+    assert fence_reply(None) is None
+
+
+def test_failed_node_gets_stop_with_reason():
+    r = fence_reply(_node(Role.FAILED))
+    assert r["fenced"] is True and r["command"] == "stop" and "n1" in r["reason"] and "no heartbeat" in r["reason"]
+
+
+def _register(m: Master, nid: str) -> dict:
+    return m.register({"node_id": nid, "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:1"})
+
+
+def test_replaced_node_is_fenced_on_every_endpoint(tmp_path):
+    """After replacement a node that talks again (healed partition) is told to stop, whatever it asks, and
+    is never given work: no directive of the new generation, no heartbeat bookkeeping, no report queued."""
+    m = Master(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1), auth.new_secret())
+    m.store_port = 0                              # not started: no store, no HTTP; the handlers are called directly
+    _register(m, "a")
+    assert m._inbox.get_nowait()["kind"] == "joined"
+    assert m.heartbeat({"node_id": "a"})["ok"]
+    with m.cv:                                    # what _replace_slots does to the node it replaces
+        m.nodes["a"].role, m.nodes["a"].slot = Role.FAILED, None
+        m.generation = 3
+        m._set_directive("a", command="run", slot=0)   # even a pending order must not reach it
+    hb = m.heartbeat({"node_id": "a", "snapshots": {"0": [9]}})
+    assert hb["fenced"] and hb["command"] == "stop" and "inject" not in hb
+    assert m.nodes["a"].snapshots == {}           # its reports are not taken into the job's state
+    d = m.directive({"node_id": "a", "version": 5, "timeout": 0.1})
+    assert d["fenced"] and d["command"] == "stop" and d["version"] == 6
+    assert m.report({"node_id": "a", "kind": "worker_exit", "rank": 0, "returncode": 1})["fenced"]
+    assert m._inbox.empty()
+    assert _register(m, "a")["fenced"]
+    m.events.close()
+    fenced = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "node_fenced"]
+    assert len(fenced) == 1 and fenced[0]["node"] == "a" and fenced[0]["via"] == "heartbeat"
+
+
+def test_cut_fails_control_and_peer_calls_and_heal_restores_them():
+    cut = NetworkCut()
+    ctl = GatedControlClient("127.0.0.1:9", "s", cut)
+    peers = GatedPeerClient("s", cut)
+    server = PeerServer("127.0.0.1", "s", {"ping": lambda h, p: ({"pong": True}, b"")})
+    try:
+        assert peers.call(server.addr, {"op": "ping"})[0]["pong"]
+        cut.start()
+        with pytest.raises(ControlError, match="partitioned"):
+            ctl.post("/v1/heartbeat", {})
+        with pytest.raises(PeerError, match="partitioned"):
+            peers.call(server.addr, {"op": "ping"})
+        server.suspend()                          # others (the master's probe) cannot connect now
+        host, port = server.addr.rsplit(":", 1)
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+        cut.heal()
+        server.resume()                           # same address: peers and the master know it
+        assert GatedPeerClient("s", cut).call(server.addr, {"op": "ping"})[0]["pong"]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("fault,ok", [
+    ("partition", True), ("partition:2.5", True), ("partition:0", False), ("partition:x", False),
+    ("partition:inf", False), ("comm-timeout", True), ("nan", True), ("xid:79", True), ("xid:", False),
+    ("crash-worker", True), ("bogus", False), ("nan:1", False),
+])
+def test_inject_accepts_known_faults_only(fault, ok):
+    assert valid_fault(fault) is ok
+
+
+def test_store_prefix_is_per_generation_and_not_guessable(tmp_path):
+    """Generation fencing: a generation's rendezvous prefix is known only through the master's directives, so
+    an old generation's worker cannot compute a newer one's; every directive carries the current one."""
+    a = Master(MasterConfig(run_dir=tmp_path / "a", nnodes=1, nproc_per_node=1), auth.new_secret())
+    b = Master(MasterConfig(run_dir=tmp_path / "b", nnodes=1, nproc_per_node=1), auth.new_secret())
+    assert a.store_prefix(4) == a.store_prefix(4) != a.store_prefix(5)
+    assert a.store_prefix(4) != b.store_prefix(4)       # not a function of the generation number alone
+    assert a.store_prefix(4).startswith("/phoenixrun/gen4-")
+    with a.cv:
+        a.generation = 4
+        a._set_directive("x", command="quiesce")
+    assert a._directives["x"]["store_prefix"] == a.store_prefix(4)
+    a.events.close()
+    b.events.close()
