@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from phoenixrun.slot_format import SlotHeader, crc_private, crc_shared
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -30,20 +32,10 @@ def remove_orphans(host: str) -> list[Path]:
     pattern = re.compile(rf"^phoenixrun-{re.escape(host)}-(\d+)-[0-9a-f]+-")
     for path in SHM_DIR.glob(f"phoenixrun-{host}-*"):
         m = pattern.match(path.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not psutil.pid_exists(int(m.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _map(path: Path, size: int, create: bool) -> mmap.mmap:
