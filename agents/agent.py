@@ -281,6 +281,10 @@ class Agent:
             if "world" in d:
                 self.world = d["world"]
             self.restart_count = d.get("restart_count", self.restart_count)
+        if cmd in ("run", "restart") and self.persister is not None:
+            # before workers start (not under the lock: heartbeats go on): the first checkpoints
+            # must not be skipped because the I/O process is still importing
+            self.persister.ready.wait(timeout=60)
         if cmd == "wait":
             if d.get("warm") and not self.workers:
                 self._spawn_all(rank_known=False)

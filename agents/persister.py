@@ -108,6 +108,7 @@ class Persister:
         self._last: dict[int, int] = {}       # rank -> last step taken for writing
         self._busy = False
         self._stop = False
+        self.ready = threading.Event()        # the I/O process is up (or failed to start)
         self.written: list[tuple[int, int]] = []
         self._thread = threading.Thread(target=self._run, daemon=True, name="persister")
         self._thread.start()
@@ -181,6 +182,7 @@ class Persister:
             self.io.start()     # its imports take seconds: pay them while idle, not at the first checkpoint
         except (PersistError, OSError) as e:
             log.error("checkpoint I/O process did not start: %s", e)
+        self.ready.set()
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._stop)
