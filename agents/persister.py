@@ -96,10 +96,10 @@ class _IOProcess:
 
 
 class Persister:
-    def __init__(self, cfg: PersistConfig, copy_image: Callable[[int, int], bytearray | None], prefix: str,
+    def __init__(self, cfg: PersistConfig, copy_image: Callable[[int, int, Path], bool], prefix: str,
                  backlog: int = 4):
         self.cfg = cfg
-        self.copy_image = copy_image          # (rank, step) -> sealed slot image, or None if gone
+        self.copy_image = copy_image          # (rank, step, file): copy the sealed snapshot there, False if gone
         self.prefix = prefix                  # names of this node's shm hand-over files
         self.backlog = backlog
         self.io = _IOProcess(cfg)
@@ -169,12 +169,10 @@ class Persister:
         self.io.close()
 
     def _handover(self, rank: int, step: int) -> Path | None:
-        image = self.copy_image(rank, step)
-        if image is None:
+        path = SHM_DIR / f"{self.prefix}-persist-r{rank}-{step}"
+        if not self.copy_image(rank, step, path):
             log.info("checkpoint of rank %d step %d skipped: the snapshot was already replaced", rank, step)
             return None
-        path = SHM_DIR / f"{self.prefix}-persist-r{rank}-{step}"
-        path.write_bytes(image)
         return path
 
     def _run(self) -> None:

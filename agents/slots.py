@@ -138,21 +138,31 @@ class LocalSlots:
                 return i
         return None
 
-    def copy_snapshot(self, rank: int, step: int) -> bytearray | None:
-        """A private copy of the sealed S_step of `rank` (for the persister), or None if it is gone.
-        Copied without holding the lock; valid only if no writer was handed the slot meanwhile."""
+    def copy_snapshot(self, rank: int, step: int, dest: Path) -> bool:
+        """Copy the sealed S_step of `rank` into the file `dest` (for the persister): one memcpy, done
+        without holding the lock. False (and no file) if the snapshot is gone or a writer was handed
+        the slot during the copy."""
         with self._lock:
             rs = self._ranks.get(rank)
             idx = None if rs is None else next((i for i in (0, 1) if rs.steps[i] == step), None)
             if idx is None:
-                return None
+                return False
             mm = rs.maps[idx]
         try:
-            image = bytearray(mm[:SlotHeader.unpack(mm).total_len])
+            n = SlotHeader.unpack(mm).total_len
+            out = _map(dest, n, create=True)
+            try:
+                out[:n] = mm[:n]
+            finally:
+                out.close()
         except ValueError:      # unmapped meanwhile (slots cleared for a restart)
-            return None
+            dest.unlink(missing_ok=True)
+            return False
         with self._lock:
-            return image if self._ranks.get(rank) is rs and rs.steps[idx] == step else None
+            if self._ranks.get(rank) is rs and rs.steps[idx] == step:
+                return True
+        dest.unlink(missing_ok=True)
+        return False
 
     def install_image(self, rank: int, image: bytearray) -> None:
         """Make a full sealed slot image (read from a persistent checkpoint) the committed snapshot."""
