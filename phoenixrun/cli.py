@@ -174,6 +174,7 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
            hang_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
            max_fallbacks, entry):
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
+    from phoenixrun.control.master import MasterConfig
     from phoenixrun.launcher import LaunchConfig, run
     from phoenixrun.topology import Layout
 
@@ -199,18 +200,19 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
     run_id = rdzv_id or ("standalone-" + uuid.uuid4().hex[:8] if standalone else "phoenixrun")
     run_dir = run_dir or Path(".phoenixrun") / run_id
     endpoint = rdzv_endpoint or f"{master_addr}:{master_port}"
+    host, _, port = ("127.0.0.1:0" if standalone else endpoint).rpartition(":")
+    job = MasterConfig(
+        run_dir=run_dir, nnodes=n, nproc_per_node=nproc, run_id=run_id, tp=tp, pp=pp,
+        replicas=min(replicas, max(0, n - 1)), max_restarts=max_restarts, host=host, port=int(port),
+        node_timeout=node_timeout, spare_wait=spare_wait, recovery_timeout=recovery_timeout,
+        max_local_resets=max_local_resets, persist_dir=_persist_dir(persist_dir, persist_every, run_dir),
+        persist_every=persist_every, persist_keep=persist_keep, max_fallbacks=max_fallbacks)
     cfg = LaunchConfig(
-        nnodes=n, nproc_per_node=nproc, entry=list(entry), module=module, no_python=no_python,
-        standalone=standalone, spares=spares, run_dir=run_dir, run_id=run_id,
+        master=job, entry=list(entry), module=module, no_python=no_python, standalone=standalone, spares=spares,
         endpoint=None if standalone else endpoint, node_rank=node_rank,
-        host="127.0.0.1" if standalone else endpoint.rsplit(":", 1)[0],
-        local_addr="127.0.0.1" if standalone else (local_addr or _this_host()), replicas=min(replicas, max(0, n - 1)),
-        tp=tp, pp=pp, max_restarts=max_restarts, fault_domain=fault_domain, log_dir=log_dir,
-        tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval, node_timeout=node_timeout,
-        spare_wait=spare_wait, recovery_timeout=recovery_timeout, collective_timeout=collective_timeout,
-        hang_timeout=hang_timeout, max_local_resets=max_local_resets, persist_every=persist_every,
-        persist_dir=_persist_dir(persist_dir, persist_every, run_dir), persist_keep=persist_keep,
-        max_fallbacks=max_fallbacks)
+        local_addr="127.0.0.1" if standalone else (local_addr or _this_host()), fault_domain=fault_domain,
+        log_dir=log_dir, tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval,
+        collective_timeout=collective_timeout, hang_timeout=hang_timeout)
     sys.exit(run(cfg))
 
 

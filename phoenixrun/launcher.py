@@ -12,46 +12,30 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from phoenixrun import auth
+from phoenixrun.control.master import MasterConfig
 
 
 @dataclass
 class LaunchConfig:
-    nnodes: int
-    nproc_per_node: int
+    master: MasterConfig               # the job as the master runs it: size, layout, timeouts, persistence
     entry: list[str]                   # script/module and its args, after the launcher flags
     module: bool = False
     no_python: bool = False
     standalone: bool = False
     spares: int = 0
-    run_dir: Path = Path(".phoenixrun/job")
-    run_id: str = "phoenixrun"
     endpoint: str | None = None        # host:port of the master (non-standalone)
     node_rank: int = 0
-    host: str = "127.0.0.1"            # where the master listens
     local_addr: str = "127.0.0.1"      # how peers reach this node's agent
-    master_port: int = 0
-    replicas: int = 1
-    tp: int = 1
-    pp: int = 1
-    max_restarts: int = 0
     fault_domain: str = ""
     log_dir: str | None = None
     tee: bool = True
     heartbeat_interval: float = 0.5
-    node_timeout: float = 5.0
-    spare_wait: float = 30.0
-    recovery_timeout: float = 60.0
     collective_timeout: float = 60.0
     hang_timeout: float = 20.0
-    max_local_resets: int = 3
-    persist_every: int = 0
-    persist_dir: Path | None = None
-    persist_keep: int = 2
-    max_fallbacks: int = 3
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -62,19 +46,20 @@ def _py() -> list[str]:
     return [sys.executable, "-m", "phoenixrun.cli"]
 
 
-def master_argv(c: LaunchConfig, port: int) -> list[str]:
-    return _py() + ["master", "--nnodes", str(c.nnodes), "--nproc-per-node", str(c.nproc_per_node),
-                    "--run-dir", str(c.run_dir), "--rdzv-id", c.run_id, "--host", c.host, "--port", str(port),
-                    "--replicas", str(c.replicas), "--tp", str(c.tp), "--pp", str(c.pp),
-                    "--max-restarts", str(c.max_restarts), "--node-timeout", str(c.node_timeout),
-                    "--spare-wait", str(c.spare_wait), "--recovery-timeout", str(c.recovery_timeout),
-                    "--max-local-resets", str(c.max_local_resets), "--persist-every", str(c.persist_every),
-                    "--persist-keep", str(c.persist_keep), "--max-fallbacks", str(c.max_fallbacks)] + \
-        (["--persist-dir", str(c.persist_dir)] if c.persist_dir else [])
+def master_argv(m: MasterConfig) -> list[str]:
+    """`phoenixrun master ...` running with exactly this config."""
+    argv = _py() + ["master", "--nnodes", str(m.nnodes), "--nproc-per-node", str(m.nproc_per_node),
+                    "--run-dir", str(m.run_dir), "--rdzv-id", m.run_id, "--host", m.host, "--port", str(m.port),
+                    "--store-port", str(m.store_port), "--replicas", str(m.replicas), "--tp", str(m.tp),
+                    "--pp", str(m.pp), "--max-restarts", str(m.max_restarts), "--node-timeout", str(m.node_timeout),
+                    "--spare-wait", str(m.spare_wait), "--recovery-timeout", str(m.recovery_timeout),
+                    "--max-local-resets", str(m.max_local_resets), "--persist-every", str(m.persist_every),
+                    "--persist-keep", str(m.persist_keep), "--max-fallbacks", str(m.max_fallbacks)]
+    return argv + (["--persist-dir", str(m.persist_dir)] if m.persist_dir else [])
 
 
 def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
-    argv = _py() + ["agent", "--rdzv-endpoint", endpoint, "--nproc-per-node", str(c.nproc_per_node),
+    argv = _py() + ["agent", "--rdzv-endpoint", endpoint, "--nproc-per-node", str(c.master.nproc_per_node),
                     "--host", c.local_addr, "--heartbeat-interval", str(c.heartbeat_interval),
                     "--hang-timeout", str(c.hang_timeout)]
     if domain:
@@ -128,10 +113,11 @@ class ProcessSet:
 
 def run(c: LaunchConfig) -> int:
     """Run a job: master (standalone or node rank 0) and this node's agent(s). Returns the exit code."""
-    c.run_dir.mkdir(parents=True, exist_ok=True)
-    secret = auth.read_secret(secret_file=c.run_dir / auth.SECRET_FILE) if not c.standalone else None
+    run_dir = c.master.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    secret = auth.read_secret(secret_file=run_dir / auth.SECRET_FILE) if not c.standalone else None
     secret = secret or os.environ.get(auth.SECRET_ENV) or auth.new_secret()
-    auth.write_secret(c.run_dir, secret)
+    auth.write_secret(run_dir, secret)
     env = {**os.environ, **c.extra_env, auth.SECRET_ENV: secret,
            "PHOENIXRUN_COLLECTIVE_TIMEOUT": str(c.collective_timeout)}
     procs = ProcessSet()
@@ -143,17 +129,14 @@ def run(c: LaunchConfig) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if c.standalone or c.node_rank == 0:
-            port = c.master_port if not c.standalone else 0
-            if c.endpoint and not c.standalone:
-                port = int(c.endpoint.rsplit(":", 1)[1])
-            master = procs.start(master_argv(c, port), env)
-            info = wait_for_master(c.run_dir, master)
+            master = procs.start(master_argv(c.master), env)
+            info = wait_for_master(run_dir, master)
             endpoint = info["endpoint"]
-            print(f"phoenixrun: run {c.run_id}: master {endpoint}, run dir {c.run_dir} "
-                  f"(watch with: phoenixrun status --run-dir {c.run_dir} --watch)", file=sys.stderr, flush=True)
+            print(f"phoenixrun: run {c.master.run_id}: master {endpoint}, run dir {run_dir} "
+                  f"(watch with: phoenixrun status --run-dir {run_dir} --watch)", file=sys.stderr, flush=True)
         else:
             endpoint = c.endpoint
-        count = c.nnodes + c.spares if c.standalone else 1
+        count = c.master.nnodes + c.spares if c.standalone else 1
         agents = []
         for i in range(count):
             domain = c.fault_domain or (f"local{i}" if c.standalone else "")
@@ -173,9 +156,9 @@ def run(c: LaunchConfig) -> int:
             print(f"phoenixrun: the master died (signal {-master.returncode}); restarting it on {endpoint} "
                   f"({master_restarts}/{MAX_MASTER_RESTARTS})", file=sys.stderr, flush=True)
             time.sleep(min(5.0, 0.5 * master_restarts))
-            master = procs.start(master_argv(c, int(endpoint.rsplit(":", 1)[1])) +
-                                 ["--store-port", str(info["store_port"])], env)
-            info = wait_for_master(c.run_dir, master)
+            same_place = replace(c.master, port=int(endpoint.rsplit(":", 1)[1]), store_port=info["store_port"])
+            master = procs.start(master_argv(same_place), env)
+            info = wait_for_master(run_dir, master)
             watched = master
         if master is not None:
             # agents exit once they read the stop directive; give them a moment
