@@ -109,7 +109,6 @@ class Persister:
         self._busy = False
         self._stop = False
         self.ready = threading.Event()        # the I/O process is up (or failed to start)
-        self.written: list[tuple[int, int]] = []
         self._thread = threading.Thread(target=self._run, daemon=True, name="persister")
         self._thread.start()
 
@@ -200,7 +199,5 @@ class Persister:
             self.io.call({"op": "write", "rank": rank, "image": str(path)})
         except (PersistError, OSError) as e:
             log.warning("checkpoint of rank %d step %d not written: %s", rank, step, e)
-            return
         finally:
             path.unlink(missing_ok=True)
-        self.written.append((rank, step))
