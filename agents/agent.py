@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import signal
 import socket
 import sys
@@ -232,7 +233,9 @@ class Agent:
             except ControlError as e:
                 # the master may be restarting: keep going (training does not need it), keep trying
                 log.debug("heartbeat failed: %s", e)
-            self._stop.wait(self.cfg.heartbeat_interval)
+            # jittered: agents that got their replies together (after a master stall, say) must not keep
+            # heartbeating in step, which would load the master in bursts
+            self._stop.wait(self.cfg.heartbeat_interval * random.uniform(0.9, 1.1))
 
     def _report(self, ev: dict) -> None:
         """Queue a report for the master; delivered in order, retried until it gets through."""

@@ -1,5 +1,6 @@
 """Partition drill building blocks and fencing on rejoin, without a job: the pure fence decision, the master's
 answers to a replaced node on every endpoint, and the agent's cut (control calls, peer server, peer calls)."""
+import json
 import socket
 
 import pytest
@@ -45,11 +46,11 @@ def test_replaced_node_is_fenced_on_every_endpoint(tmp_path):
     with m.cv:                                    # what _replace_slots does to the node it replaces
         m.nodes["a"].role, m.nodes["a"].slot = Role.FAILED, None
         m.generation = 3
-        m._set_directive("a", command="run", slot=0)   # even a pending order must not reach it
+        m._direct(["a"], command="run", slot=0)      # even a pending order must not reach it
     hb = m.heartbeat({"node_id": "a", "snapshots": {"0": [9]}})
     assert hb["fenced"] and hb["command"] == "stop" and "inject" not in hb
     assert m.nodes["a"].snapshots == {}           # its reports are not taken into the job's state
-    d = m.directive_now({"node_id": "a", "version": 5, "timeout": 0.1})
+    d = json.loads(m.directive_now({"node_id": "a", "version": 5, "timeout": 0.1}))
     assert d["fenced"] and d["command"] == "stop" and d["version"] == 6
     assert m.report({"node_id": "a", "kind": "worker_exit", "rank": 0, "returncode": 1})["fenced"]
     assert m._inbox.empty()
@@ -101,7 +102,7 @@ def test_store_prefix_is_per_generation_and_not_guessable(tmp_path):
     assert a.store_prefix(4).startswith("/phoenixrun/gen4-")
     with a.cv:
         a.generation = 4
-        a._set_directive("x", command="quiesce")
-    assert a._directives["x"]["store_prefix"] == a.store_prefix(4)
+        a._direct(["x"], command="quiesce")
+    assert json.loads(a.directives.get("x").body)["store_prefix"] == a.store_prefix(4)
     a.events.close()
     b.events.close()

@@ -10,6 +10,7 @@ with a new generation instead of being dropped.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import json
@@ -17,15 +18,18 @@ import logging
 import os
 import secrets
 import queue
+import random
 import resource
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Mapping
 
 from phoenixrun import persist
+from phoenixrun.control import wire
+from phoenixrun.control.directives import DirectiveBoard
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.server import ControlServer
@@ -64,6 +68,8 @@ class MasterConfig:
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
 ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error", "nan_loss")
+PROBE_AFTER_S = 0.3   # a recovery phase without a new ack this long: probe the nodes it waits for
+PROBE_MAX = 512       # ... this many at a time
 # which decision of an incident is carried out first
 SEVERITY = {Action.EXTERNAL_FALLBACK: 0, Action.NODE_REPLACE: 1, Action.LOCAL_RESET: 2}
 
@@ -106,6 +112,11 @@ class Master:
         self.secret = secret
         self.layout = Layout(cfg.nnodes, cfg.nproc_per_node, cfg.tp, cfg.pp)
         self.placement = place_replicas(self.layout, min(cfg.replicas, cfg.nnodes - 1), cfg.fault_domains)
+        # per slot (fixed for the job): its ranks' replica holders, and the slots whose addresses it needs
+        self._slot_placement: dict[int, tuple[dict[int, list[int]], list[int]]] = {}
+        for slot in range(cfg.nnodes):
+            placement = {r: self.placement.get(r, []) for r in self.layout.ranks_of_slot(slot)}
+            self._slot_placement[slot] = placement, sorted({h for hs in placement.values() for h in hs} | {slot})
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
@@ -124,10 +135,9 @@ class Master:
         self.protect_every = 1
         self.done_nodes: set[str] = set()
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
-        self._directives: dict[str, dict] = {}
-        self._injections: dict[str, list[str]] = {}
         # directive versions only grow, across master restarts too: agents ignore what is not newer
-        self._version = int(time.time() * 1e6)
+        self.directives = DirectiveBoard()
+        self._injections: dict[str, list[str]] = {}
         self.resumed_at: float | None = None      # set when agents of a running job rejoin (master restart)
         self._peer_hint: dict[int, str] = {}      # slot -> peer address, as the rejoining agents knew it
         self._rejoin_generation: dict[str, int] = {}   # node -> generation it reported when rejoining
@@ -137,7 +147,8 @@ class Master:
         self._node_step: dict[str, int | None] = {}          # node id -> its ranks' oldest newest snapshot
         self._heard: OrderedDict[str, None] = OrderedDict()   # node ids, least recently heard from first
         self._api_nodes: set[str] = set()
-        self._wake = lambda node_id: None                     # the transport's: a directive is ready
+        self._wake: Callable[[list[str]], None] = lambda node_ids: None   # the transport's: directives are ready
+        self._prefixes: dict[int, str] = {}      # generation -> store prefix (an HMAC: computed once)
         self._stopped = threading.Event()
         self._fenced: set[str] = set()           # replaced nodes already told to go (one event each)
         self._prefix_key = secrets.token_bytes(16)   # never leaves the master: see store_prefix()
@@ -170,7 +181,7 @@ class Master:
         deadline = time.time() + 3.0
         with self.cv:
             while time.time() < deadline and any(
-                    n.role != Role.FAILED and not self._directives.get(n.node_id, {}).get("acked")
+                    n.role != Role.FAILED and not getattr(self.directives.get(n.node_id), "acked", False)
                     for n in self.nodes.values()):
                 self.cv.wait(0.1)
         self.http.shutdown()
@@ -198,7 +209,7 @@ class Master:
             self.events.emit("node_joined", self.generation, node=node.node_id, host=node.host,
                              role=role.value, slot=slot, agent_pid=node.agent_pid, fault_domain=node.fault_domain)
             if role == Role.SPARE:
-                self._set_directive(node.node_id, command="wait", warm=self._api_mode())
+                self._direct([node.node_id], command="wait", warm=self._api_mode())
             self._inbox.put({"kind": "joined", "node_id": node.node_id})
             return self._job_json(role, slot)
 
@@ -242,7 +253,7 @@ class Master:
         self.events.emit("node_rejoined", self.generation, node=nid, role=role.value, slot=slot,
                          agent_generation=int(r.get("generation", 0)), interrupted=bool(r.get("frozen")))
         if role == Role.SPARE:
-            self._set_directive(nid, command="wait", warm=node.api)
+            self._direct([nid], command="wait", warm=node.api)
         self._inbox.put({"kind": "joined", "node_id": nid, "interrupted": bool(r.get("frozen"))})
         return self._job_json(role, slot)
 
@@ -271,9 +282,10 @@ class Master:
                 node.api = True
                 self._api_nodes.add(node.node_id)
                 if self._api_mode():  # spares can now pre-start their workers (torch imported, waiting)
-                    for n in self.nodes.values():
-                        if n.role == Role.SPARE and not self._directives.get(n.node_id, {}).get("warm"):
-                            self._set_directive(n.node_id, command="wait", warm=True)
+                    cold = [n.node_id for n in self.nodes.values() if n.role == Role.SPARE
+                            and not getattr(self.directives.get(n.node_id), "fields", {}).get("warm")]
+                    if cold:
+                        self._direct(cold, command="wait", warm=True)
             self._note_progress()
             return {"ok": True, "role": node.role.value, "inject": self._injections.pop(node.node_id, [])}
 
@@ -298,22 +310,19 @@ class Master:
         self._inbox.put(p)
         return {"ok": True}
 
-    def directive_now(self, p: dict) -> dict | None:
-        """A directive long-poll: ack the version the agent holds, return a newer directive if there is
-        one, else None (the transport parks the poll until `_set_directive` wakes it or it times out)."""
+    def directive_now(self, p: dict) -> bytes | None:
+        """A directive long-poll: ack the version the agent holds, return a newer directive (encoded) if
+        there is one, else None (the transport parks the poll until `_direct` wakes it or it times out)."""
         node_id, known = p.get("node_id", ""), int(p.get("version", -1))
         float(p.get("timeout", 10.0))   # malformed -> 400 now, not when the poll expires
         with self.cv:
             fenced = self._fence(node_id, "directive")
             if fenced:
-                return {**fenced, "version": known + 1, "generation": self.generation}
-            d = self._directives.get(node_id)
-            if d is None:
-                return None
-            if known >= 0 and d["version"] == known and not d["acked"]:
-                d["acked"] = True
-                self.cv.notify_all()
-            return d if d["version"] > known else None
+                return wire.dumps({**fenced, "version": known + 1, "generation": self.generation})
+            body = self.directives.answer(node_id, known)
+            if body is None:
+                self.cv.notify_all()    # wait() watches for the stop order being acked
+            return body
 
     def state(self) -> dict:
         with self.cv:
@@ -350,15 +359,24 @@ class Master:
         so a worker of an older generation - a fenced node's, say - cannot join a newer generation's
         rendezvous even if it guesses the generation number.
         """
-        token = hmac.new(self._prefix_key, f"gen{generation}".encode(), hashlib.sha256).hexdigest()[:16]
-        return f"/phoenixrun/gen{generation}-{token}/"
+        prefix = self._prefixes.get(generation)
+        if prefix is None:
+            token = hmac.new(self._prefix_key, f"gen{generation}".encode(), hashlib.sha256).hexdigest()[:16]
+            prefix = self._prefixes[generation] = f"/phoenixrun/gen{generation}-{token}/"
+        return prefix
 
-    def _set_directive(self, node_id: str, **d) -> None:
-        self._version += 1
-        d.update(version=self._version, generation=self.generation, store_prefix=self.store_prefix(self.generation),
-                 acked=False)
-        self._directives[node_id] = d
-        self._wake(node_id)
+    def _direct(self, node_ids: Iterable[str], **fields) -> None:
+        """Order node_ids to do `fields` (one version, one encoding for all of them) and wake their polls."""
+        self._wake(self.directives.set(node_ids, **fields, generation=self.generation,
+                                       store_prefix=self.store_prefix(self.generation)))
+
+    def _direct_slots(self, command: str, own: Mapping[int, dict] | None = None, **fields) -> None:
+        """Order every slot's node to do `command` with its own slot and world (one version for all);
+        own: more fields for some slots."""
+        own = own or {}
+        self._wake(self.directives.set_each(
+            {nid: {"slot": slot, "world": self._world(slot), **own.get(slot, {})} for slot, nid in self.slots.items()},
+            command=command, **fields, generation=self.generation, store_prefix=self.store_prefix(self.generation)))
 
     def _persist_json(self) -> dict | None:
         if self.cfg.persist_dir is None:
@@ -377,9 +395,8 @@ class Master:
     def _world(self, slot: int) -> dict:
         """What the node in `slot` needs of the world: where its ranks' replicas go and those holders'
         addresses. (The whole map in every node's directive would be O(nodes^2) bytes per broadcast.)"""
-        placement = {r: self.placement.get(r, []) for r in self.layout.ranks_of_slot(slot)}
-        need = {h for holders in placement.values() for h in holders} | {slot}
-        return {"slots": {s: self.nodes[self.slots[s]].peer_addr for s in sorted(need) if s in self.slots},
+        placement, need = self._slot_placement[slot]
+        return {"slots": {s: self.nodes[self.slots[s]].peer_addr for s in need if s in self.slots},
                 "placement": placement, "store_port": self.store_port}
 
     def _note_progress(self) -> None:
@@ -430,7 +447,10 @@ class Master:
             self._wait_for_start()
             while True:
                 ev = self._inbox.get()
+                generation = self.generation
                 self._dispatch(ev)
+                if self.generation != generation:
+                    gc.freeze()   # the new membership lives on (see _wait_for_start)
         except Stop as s:
             self._finish(s.exit_code, s.reason)
         except Exception as e:  # a bug in the master must still end the job visibly
@@ -453,6 +473,10 @@ class Master:
                     break
                 if self.resumed_at is not None and time.time() > self.resumed_at + self.cfg.node_timeout:
                     break             # whoever has not rejoined by now is lost
+        # The membership is complete: what exists now (a record per node, a connection per agent) lives as
+        # long as the job. Out of the collector's sight: a full collection walked all of it, 0.3 s at 16K
+        # nodes with the heartbeats stalled meanwhile, about once a second under 1 Hz heartbeats.
+        gc.freeze()
         if self.resumed_at is not None:
             self._resume(held)
             return
@@ -462,9 +486,7 @@ class Master:
                              slots={s: n for s, n in self.slots.items()})
             resume = self._newest_checkpoint()
             if resume is None:
-                for slot, nid in self.slots.items():
-                    self._set_directive(nid, command="run", slot=slot, restart_count=0,
-                                        world=self._world(slot), restore_step=None)
+                self._direct_slots("run", restart_count=0, restore_step=None)
                 return
         # a run directory with checkpoints: resume the job from the newest complete one
         if not self._fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
@@ -636,8 +658,8 @@ class Master:
         if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
             # the node is still up but must go: fence it (its agent kills its workers and exits)
             with self.cv:
-                self._set_directive(node.node_id, command="stop", exit_code=0,
-                                    reason=f"fenced: {verdict.reason}")
+                self._direct([node.node_id], command="stop", exit_code=0,
+                            reason=f"fenced: {verdict.reason}")
         if api:
             self._hot_swap(lost, node, ev, verdict.action, failing_code)
         else:
@@ -653,9 +675,7 @@ class Master:
             self.generation += 1
             self.done_nodes.clear()
             self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why)
-            for slot, nid in self.slots.items():
-                self._set_directive(nid, command="restart", slot=slot, restart_count=self.restart_count,
-                                    world=self._world(slot), restore_step=None)
+            self._direct_slots("restart", restart_count=self.restart_count, restore_step=None)
             self.phase = Phase.RUNNING
         self._drain_stale()
 
@@ -728,9 +748,7 @@ class Master:
                 self.done_nodes.clear()
                 self.events.emit("fallback_restart", g, restore_step=step, reason=reason, fallbacks=self.fallbacks,
                                  checkpoint=str(persist.step_dir(self.cfg.persist_dir, step)))
-                for slot, nid in self.slots.items():
-                    self._set_directive(nid, command="restart", slot=slot, restart_count=self.restart_count,
-                                        world=self._world(slot), restore_step=step)
+                self._direct_slots("restart", restart_count=self.restart_count, restore_step=step)
                 resumed = Acks("resumed", g, self.slots.values())
             try:
                 self._wait_event(resumed, self.cfg.recovery_timeout, lost)
@@ -780,9 +798,8 @@ class Master:
                              replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
                              duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
                              replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
-            for slot, nid in self.slots.items():
-                self._set_directive(nid, command="run", slot=slot, restart_count=self.restart_count,
-                                    world=self._world(slot), restore_step=None, resume=True)
+            # one directive for every node: each got its slot and world with the restore order
+            self._direct(self.slots.values(), command="run", restart_count=self.restart_count, resume=True)
         self._drain_stale()
 
     def _recovery_cycle(self, lost: set[int], fresh: dict[int, str]) -> tuple[RecoveryPlan, dict, int]:
@@ -801,8 +818,7 @@ class Master:
                 if self.slots.get(slot) != fresh[slot]:
                     del fresh[slot]
             survivors = {s: nid for s, nid in self.slots.items() if s not in lost and s not in fresh}
-            for nid in survivors.values():
-                self._set_directive(nid, command="quiesce")
+            self._direct(survivors.values(), command="quiesce")
         quiesced = Acks("quiesced", g, survivors.values())
         self._wait_event(quiesced, self.cfg.recovery_timeout, lost)
         acked = quiesced.got
@@ -822,11 +838,12 @@ class Master:
             phases["plan_s"] = round(time.time() - t, 4)
             self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
                              fetch={r: vars(s) for r, s in plan.fetch.items()})
-            for slot, nid in plan.slots.items():
-                ranks = self.layout.ranks_of_slot(slot)
-                self._set_directive(nid, command="restore", slot=slot, restart_count=self.restart_count,
-                                    world=self._world(slot), restore_step=plan.restore_step,
-                                    fetch={r: vars(plan.fetch[r]) for r in ranks if r in plan.fetch})
+            # the ranks of replaced slots fetch their state from peers; everyone else restores locally
+            fetch: dict[int, dict] = {}
+            for r, src in plan.fetch.items():
+                fetch.setdefault(self.layout.slot_of(r), {}).setdefault("fetch", {})[r] = vars(src)
+            self._direct_slots("restore", own=fetch, restart_count=self.restart_count,
+                               restore_step=plan.restore_step)
         t = time.time()
         resumed_acks = Acks("resumed", g, plan.slots.values())
         self._wait_event(resumed_acks, self.cfg.recovery_timeout, lost)
@@ -839,20 +856,28 @@ class Master:
         return plan, phases, reached
 
     def _wait_event(self, acks: Acks, timeout: float, lost: set[int]) -> None:
-        """Consume reports until every expected ack came; past the deadline -> Cascade."""
+        """Consume reports until every expected ack came; past the deadline -> Cascade.
+
+        A node dying mid-recovery must not cost a heartbeat timeout: when acks stop coming for
+        PROBE_AFTER_S, up to PROBE_MAX of the nodes still awaited are probed (a random few each time, so
+        all get probed if the stall lasts). Not while acks flow: at 16K nodes, probing every pending node
+        every 0.3 s was most of the master's work in a recovery."""
         deadline = time.time() + timeout
-        next_probe = time.time() + 0.3
+        progress_at, acked = time.time(), 0
         while not acks.done:
             left = deadline - time.time()
             if left <= 0:
                 raise Cascade("phase deadline passed")
             self._pump(min(left, 0.1), lost, acks)
-            if time.time() >= next_probe:   # a node dying mid-recovery must not cost a heartbeat timeout
-                next_probe = time.time() + 0.3
+            if len(acks.got) != acked:
+                acked, progress_at = len(acks.got), time.time()
+            elif time.time() - progress_at >= PROBE_AFTER_S:
+                progress_at = time.time()
                 # only the nodes this phase still waits for: one that acked and then died is
                 # caught by the next phase's probe (or its heartbeat timeout)
                 with self.cv:
-                    waiting = [self.nodes[nid] for nid in acks.pending if nid in self.nodes]
+                    pending = random.sample(list(acks.pending), min(PROBE_MAX, len(acks.pending)))
+                    waiting = [self.nodes[nid] for nid in pending if nid in self.nodes]
                     waiting = [n for n in waiting if n.role == Role.ACTIVE and n.slot not in lost]
                 for n in self._unreachable(waiting, timeout=0.2):
                     self._inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
@@ -898,9 +923,8 @@ class Master:
                              restarts=self.restart_count, recoveries=self.recoveries,
                              committed_step=min(newest.values()) if complete else None,
                              newest_snapshot=max(newest.values(), default=None))
-            for n in self.nodes.values():
-                if n.role != Role.FAILED:
-                    self._set_directive(n.node_id, command="stop", exit_code=exit_code, reason=reason)
+            self._direct([n.node_id for n in self.nodes.values() if n.role != Role.FAILED], command="stop",
+                 exit_code=exit_code, reason=reason)
         if exit_code:
             log.error("job failed (exit %d): %s", exit_code, reason)
         self._stopped.set()
