@@ -47,9 +47,11 @@ def main() -> int:
           f"p99 {s['heartbeat_p99_ms']} ms; load generator {s['swarm_cores']:.2f} cores")
     print(f"failure of {rec['failed_node']} (slot {rec['failed_slot']}): detected {rec['detect_s']:.3f} s after its "
           f"last heartbeat (timeout {args.node_timeout:g} s + {rec['detect_after_timeout_s']:.3f} s)")
-    print(f"  quiesce broadcast {rec['quiesce_broadcast_s']:.3f} s, acks {rec['quiesce_acks_s']:.3f} s, "
-          f"plan {rec['plan_s']:.3f} s, restore broadcast {rec['restore_broadcast_s']:.3f} s, "
-          f"acks {rec['restore_acks_s']:.3f} s, resume broadcast {rec['resume_broadcast_s']:.3f} s")
+    print(f"  quiesce broadcast {rec['quiesce_broadcast_s']:.3f} s (half the agents by "
+          f"{rec['quiesce_broadcast_p50_s']:.3f} s), acks {rec['quiesce_acks_s']:.3f} s, plan {rec['plan_s']:.3f} s, "
+          f"restore broadcast {rec['restore_broadcast_s']:.3f} s (half {rec['restore_broadcast_p50_s']:.3f} s), "
+          f"acks {rec['restore_acks_s']:.3f} s, resume broadcast {rec['resume_broadcast_s']:.3f} s "
+          f"(half {rec['resume_broadcast_p50_s']:.3f} s)")
     print(f"  plan + broadcasts {rec['plan_and_broadcasts_s']:.3f} s (goal < 1 s); fault -> every agent resumed "
           f"{rec['fault_to_all_resumed_s']:.3f} s; master {rec['master_cores_during']:.2f} cores meanwhile")
     if r["errors"]:

@@ -97,48 +97,51 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
         if proc.poll() is not None:
             raise LoadTestError(f"master exited with {proc.returncode}")
 
-    await swarm.start()
-    t = time.time()
-    await swarm.register_all()
-    out["register_s"] = time.time() - t
-    if victim.slot is None:
-        raise LoadTestError("the victim agent did not get an active slot")
-    t = time.time()
-    await reached("run", 0, cfg.nodes, "job start")
-    out["start_s"] = time.time() - t
+    try:
+        await swarm.start()
+        t = time.time()
+        await swarm.register_all()
+        out["register_s"] = time.time() - t
+        if victim.slot is None:
+            raise LoadTestError("the victim agent did not get an active slot")
+        t = time.time()
+        await reached("run", 0, cfg.nodes, "job start")
+        out["start_s"] = time.time() - t
 
-    # steady state: every agent heartbeating and parked in a directive poll
-    await asyncio.sleep(max(2.0, 2 * cfg.heartbeat_s))
-    hb0, lat0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency)
-    m0, s0, w0 = master.cpu_times(), me.cpu_times(), time.time()
-    await asyncio.sleep(cfg.steady_s)
-    m1, s1, w1 = master.cpu_times(), me.cpu_times(), time.time()
-    lat = swarm.heartbeat_latency[lat0:]
-    out["steady"] = {
-        "window_s": round(w1 - w0, 2),
-        "master_cores": round((m1.user + m1.system - m0.user - m0.system) / (w1 - w0), 3),
-        "master_rss_mb": round(master.memory_info().rss / 2**20, 1),
-        "master_fds": master.num_fds(),
-        "swarm_cores": round((s1.user + s1.system - s0.user - s0.system) / (w1 - w0), 3),
-        "heartbeats_per_s": round((swarm.heartbeats_ok - hb0) / (w1 - w0), 1),
-        "heartbeat_p50_ms": round(1e3 * _pct(lat, 0.5), 2), "heartbeat_p99_ms": round(1e3 * _pct(lat, 0.99), 2),
-    }
+        # steady state: every agent heartbeating and parked in a directive poll
+        await asyncio.sleep(max(2.0, 2 * cfg.heartbeat_s))
+        hb0, lat0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency)
+        m0, s0, w0 = master.cpu_times(), me.cpu_times(), time.time()
+        await asyncio.sleep(cfg.steady_s)
+        m1, s1, w1 = master.cpu_times(), me.cpu_times(), time.time()
+        lat = swarm.heartbeat_latency[lat0:]
+        out["steady"] = {
+            "window_s": round(w1 - w0, 2),
+            "master_cores": round((m1.user + m1.system - m0.user - m0.system) / (w1 - w0), 3),
+            "master_rss_mb": round(master.memory_info().rss / 2**20, 1),
+            "master_fds": master.num_fds(),
+            "swarm_cores": round((s1.user + s1.system - s0.user - s0.system) / (w1 - w0), 3),
+            "heartbeats_per_s": round((swarm.heartbeats_ok - hb0) / (w1 - w0), 1),
+            "heartbeat_p50_ms": round(1e3 * _pct(lat, 0.5), 2), "heartbeat_p99_ms": round(1e3 * _pct(lat, 0.99), 2),
+        }
 
-    last_hb = victim.last_heartbeat
-    m0 = master.cpu_times()
-    t_fail = await swarm.fail(victim)
-    survivors = [a for a in swarm.agents if a.slot is not None and a is not victim]
-    await reached("quiesce", 1, len(survivors), "quiesce broadcast")
-    await reached("restore", 1, cfg.nodes, "restore broadcast")
-    await reached("run", 1, cfg.nodes, "resume broadcast")
-    m1, t_end = master.cpu_times(), time.time()
-    await swarm.stop()
+        last_hb = victim.last_heartbeat
+        m0 = master.cpu_times()
+        t_fail = await swarm.fail(victim)
+        survivors = [a for a in swarm.agents if a.slot is not None and a is not victim]
+        await reached("quiesce", 1, len(survivors), "quiesce broadcast")
+        await reached("restore", 1, cfg.nodes, "restore broadcast")
+        await reached("run", 1, cfg.nodes, "resume broadcast")
+        m1, t_end = master.cpu_times(), time.time()
+    finally:
+        await swarm.stop()
 
     ev = read_events(cfg.run_dir / "events.jsonl")
     first = lambda name: next(e for e in ev if e["event"] == name)  # noqa: E731
     fault, started, plan, done = (first(n) for n in ("fault_detected", "recovery_started", "recovery_plan",
                                                      "recovery_done"))
-    latest = lambda cmd: max(a.received[(cmd, 1)] for a in swarm.agents if (cmd, 1) in a.received)  # noqa: E731
+    arrivals = lambda cmd: sorted(a.received[(cmd, 1)] for a in swarm.agents if (cmd, 1) in a.received)  # noqa: E731
+    latest = lambda cmd: arrivals(cmd)[-1]  # noqa: E731
     rec = {
         "failed_node": victim.node_id, "failed_slot": victim.slot,
         "detect_s": round(fault["t"] - last_hb, 4),
@@ -154,6 +157,9 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
         "master_cores_during": round((m1.user + m1.system - m0.user - m0.system) / (t_end - t_fail), 3),
         "replaced_slots": done["replaced_slots"],
     }
+    # how the broadcasts reached the agents: half of them by p50, all by the *_broadcast_s above
+    for cmd, since in (("quiesce", started["t"]), ("restore", plan["t"]), ("run", done["t"])):
+        rec[f"{'resume' if cmd == 'run' else cmd}_broadcast_p50_s"] = round(_pct(arrivals(cmd), 0.5) - since, 4)
     rec["plan_and_broadcasts_s"] = round(rec["quiesce_broadcast_s"] + rec["plan_s"] + rec["restore_broadcast_s"]
                                          + rec["resume_broadcast_s"], 4)
     out["recovery"] = rec

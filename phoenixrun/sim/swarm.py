@@ -7,17 +7,22 @@ answers the recovery protocol the way a node whose workers obey at once would: `
 `quiesced` report (inventory, next step), `restore` -> `resumed` report. It runs no workers: the
 point is the master's load and latency, not training.
 
-Heartbeats go over a shared pool of keep-alive connections (one request at a time each), not one
-connection per agent: this machine's hard limit of 20000 open files per process cannot hold two
-connections per agent at 16K agents on both sides. The master sees the same request rate.
+Heartbeats and reports go over shared pools of keep-alive connections, not one connection per agent:
+this machine's hard limit of 20000 open files per process cannot hold three connections per agent
+at 16K agents on both sides. Requests are pipelined on them (sent at once, answered in order), so an
+agent's heartbeat or report is not held up behind another agent's, as with its own connection; the
+master sees the same requests at the same times. (With one request in flight per connection, the
+16K acks of a recovery phase queued behind each other's round trips: seconds that were the load
+generator's, not the master's.)
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from phoenixrun.topology import Layout, place_replicas
@@ -34,7 +39,7 @@ class SwarmConfig:
     heartbeat_s: float = 1.0
     poll_timeout_s: float = 10.0  # the real agent's directive long-poll timeout
     hb_connections: int = 1024
-    report_connections: int = 64
+    report_connections: int = 256
     peer_host: str = "127.0.0.1"
 
 
@@ -54,43 +59,56 @@ class SimAgent:
 
 
 class HttpConnection(asyncio.Protocol):
-    """A keep-alive HTTP/1.1 client connection with one request in flight; minimal response parsing."""
+    """A keep-alive HTTP/1.1 client connection; requests may be pipelined (answered in order, as the
+    master's server does). Minimal response parsing."""
 
     def __init__(self):
         self.buf = bytearray()
-        self.waiter: asyncio.Future | None = None
+        self.waiters: deque[asyncio.Future] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.answered_at = 0.0     # when the last response was read off the socket (before any task runs)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
         self.lost = True
-        if self.waiter and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("master closed the connection"))
+        while self.waiters:
+            w = self.waiters.popleft()
+            if not w.done():
+                w.set_exception(ConnectionError("master closed the connection"))
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0 or self.waiter is None:
-            return
-        head = bytes(self.buf[:end]).lower()
-        i = head.find(b"content-length:")
-        n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None]) if i >= 0 else 0
-        if len(self.buf) < end + 4 + n:
-            return
-        status, body = int(self.buf[9:12]), bytes(self.buf[end + 4:end + 4 + n])
-        del self.buf[:end + 4 + n]
-        if not self.waiter.done():
-            self.waiter.set_result((status, body))
+        while self.waiters:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buf[:end]).lower()
+            i = head.find(b"content-length:")
+            n = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None]) if i >= 0 else 0
+            if len(self.buf) < end + 4 + n:
+                return
+            status, body = int(self.buf[9:12]), bytes(self.buf[end + 4:end + 4 + n])
+            del self.buf[:end + 4 + n]
+            self.answered_at = time.time()
+            w = self.waiters.popleft()
+            if not w.done():
+                w.set_result((status, body))
+
+    def send(self, raw: bytes) -> asyncio.Future:
+        """Write a request now; the future gets (status, body) when its response arrives."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.lost:
+            fut.set_exception(ConnectionError("connection lost"))
+            return fut
+        self.waiters.append(fut)
+        self.transport.write(raw)
+        return fut
 
     async def request(self, raw: bytes) -> tuple[int, bytes]:
-        if self.lost:
-            raise ConnectionError("connection lost")
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(raw)
-        return await self.waiter
+        return await self.send(raw)
 
     def close(self) -> None:
         if self.transport:
@@ -116,9 +134,10 @@ class Swarm:
         self.heartbeat_latency: list[float] = []
         self.errors: list[str] = []
         self._stop = asyncio.Event()
-        self._reports: asyncio.Queue = asyncio.Queue()
+        self._report_conns: list[HttpConnection] = []
         self._tasks: list[asyncio.Task] = []
         self._polls: dict[int, HttpConnection] = {}
+        self._hb_conns: list[HttpConnection] = []
         self._peer_servers: list[asyncio.AbstractServer] = []
         self._victim_server: dict[int, asyncio.AbstractServer] = {}
         self.arrivals: Counter[tuple[str, int]] = Counter()     # (command, generation) -> agents reached
@@ -167,6 +186,10 @@ class Swarm:
         await asyncio.gather(*(worker(c) for c in conns))
         for c in conns:
             c.close()
+        # The cyclic collector off while the swarm runs: its full collections (0.2-0.3 s at 16K agents,
+        # about once a second) stalled every simulated agent at once, which the master then saw as load
+        # bursts and late heartbeats. Stand-ins for separate machines must not share a stop-the-world.
+        gc.disable()
 
     async def give_own_peer_port(self, a: SimAgent) -> None:
         """The victim gets a port of its own (re-registered inventory not needed: the master only
@@ -178,19 +201,20 @@ class Swarm:
     async def start(self) -> None:
         """Open the heartbeat and report connections; agents heartbeat once registered."""
         n_hb = max(1, min(self.cfg.hb_connections, len(self.agents)))
-        groups = [self.agents[i::n_hb] for i in range(n_hb)]
-        for g in groups:
-            self._tasks.append(asyncio.create_task(self._heartbeat_loop(g, await self._connect())))
-        for _ in range(self.cfg.report_connections):
-            self._tasks.append(asyncio.create_task(self._report_loop(await self._connect())))
+        self._hb_conns = [await self._connect() for _ in range(n_hb)]
+        loop = asyncio.get_running_loop()
+        for a in self.agents:   # spread over the period
+            loop.call_later(random.random() * self.cfg.heartbeat_s, self._heartbeat, a, self._hb_conns[a.index % n_hb])
+        self._report_conns = [await self._connect() for _ in range(self.cfg.report_connections)]
         self._tasks.append(asyncio.create_task(self._advance_steps()))
 
     async def stop(self) -> None:
         self._stop.set()
+        gc.enable()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for c in list(self._polls.values()):
+        for c in [*self._polls.values(), *self._hb_conns, *self._report_conns]:
             c.close()
         for s in [*self._peer_servers, *self._victim_server.values()]:
             s.close()
@@ -209,28 +233,33 @@ class Swarm:
             if not self.recovering:
                 self.step += 1
 
-    async def _heartbeat_loop(self, agents: list[SimAgent], conn: HttpConnection) -> None:
-        period = self.cfg.heartbeat_s
-        await asyncio.sleep(random.random() * period)      # spread the load over the period
-        gap = period / len(agents)
-        while not self._stop.is_set():
-            for a in agents:
-                t0 = time.monotonic()
-                if a.alive and a.role:
-                    payload = {"node_id": a.node_id, "worker_pids": list(range(self.cfg.nproc_per_node)),
-                               **self._inventory(a), "protection": {}, "api": True}
-                    try:
-                        status, _ = await conn.request(self._raw("/v1/heartbeat", payload))
-                    except ConnectionError as e:
-                        self.errors.append(f"heartbeat: {e}")
-                        return
-                    if status == 200:
-                        a.last_heartbeat = time.time()
-                        self.heartbeats_ok += 1
-                        self.heartbeat_latency.append(time.monotonic() - t0)
-                    else:
-                        self.errors.append(f"heartbeat {a.node_id}: HTTP {status}")
-                await asyncio.sleep(max(0.0, gap - (time.monotonic() - t0)))
+    def _heartbeat(self, a: SimAgent, conn: HttpConnection) -> None:
+        """One heartbeat; like the real agent's heartbeat thread, the next goes one period after its
+        reply. Pipelined on a shared connection, so one agent's slow reply does not delay the others'."""
+        if self._stop.is_set() or not a.alive:
+            return
+        loop = asyncio.get_running_loop()
+        if not a.role:                    # not registered yet
+            loop.call_later(self.cfg.heartbeat_s, self._heartbeat, a, conn)
+            return
+        payload = {"node_id": a.node_id, "worker_pids": list(range(self.cfg.nproc_per_node)),
+                   **self._inventory(a), "protection": {}, "api": True}
+        t0 = time.monotonic()
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                if not self._stop.is_set():
+                    self.errors.append(f"heartbeat {a.node_id}: {f.exception() if not f.cancelled() else 'cancelled'}")
+                return
+            status, _ = f.result()
+            if status == 200:
+                a.last_heartbeat = time.time()
+                self.heartbeats_ok += 1
+                self.heartbeat_latency.append(time.monotonic() - t0)
+            else:
+                self.errors.append(f"heartbeat {a.node_id}: HTTP {status}")
+            loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
+        conn.send(self._raw("/v1/heartbeat", payload)).add_done_callback(done)
 
     async def _poll_loop(self, a: SimAgent) -> None:
         conn = self._polls[a.index]
@@ -250,17 +279,18 @@ class Swarm:
                 continue
             a.version = d["version"]
             cmd, g = d["command"], d.get("generation", a.generation)
-            a.received.setdefault((cmd, g), time.time())
+            # when the bytes arrived, not when this task got its turn: the swarm's own backlog (it
+            # shares the machine's cores with the master) is not the master's broadcast time
+            a.received.setdefault((cmd, g), conn.answered_at)
             a.generation = g
             if "slot" in d:
                 a.slot = d["slot"]
             if cmd == "quiesce":
                 self.recovering = True
-                self._reports.put_nowait({"kind": "quiesced", "node_id": a.node_id, "generation": g, "slot": a.slot,
-                                          **self._inventory(a), "next_step": self.step + 1})
+                self._report(a, {"kind": "quiesced", "generation": g, "slot": a.slot, **self._inventory(a),
+                                 "next_step": self.step + 1})
             elif cmd == "restore":
-                self._reports.put_nowait({"kind": "resumed", "node_id": a.node_id, "generation": g, "slot": a.slot,
-                                          "timings": {}})
+                self._report(a, {"kind": "resumed", "generation": g, "slot": a.slot, "timings": {}})
             elif cmd == "run":
                 a.role = "active"
                 if d.get("resume"):
@@ -278,16 +308,19 @@ class Swarm:
                     fut.set_result(True)
             self._targets[key] = [w for w in waiting if not w[1].done()]
 
-    async def _report_loop(self, conn: HttpConnection) -> None:
-        while not self._stop.is_set():
-            ev = await self._reports.get()
-            try:
-                status, body = await conn.request(self._raw("/v1/report", ev))
-            except ConnectionError as e:
-                self.errors.append(f"report: {e}")
+    def _report(self, a: SimAgent, ev: dict) -> None:
+        """Send a report now, as an agent's own connection would (pipelined on a shared one: a slow
+        reply must not hold up the reports queued behind it)."""
+        conn = self._report_conns[a.index % len(self._report_conns)]
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or self._stop.is_set():
                 return
-            if status != 200:
-                self.errors.append(f"report {ev['kind']}: HTTP {status} {body[:100]!r}")
+            if f.exception() is not None:
+                self.errors.append(f"report {ev['kind']}: {f.exception()}")
+            elif f.result()[0] != 200:
+                self.errors.append(f"report {ev['kind']}: HTTP {f.result()[0]} {f.result()[1][:100]!r}")
+        conn.send(self._raw("/v1/report", {"node_id": a.node_id, **ev})).add_done_callback(done)
 
     # ------------------------------------------------------------------ control
     async def fail(self, a: SimAgent) -> float:
