@@ -39,3 +39,29 @@ def test_answer_gives_newer_directives_and_records_the_ack():
 def test_first_version_is_the_clock_so_a_restarted_master_outranks_the_old_one():
     before = int(time.time() * 1e6)
     assert DirectiveBoard().version >= before
+
+
+def test_a_version_is_reported_once_sent_to_every_node_it_was_set_for():
+    sent = []
+    board = DirectiveBoard(first_version=0, on_sent=lambda r, t: sent.append((r.command, r.generation, r.targets)))
+    board.set(["a", "b"], command="quiesce", generation=3)
+    assert board.answer("a", -1) is not None and sent == []
+    assert board.answer("a", -1) is not None and sent == []     # "a" again (a retried poll): counted once
+    assert board.answer("b", 0) is not None
+    assert sent == [("quiesce", 3, 2)]
+    board.set_each({"a": {"slot": 0}, "b": {"slot": 1}}, command="restore", generation=3)
+    board.set(["a"], command="stop")                            # "a" superseded before it got the restore
+    board.answer("b", 1)
+    assert len(sent) == 1                                        # the restore never reached "a": not reported
+
+
+def test_set_each_shares_one_encoding_among_nodes_with_nothing_of_their_own():
+    board = DirectiveBoard(first_version=0)
+    board.set_each({"a": {"slot": 0, "world": {"slots": {0: "h:1"}}}, "b": {}, "c": {}}, command="restore",
+                   restore_step=7)
+    a, b, c = (board.get(n) for n in "abc")
+    assert a.version == b.version == c.version == 1
+    assert b.body is c.body and a.body is not b.body
+    assert json.loads(a.body) == {"command": "restore", "restore_step": 7, "version": 1, "slot": 0,
+                                  "world": {"slots": {"0": "h:1"}}}
+    assert json.loads(b.body) == {"command": "restore", "restore_step": 7, "version": 1}

@@ -17,6 +17,9 @@ def test_256_agents_failure_detected_and_every_agent_reached(tmp_path):
     # detected by the heartbeat timeout, not before it (no false positive) and not much after
     assert 2.0 <= rec["detect_s"] < 2.0 + 2.0
     assert rec["failed_slot"] is not None and list(rec["replaced_slots"]) == [str(rec["failed_slot"])]
-    for key in ("quiesce_broadcast_s", "restore_broadcast_s", "resume_broadcast_s"):
-        assert 0 <= rec[key] < 5.0, key
+    for name in ("quiesce", "restore", "resume"):
+        # the master reports each broadcast sent to every agent (its directive_sent event), and every agent read it;
+        # the event is written just after the last send, so it may trail the last read by a hair
+        assert 0 <= rec[f"{name}_sent_s"] < rec[f"{name}_broadcast_s"] + 0.1, name
+        assert 0 <= rec[f"{name}_broadcast_s"] < 5.0, name
     assert rec["fault_to_all_resumed_s"] < 15.0

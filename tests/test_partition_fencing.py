@@ -11,7 +11,7 @@ from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.cli import valid_fault
 from phoenixrun.control.client import ControlError
 from phoenixrun.control.events import read_events
-from phoenixrun.control.master import Master, MasterConfig
+from phoenixrun.control.master import Cascade, Master, MasterConfig
 from phoenixrun.control.state import NodeRecord, Role, fence_reply
 
 
@@ -106,3 +106,26 @@ def test_store_prefix_is_per_generation_and_not_guessable(tmp_path):
     assert json.loads(a.directives.get("x").body)["store_prefix"] == a.store_prefix(4)
     a.events.close()
     b.events.close()
+
+
+def test_a_burst_of_node_losses_during_recovery_is_one_cascade(tmp_path):
+    """A rack going down mid-recovery: every loss already queued joins the same new cycle (one cascade, not one
+    per node, which would use up the retry budget on one correlated failure); other reports stay queued."""
+    m = Master(MasterConfig(run_dir=tmp_path, nnodes=4, nproc_per_node=1), auth.new_secret())
+    m.store_port = 0
+    for nid in ("a", "b", "c", "d"):
+        _register(m, nid)
+    while not m._inbox.empty():
+        m._inbox.get_nowait()
+    for nid in ("b", "c"):
+        m._inbox.put({"kind": "node_lost", "node_id": nid, "detail": "no heartbeat for 5.1s"})
+    m._inbox.put({"kind": "worker_exit", "node_id": "a", "rank": 0, "returncode": 1})
+    m._inbox.put({"kind": "left", "node_id": "d"})
+    lost: set[int] = set()
+    with pytest.raises(Cascade, match="2 more queued node losses"):
+        m._pump(0.1, lost)
+    assert lost == {m.nodes[n].slot for n in ("b", "c", "d")}
+    assert m._inbox.get_nowait()["kind"] == "worker_exit" and m._inbox.empty()
+    m.events.close()
+    detected = [e["node"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fault_detected"]
+    assert sorted(detected) == ["b", "c", "d"]

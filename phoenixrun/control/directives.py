@@ -6,14 +6,17 @@ each order names the node's slot and world (restore, run) - never an encode per 
 is what kept a 16K-node broadcast in the seconds.
 
 Versions only grow (across master restarts too: the first is the clock in microseconds) and one
-broadcast is one version; an agent acts on a directive newer than the one it holds.
+broadcast is one version; an agent acts on a directive newer than the one it holds. The board
+tracks each version until every node it was set for has been sent it: the time from the order to
+the last node's socket is the broadcast's own time (`directive_sent` events).
 Not thread-safe: the master calls it with its lock held.
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from phoenixrun.control import wire
 
@@ -23,13 +26,33 @@ class Directive:
     version: int
     fields: dict          # what the agent gets, as the master set it (shared by a broadcast's nodes)
     body: bytes           # the same, encoded
+    sent: bool = False    # handed to the agent's connection (in its socket buffer, or on the wire)
     acked: bool = False   # the agent polled again holding this version: it has it
 
 
+@dataclass
+class Rollout:
+    """One version on its way out: set for `targets` nodes at `set_at`, sent to `sent` of them."""
+    version: int
+    command: str
+    generation: int | None
+    targets: int
+    set_at: float
+    sent: int = 0
+
+
+ROLLOUTS_KEPT = 64    # versions still tracked (older ones were superseded or went to dead nodes)
+
+
 class DirectiveBoard:
-    def __init__(self, first_version: int | None = None):
+    """on_sent(rollout, t) is called once a version has been sent to every node it was set for."""
+
+    def __init__(self, first_version: int | None = None,
+                 on_sent: Callable[[Rollout, float], None] | None = None):
         self.version = int(time.time() * 1e6) if first_version is None else first_version
         self._by_node: dict[str, Directive] = {}
+        self._rollouts: OrderedDict[int, Rollout] = OrderedDict()
+        self._on_sent = on_sent
 
     def set(self, node_ids: Iterable[str], **fields) -> list[str]:
         """Give every node in node_ids the directive `fields` under one new version; returns the ids."""
@@ -39,16 +62,30 @@ class DirectiveBoard:
         ids = list(node_ids)
         for nid in ids:
             self._by_node[nid] = Directive(self.version, fields, body)
+        self._track(fields, len(ids))
         return ids
 
     def set_each(self, orders: Mapping[str, dict], **common) -> list[str]:
-        """Give each node its own directive, `common` merged into each, under one new version."""
+        """Give each node its own directive, `common` merged into each, under one new version (the
+        nodes with nothing of their own share one encoding of `common`)."""
         self.version += 1
         common["version"] = self.version
+        shared: bytes | None = None
         for nid, own in orders.items():
-            fields = {**common, **own}
-            self._by_node[nid] = Directive(self.version, fields, wire.dumps(fields))
+            if own:
+                fields = {**common, **own}
+                self._by_node[nid] = Directive(self.version, fields, wire.dumps(fields))
+            else:
+                shared = wire.dumps(common) if shared is None else shared
+                self._by_node[nid] = Directive(self.version, common, shared)
+        self._track(common, len(orders))
         return list(orders)
+
+    def _track(self, fields: dict, targets: int) -> None:
+        self._rollouts[self.version] = Rollout(self.version, fields["command"], fields.get("generation"), targets,
+                                               time.time())
+        while len(self._rollouts) > ROLLOUTS_KEPT:
+            self._rollouts.popitem(last=False)
 
     def get(self, node_id: str) -> Directive | None:
         return self._by_node.get(node_id)
@@ -62,4 +99,13 @@ class DirectiveBoard:
         if known == d.version:
             d.acked = True
             return None
-        return d.body if d.version > known else None
+        if d.version < known:
+            return None
+        if not d.sent:
+            d.sent = True
+            r = self._rollouts.get(d.version)
+            if r is not None:
+                r.sent += 1
+                if r.sent == r.targets and self._on_sent is not None:
+                    self._on_sent(r, time.time())
+        return d.body

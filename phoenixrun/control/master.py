@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Mapping
 
 from phoenixrun import persist
 from phoenixrun.control import wire
-from phoenixrun.control.directives import DirectiveBoard
+from phoenixrun.control.directives import DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.server import ControlServer
@@ -114,9 +114,13 @@ class Master:
         self.placement = place_replicas(self.layout, min(cfg.replicas, cfg.nnodes - 1), cfg.fault_domains)
         # per slot (fixed for the job): its ranks' replica holders, and the slots whose addresses it needs
         self._slot_placement: dict[int, tuple[dict[int, list[int]], list[int]]] = {}
+        self._needed_by: dict[int, list[int]] = {}   # slot -> the slots whose world holds its address
         for slot in range(cfg.nnodes):
             placement = {r: self.placement.get(r, []) for r in self.layout.ranks_of_slot(slot)}
-            self._slot_placement[slot] = placement, sorted({h for hs in placement.values() for h in hs} | {slot})
+            need = sorted({h for hs in placement.values() for h in hs} | {slot})
+            self._slot_placement[slot] = placement, need
+            for s in need:
+                self._needed_by.setdefault(s, []).append(slot)
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
@@ -136,7 +140,7 @@ class Master:
         self.done_nodes: set[str] = set()
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
         # directive versions only grow, across master restarts too: agents ignore what is not newer
-        self.directives = DirectiveBoard()
+        self.directives = DirectiveBoard(on_sent=self._directive_sent)
         self._injections: dict[str, list[str]] = {}
         self.resumed_at: float | None = None      # set when agents of a running job rejoin (master restart)
         self._peer_hint: dict[int, str] = {}      # slot -> peer address, as the rejoining agents knew it
@@ -370,13 +374,25 @@ class Master:
         self._wake(self.directives.set(node_ids, **fields, generation=self.generation,
                                        store_prefix=self.store_prefix(self.generation)))
 
-    def _direct_slots(self, command: str, own: Mapping[int, dict] | None = None, **fields) -> None:
-        """Order every slot's node to do `command` with its own slot and world (one version for all);
-        own: more fields for some slots."""
+    def _directive_sent(self, r: Rollout, t: float) -> None:
+        """Every node a directive was set for has been sent it (called with the lock held)."""
+        # a broadcast: how long the order took to reach the last node's connection (not the final stop: the
+        # job's last event stays job_finished)
+        if r.targets > 1 and r.command != "stop":
+            self.events.emit("directive_sent", r.generation, command=r.command, version=r.version, nodes=r.targets,
+                             seconds=round(t - r.set_at, 4))
+
+    def _direct_slots(self, command: str, own: Mapping[int, dict] | None = None,
+                      world_for: Iterable[int] | None = None, **fields) -> None:
+        """Order every slot's node to do `command` (one version for all), with its slot and world: every
+        slot's, or only those in world_for (the others keep theirs); own: more fields for some slots.
+        Nodes given nothing of their own share one encoding."""
         own = own or {}
-        self._wake(self.directives.set_each(
-            {nid: {"slot": slot, "world": self._world(slot), **own.get(slot, {})} for slot, nid in self.slots.items()},
-            command=command, **fields, generation=self.generation, store_prefix=self.store_prefix(self.generation)))
+        world_for = self.slots.keys() if world_for is None else set(world_for)
+        orders = {nid: {"slot": slot, "world": self._world(slot), **own.get(slot, {})} if slot in world_for
+                  else own.get(slot, {}) for slot, nid in self.slots.items()}
+        self._wake(self.directives.set_each(orders, command=command, **fields, generation=self.generation,
+                                            store_prefix=self.store_prefix(self.generation)))
 
     def _persist_json(self) -> dict | None:
         if self.cfg.persist_dir is None:
@@ -435,10 +451,11 @@ class Master:
                     n.last_heartbeat = now  # report once per timeout period
                     self._heard.move_to_end(nid)
 
-    def _unreachable(self, nodes: list[NodeRecord], timeout: float = 0.5) -> list[NodeRecord]:
+    def _unreachable(self, nodes: list[NodeRecord], timeout: float = 0.5,
+                     silent_is_dead: bool = True) -> list[NodeRecord]:
         """Agents whose peer server does not accept a connection: a fast root-cause check. All
         probed at once (a killed node refuses in microseconds, a hung host costs one timeout)."""
-        dead = unreachable([n.peer_addr for n in nodes], timeout)
+        dead = unreachable([n.peer_addr for n in nodes], timeout, silent_is_dead)
         return [n for n in nodes if n.peer_addr in dead]
 
     # ---------------------------------------------------------------- controller
@@ -681,16 +698,8 @@ class Master:
 
     def _drain_stale(self) -> None:
         """Drop reports about the generation that was just torn down."""
-        keep = []
-        while True:
-            try:
-                ev = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if ev.get("kind") == "node_lost" or ev.get("generation", self.generation) >= self.generation:
-                keep.append(ev)
-        for ev in keep:
-            self._inbox.put(ev)
+        g = self.generation
+        self._take_queued(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
 
     def _replace_slots(self, lost: set[int]) -> dict[int, str]:
         """Promote a spare into every lost slot (waiting up to --spare-wait for one)."""
@@ -842,8 +851,10 @@ class Master:
             fetch: dict[int, dict] = {}
             for r, src in plan.fetch.items():
                 fetch.setdefault(self.layout.slot_of(r), {}).setdefault("fetch", {})[r] = vars(src)
-            self._direct_slots("restore", own=fetch, restart_count=self.restart_count,
-                               restore_step=plan.restore_step)
+            # a new world only where it changed: the slots filled in this recovery and the slots whose
+            # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
+            self._direct_slots("restore", own=fetch, world_for={c for s in fresh for c in self._needed_by.get(s, ())},
+                               restart_count=self.restart_count, restore_step=plan.restore_step)
         t = time.time()
         resumed_acks = Acks("resumed", g, plan.slots.values())
         self._wait_event(resumed_acks, self.cfg.recovery_timeout, lost)
@@ -879,7 +890,10 @@ class Master:
                     pending = random.sample(list(acks.pending), min(PROBE_MAX, len(acks.pending)))
                     waiting = [self.nodes[nid] for nid in pending if nid in self.nodes]
                     waiting = [n for n in waiting if n.role == Role.ACTIVE and n.slot not in lost]
-                for n in self._unreachable(waiting, timeout=0.2):
+                # refusals only: mid-recovery, with the master and the agents at full load, a probe answered
+                # late is no evidence (at 16K nodes, late answers declared live nodes lost); silence is the
+                # heartbeat monitor's to judge
+                for n in self._unreachable(waiting, timeout=0.2, silent_is_dead=False):
                     self._inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
                                      "detail": "agent unreachable during recovery"})
 
@@ -901,13 +915,34 @@ class Master:
         if node is None or node.role != Role.ACTIVE or node.slot in lost:
             return
         if kind in ("node_lost", "left"):
+            # the losses queued behind this one (a rack, a switch) go into the same new cycle: one cycle
+            # per lost node would spend the cascade budget on a single correlated failure
+            losses = [ev] + self._take_queued(lambda e: e.get("kind") in ("node_lost", "left"))
             with self.cv:
-                lost.add(node.slot)
-                self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
-                                 signal=kind, detail=ev.get("detail", ""), action="node_replace",
-                                 **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
-            raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery")
+                for loss in losses:
+                    n = self.nodes.get(loss.get("node_id", ""))
+                    if n is None or n.role != Role.ACTIVE or n.slot in lost:
+                        continue
+                    lost.add(n.slot)
+                    self.events.emit("fault_detected", self.generation, node=n.node_id, slot=n.slot,
+                                     signal=loss["kind"], detail=loss.get("detail", ""), action="node_replace",
+                                     **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
+            raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: {ev.get('detail') or kind}"
+                          + (f" (and {len(losses) - 1} more queued node losses)" if len(losses) > 1 else ""))
         # worker exits and comm errors of the old generation are expected while quiescing
+
+    def _take_queued(self, which: Callable[[dict], bool]) -> list[dict]:
+        """Remove and return the queued reports `which` picks; the others stay queued, in order."""
+        taken, keep = [], []
+        while True:
+            try:
+                ev = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            (taken if which(ev) else keep).append(ev)
+        for ev in keep:
+            self._inbox.put(ev)
+        return taken
 
     def _finish(self, exit_code: int, reason: str) -> None:
         with self.cv:

@@ -15,16 +15,20 @@ from typing import Iterable
 BATCH = 512
 
 
-def unreachable(addrs: Iterable[str], timeout: float) -> set[str]:
-    """The "host:port" addresses that do not accept a TCP connection within `timeout` seconds."""
+def unreachable(addrs: Iterable[str], timeout: float, silent_is_dead: bool = True) -> set[str]:
+    """The "host:port" addresses that do not accept a TCP connection within `timeout` seconds.
+
+    silent_is_dead=False: only addresses that refuse (or fail) count; one that merely does not
+    answer in time is left to the heartbeat timeout. For probes under load, where a slow answer is
+    not evidence of death (an overloaded peer, or the prober itself short of CPU)."""
     todo = sorted(set(addrs))
     dead: set[str] = set()
     for i in range(0, len(todo), BATCH):
-        dead |= _probe_batch(todo[i:i + BATCH], timeout)
+        dead |= _probe_batch(todo[i:i + BATCH], timeout, silent_is_dead)
     return dead
 
 
-def _probe_batch(addrs: list[str], timeout: float) -> set[str]:
+def _probe_batch(addrs: list[str], timeout: float, silent_is_dead: bool) -> set[str]:
     dead: set[str] = set()
     sel = selectors.DefaultSelector()
     try:
@@ -58,7 +62,8 @@ def _probe_batch(addrs: list[str], timeout: float) -> set[str]:
                 sel.unregister(key.fileobj)
                 key.fileobj.close()
         for key in list(sel.get_map().values()):   # no answer within the timeout
-            dead.add(key.data)
+            if silent_is_dead:
+                dead.add(key.data)
             sel.unregister(key.fileobj)
             key.fileobj.close()
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import threading
 from dataclasses import dataclass
@@ -251,7 +252,11 @@ class ControlServer:
             poll.conn.respond(200, body)
             return
         if poll.timer is None or poll.timer.cancelled():
-            timeout = min(float(poll.payload.get("timeout", 10.0)), 30.0)
+            # Answered early by a random part, so that polls parked together (after a broadcast every agent
+            # polls again at once) do not all expire together: 16K agents re-polling in one burst every poll
+            # period were, each time, 16K requests in the loop's backlog (and a broadcast then in flight
+            # missed their parked polls).
+            timeout = min(float(poll.payload.get("timeout", 10.0)), 30.0) * random.uniform(0.5, 1.0)
             poll.timer = self.loop.call_later(max(0.0, timeout), self._expire, poll)
         self._polls.setdefault(poll.payload.get("node_id", ""), []).append(poll)
         poll.conn.poll = poll
