@@ -1,9 +1,10 @@
 """The orders the master gives its agents, encoded once when they are set.
 
 An agent long-polls for its directive and gets the bytes stored here: a broadcast to 16K agents
-costs one JSON encode when every node gets the same order (quiesce, stop) or one per node when
-each order names the node's slot and world (restore, run) - never an encode per delivery, which
-is what kept a 16K-node broadcast in the seconds.
+costs one JSON encode when every node gets the same order (quiesce, the resume, stop), and one per
+node only for the nodes whose order names their own slot and world (the start, a restart, the few
+whose world a recovery changed) - never an encode per delivery, which kept a 16K-node broadcast
+in the seconds.
 
 Versions only grow (across master restarts too: the first is the clock in microseconds) and one
 broadcast is one version; an agent acts on a directive newer than the one it holds. The board
