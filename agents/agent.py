@@ -321,9 +321,10 @@ class Agent:
             threading.Thread(target=self._restore, args=(d,), daemon=True, name="restore").start()
         elif cmd == "stop":
             if d.get("fenced"):
-                log.error("%s; killing this node's workers and exiting", d.get("reason"))
-            self.exit_code = d.get("exit_code", 0)
-            self._stop.set()
+                self._fenced(d)
+            else:
+                self.exit_code = d.get("exit_code", 0)
+                self._stop.set()
 
     def _rank(self, local_rank: int) -> int:
         return self.slot * self.cfg.nproc_per_node + local_rank

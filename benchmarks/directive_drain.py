@@ -16,6 +16,7 @@ import resource
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -75,12 +76,14 @@ def main() -> int:
         m.directive_now = timed_now
         control_server._Connection.respond = timed_respond
 
+        sent = threading.Event()
+        m.directives.on_sent = lambda rollout, t: sent.set()   # the broadcast reached every connection
         t0 = time.perf_counter()
         with m.cv:
             m._direct(ids, command="quiesce")
-        version = m.directives.version
-        while m.directives._rollouts[version].sent < args.nodes:
-            time.sleep(0.0005)
+        if not sent.wait(60):
+            print("error: the broadcast was not sent to every poll within 60 s", file=sys.stderr)
+            return 1
         took = time.perf_counter() - t0
         control_server._Connection.respond = respond
         srv.shutdown()

@@ -113,7 +113,7 @@ def test_a_burst_of_node_losses_during_recovery_is_one_cascade(tmp_path):
     per node, which would use up the retry budget on one correlated failure); other reports stay queued."""
     m = Master(MasterConfig(run_dir=tmp_path, nnodes=4, nproc_per_node=1), auth.new_secret())
     m.store_port = 0
-    for nid in ("a", "b", "c", "d"):
+    for nid in ("a", "b", "c", "d", "spare"):
         _register(m, nid)
     while not m._inbox.empty():
         m._inbox.get_nowait()
@@ -121,11 +121,13 @@ def test_a_burst_of_node_losses_during_recovery_is_one_cascade(tmp_path):
         m._inbox.put({"kind": "node_lost", "node_id": nid, "detail": "no heartbeat for 5.1s"})
     m._inbox.put({"kind": "worker_exit", "node_id": "a", "rank": 0, "returncode": 1})
     m._inbox.put({"kind": "left", "node_id": "d"})
+    m._inbox.put({"kind": "node_lost", "node_id": "spare", "detail": "no heartbeat for 5.1s"})
     lost: set[int] = set()
     with pytest.raises(Cascade, match="2 more queued node losses"):
         m._pump(0.1, lost)
     assert lost == {m.nodes[n].slot for n in ("b", "c", "d")}
     assert m._inbox.get_nowait()["kind"] == "worker_exit" and m._inbox.empty()
+    assert m.nodes["spare"].role == Role.FAILED                # a lost spare taken with them is never promoted
     m.events.close()
     detected = [e["node"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fault_detected"]
     assert sorted(detected) == ["b", "c", "d"]

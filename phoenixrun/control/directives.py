@@ -53,7 +53,7 @@ class DirectiveBoard:
         self.version = int(time.time() * 1e6) if first_version is None else first_version
         self._by_node: dict[str, Directive] = {}
         self._rollouts: OrderedDict[int, Rollout] = OrderedDict()
-        self._on_sent = on_sent
+        self.on_sent = on_sent
 
     def set(self, node_ids: Iterable[str], **fields) -> list[str]:
         """Give every node in node_ids the directive `fields` under one new version; returns the ids."""
@@ -107,6 +107,6 @@ class DirectiveBoard:
             r = self._rollouts.get(d.version)
             if r is not None:
                 r.sent += 1
-                if r.sent == r.targets and self._on_sent is not None:
-                    self._on_sent(r, time.time())
+                if r.sent == r.targets and self.on_sent is not None:
+                    self.on_sent(r, time.time())
         return d.body

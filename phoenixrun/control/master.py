@@ -250,12 +250,12 @@ class Master:
             self._api_nodes.add(nid)
         if slot is not None:
             self.slots[slot] = nid
-        self.generation = max(self.generation, int(r.get("generation", 0)))
+        self.generation = max(self.generation, gen)
         self.restart_count = max(self.restart_count, int(r.get("restart_count", 0)))
         self._peer_hint.update({int(k): v for k, v in (r.get("world") or {}).get("slots", {}).items()})
         self.resumed_at = self.resumed_at or time.time()
         self.events.emit("node_rejoined", self.generation, node=nid, role=role.value, slot=slot,
-                         agent_generation=int(r.get("generation", 0)), interrupted=bool(r.get("frozen")))
+                         agent_generation=gen, interrupted=bool(r.get("frozen")))
         if role == Role.SPARE:
             self._direct([nid], command="wait", warm=node.api)
         self._inbox.put({"kind": "joined", "node_id": nid, "interrupted": bool(r.get("frozen"))})
@@ -371,8 +371,11 @@ class Master:
 
     def _direct(self, node_ids: Iterable[str], **fields) -> None:
         """Order node_ids to do `fields` (one version, one encoding for all of them) and wake their polls."""
-        self._wake(self.directives.set(node_ids, **fields, generation=self.generation,
-                                       store_prefix=self.store_prefix(self.generation)))
+        self._wake(self.directives.set(node_ids, **fields, **self._generation_fields()))
+
+    def _generation_fields(self) -> dict:
+        """What every directive carries: the generation and its rendezvous prefix."""
+        return {"generation": self.generation, "store_prefix": self.store_prefix(self.generation)}
 
     def _directive_sent(self, r: Rollout, t: float) -> None:
         """Every node a directive was set for has been sent it (called with the lock held)."""
@@ -391,8 +394,7 @@ class Master:
         world_for = self.slots.keys() if world_for is None else set(world_for)
         orders = {nid: {"slot": slot, "world": self._world(slot), **own.get(slot, {})} if slot in world_for
                   else own.get(slot, {}) for slot, nid in self.slots.items()}
-        self._wake(self.directives.set_each(orders, command=command, **fields, generation=self.generation,
-                                            store_prefix=self.store_prefix(self.generation)))
+        self._wake(self.directives.set_each(orders, command=command, **fields, **self._generation_fields()))
 
     def _persist_json(self) -> dict | None:
         if self.cfg.persist_dir is None:
@@ -675,8 +677,7 @@ class Master:
         if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
             # the node is still up but must go: fence it (its agent kills its workers and exits)
             with self.cv:
-                self._direct([node.node_id], command="stop", exit_code=0,
-                            reason=f"fenced: {verdict.reason}")
+                self._direct([node.node_id], command="stop", exit_code=0, reason=f"fenced: {verdict.reason}")
         if api:
             self._hot_swap(lost, node, ev, verdict.action, failing_code)
         else:
@@ -917,18 +918,22 @@ class Master:
         if kind in ("node_lost", "left"):
             # the losses queued behind this one (a rack, a switch) go into the same new cycle: one cycle
             # per lost node would spend the cascade budget on a single correlated failure
-            losses = [ev] + self._take_queued(lambda e: e.get("kind") in ("node_lost", "left"))
+            queued = self._take_queued(lambda e: e.get("kind") in ("node_lost", "left"))
+            for loss in queued:
+                self._absorb(loss)             # a lost spare is marked failed, as _pump would have
+            newly = 0
             with self.cv:
-                for loss in losses:
+                for loss in [ev, *queued]:
                     n = self.nodes.get(loss.get("node_id", ""))
                     if n is None or n.role != Role.ACTIVE or n.slot in lost:
                         continue
                     lost.add(n.slot)
+                    newly += 1
                     self.events.emit("fault_detected", self.generation, node=n.node_id, slot=n.slot,
                                      signal=loss["kind"], detail=loss.get("detail", ""), action="node_replace",
                                      **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
             raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: {ev.get('detail') or kind}"
-                          + (f" (and {len(losses) - 1} more queued node losses)" if len(losses) > 1 else ""))
+                          + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))
         # worker exits and comm errors of the old generation are expected while quiescing
 
     def _take_queued(self, which: Callable[[dict], bool]) -> list[dict]:
@@ -959,7 +964,7 @@ class Master:
                              committed_step=min(newest.values()) if complete else None,
                              newest_snapshot=max(newest.values(), default=None))
             self._direct([n.node_id for n in self.nodes.values() if n.role != Role.FAILED], command="stop",
-                 exit_code=exit_code, reason=reason)
+                         exit_code=exit_code, reason=reason)
         if exit_code:
             log.error("job failed (exit %d): %s", exit_code, reason)
         self._stopped.set()
