@@ -58,23 +58,23 @@ def main() -> int:
             time.sleep(0.01)
 
         lookup, write = [0.0], [0.0]      # time in the master's lookup and in the response write
-        directive_now, respond = m.directive_now, control_server._Connection.respond
+        answer_polls, send_response = m.answer_polls, control_server._Connection.send_response
 
-        def timed_now(payload):
+        def timed_answer(payloads):
             t0 = time.perf_counter()
             try:
-                return directive_now(payload)
+                return answer_polls(payloads)
             finally:
                 lookup[0] += time.perf_counter() - t0
 
-        def timed_respond(conn, *a, **kw):
+        def timed_send(conn, response):
             t0 = time.perf_counter()
             try:
-                return respond(conn, *a, **kw)
+                return send_response(conn, response)
             finally:
                 write[0] += time.perf_counter() - t0
-        m.directive_now = timed_now
-        control_server._Connection.respond = timed_respond
+        m.answer_polls = timed_answer
+        control_server._Connection.send_response = timed_send
 
         sent = threading.Event()
         m.directives.on_sent = lambda rollout, t: sent.set()   # the broadcast reached every connection
@@ -85,7 +85,7 @@ def main() -> int:
             print("error: the broadcast was not sent to every poll within 60 s", file=sys.stderr)
             return 1
         took = time.perf_counter() - t0
-        control_server._Connection.respond = respond
+        control_server._Connection.send_response = send_response
         srv.shutdown()
         m.events.close()
         for c in clients:

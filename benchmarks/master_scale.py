@@ -29,11 +29,12 @@ def main() -> int:
     p.add_argument("--steady", type=float, default=10.0, help="steady-state measurement window, s")
     p.add_argument("--hb-connections", type=int, default=1024, help="shared heartbeat connections")
     p.add_argument("--json", default=None)
+    p.add_argument("--run-dir", default=None, help="keep the master's log and events here (default: a temp dir)")
     args = p.parse_args()
     if args.nodes < 2:
         p.error("--nodes must be >= 2")
     with tempfile.TemporaryDirectory(prefix="phoenixrun-scale-") as tmp:
-        cfg = LoadTestConfig(run_dir=Path(tmp), nodes=args.nodes, nproc_per_node=args.nproc,
+        cfg = LoadTestConfig(run_dir=Path(args.run_dir or tmp), nodes=args.nodes, nproc_per_node=args.nproc,
                              heartbeat_s=args.heartbeat, node_timeout_s=args.node_timeout, steady_s=args.steady,
                              hb_connections=args.hb_connections)
         try:

@@ -29,8 +29,8 @@ def test_answer_gives_newer_directives_and_records_the_ack():
     assert board.answer("a", -1) is None                      # nothing for it yet: park
     board.set(["a"], command="run")
     d = board.get("a")
-    assert json.loads(board.answer("a", -1))["version"] == 11
-    assert json.loads(board.answer("a", 5))["command"] == "run"
+    assert board.answer("a", -1) is d and json.loads(d.body)["version"] == 11
+    assert board.answer("a", 5) is d and d.fields["command"] == "run"
     assert not d.acked
     assert board.answer("a", 11) is None and d.acked          # it holds the current one: ack, park
     assert board.answer("a", 12) is None                      # claims a newer one (older master): park
@@ -45,14 +45,20 @@ def test_a_version_is_reported_once_sent_to_every_node_it_was_set_for():
     sent = []
     board = DirectiveBoard(first_version=0, on_sent=lambda r, t: sent.append((r.command, r.generation, r.targets)))
     board.set(["a", "b"], command="quiesce", generation=3)
-    assert board.answer("a", -1) is not None and sent == []
-    assert board.answer("a", -1) is not None and sent == []     # "a" again (a retried poll): counted once
-    assert board.answer("b", 0) is not None
+    a = board.answer("a", -1)
+    assert a is not None and sent == []                         # answered, not yet written: not sent
+    board.mark_sent(a)
+    board.mark_sent(board.answer("a", -1))                      # "a" again (a retried poll): counted once
+    assert sent == []
+    board.mark_sent(board.answer("b", 0))
     assert sent == [("quiesce", 3, 2)]
     board.set_each({"a": {"slot": 0}, "b": {"slot": 1}}, command="restore", generation=3)
+    stale = board.get("a")
     board.set(["a"], command="stop")                            # "a" superseded before it got the restore
-    board.answer("b", 1)
+    board.mark_sent(board.answer("b", 1))
     assert len(sent) == 1                                        # the restore never reached "a": not reported
+    board.mark_sent(stale)                                       # ... unless it was answered before the stop
+    assert sent[-1] == ("restore", 3, 2)
 
 
 def test_set_each_shares_one_encoding_among_nodes_with_nothing_of_their_own():

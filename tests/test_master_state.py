@@ -37,7 +37,7 @@ def test_pick_spare_avoids_failed_domain():
     ({0: [], 1: [1]}, None),
 ])
 def test_restore_step_is_last_common(available, expected):
-    assert restore_step(available) == expected
+    assert restore_step(available.values()) == expected
 
 
 def _cluster():

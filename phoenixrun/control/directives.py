@@ -91,9 +91,10 @@ class DirectiveBoard:
     def get(self, node_id: str) -> Directive | None:
         return self._by_node.get(node_id)
 
-    def answer(self, node_id: str, known: int) -> bytes | None:
+    def answer(self, node_id: str, known: int) -> Directive | None:
         """A poll from an agent that holds version `known`: records that it has its current
-        directive, returns the directive if it is newer than `known`, else None (park the poll)."""
+        directive, returns the directive if it is newer than `known`, else None (park the poll).
+        The transport calls mark_sent once it has written the answer."""
         d = self._by_node.get(node_id)
         if d is None:
             return None
@@ -102,11 +103,15 @@ class DirectiveBoard:
             return None
         if d.version < known:
             return None
-        if not d.sent:
-            d.sent = True
-            r = self._rollouts.get(d.version)
-            if r is not None:
-                r.sent += 1
-                if r.sent == r.targets and self.on_sent is not None:
-                    self.on_sent(r, time.time())
-        return d.body
+        return d
+
+    def mark_sent(self, d: Directive) -> None:
+        """d was handed to its node's connection; the last of a version's nodes completes its rollout."""
+        if d.sent:
+            return
+        d.sent = True
+        r = self._rollouts.get(d.version)
+        if r is not None:
+            r.sent += 1
+            if r.sent == r.targets and self.on_sent is not None:
+                self.on_sent(r, time.time())

@@ -29,12 +29,12 @@ from typing import Callable, Iterable, Mapping
 
 from phoenixrun import persist
 from phoenixrun.control import wire
-from phoenixrun.control.directives import DirectiveBoard, Rollout
+from phoenixrun.control.directives import Directive, DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.server import ControlServer
-from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit, fence_reply,
-                                      pick_spare, plan_recovery)
+from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit, by_rank,
+                                      fence_reply, pick_spare, plan_recovery)
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
 from phoenixrun.topology import Layout, place_replicas
 
@@ -92,6 +92,10 @@ class Acks:
         self.got: dict[str, dict] = {}
 
     def add(self, ev: dict) -> None:
+        # inventories parsed as each ack comes, not 16K of them after the last one (the plan waits on those)
+        for key in ("snapshots", "replicas"):
+            if key in ev:
+                ev[key] = by_rank(ev[key])
         self.got[ev["node_id"]] = ev
         self.pending.discard(ev["node_id"])
 
@@ -241,8 +245,8 @@ class Master:
         role = Role.ACTIVE if slot is not None else Role.SPARE
         node = NodeRecord(node_id=nid, host=p["host"], agent_pid=int(p["agent_pid"]), peer_addr=p["peer_addr"],
                           fault_domain=p.get("fault_domain") or nid, role=role, slot=slot, api=bool(r.get("api")))
-        node.snapshots = {int(k): v for k, v in r.get("snapshots", {}).items()}
-        node.replicas = {int(k): v for k, v in r.get("replicas", {}).items()}
+        node.snapshots = by_rank(r.get("snapshots"))
+        node.replicas = by_rank(r.get("replicas"))
         self.nodes[nid] = node
         self._heard[nid] = None
         self._heard.move_to_end(nid)
@@ -252,7 +256,7 @@ class Master:
             self.slots[slot] = nid
         self.generation = max(self.generation, gen)
         self.restart_count = max(self.restart_count, int(r.get("restart_count", 0)))
-        self._peer_hint.update({int(k): v for k, v in (r.get("world") or {}).get("slots", {}).items()})
+        self._peer_hint.update(by_rank((r.get("world") or {}).get("slots")))
         self.resumed_at = self.resumed_at or time.time()
         self.events.emit("node_rejoined", self.generation, node=nid, role=role.value, slot=slot,
                          agent_generation=gen, interrupted=bool(r.get("frozen")))
@@ -278,9 +282,9 @@ class Master:
             node.last_heartbeat = time.time()
             self._heard.move_to_end(node.node_id)
             node.worker_pids = list(p.get("worker_pids", []))
-            node.snapshots = {int(k): v for k, v in p.get("snapshots", {}).items()}
-            node.replicas = {int(k): v for k, v in p.get("replicas", {}).items()}
-            node.protection = {int(k): v for k, v in p.get("protection", {}).items()}
+            node.snapshots = by_rank(p.get("snapshots"))
+            node.replicas = by_rank(p.get("replicas"))
+            node.protection = by_rank(p.get("protection"))
             self._node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
             if p.get("api") and not node.api:
                 node.api = True
@@ -314,19 +318,34 @@ class Master:
         self._inbox.put(p)
         return {"ok": True}
 
-    def directive_now(self, p: dict) -> bytes | None:
-        """A directive long-poll: ack the version the agent holds, return a newer directive (encoded) if
-        there is one, else None (the transport parks the poll until `_direct` wakes it or it times out)."""
-        node_id, known = p.get("node_id", ""), int(p.get("version", -1))
-        float(p.get("timeout", 10.0))   # malformed -> 400 now, not when the poll expires
+    def answer_polls(self, polls: list[dict]) -> list[Directive | None]:
+        """Directive long-polls (many under one hold of the lock: a broadcast wakes thousands): ack the
+        version each agent holds, return its newer directive if there is one, else None (the transport
+        parks the poll until `_direct` wakes it or it times out). The transport calls `directives_sent`
+        once it has written the answers."""
+        for p in polls:   # malformed -> 400 now, not when the poll expires
+            int(p.get("version", -1)), float(p.get("timeout", 10.0))
+        answers: list[Directive | None] = []
+        parked = False
         with self.cv:
-            fenced = self._fence(node_id, "directive")
-            if fenced:
-                return wire.dumps({**fenced, "version": known + 1, "generation": self.generation})
-            body = self.directives.answer(node_id, known)
-            if body is None:
+            for p in polls:
+                node_id, known = p.get("node_id", ""), int(p.get("version", -1))
+                fenced = self._fence(node_id, "directive")
+                if fenced:
+                    fields = {**fenced, "version": known + 1, "generation": self.generation}
+                    answers.append(Directive(known + 1, fields, wire.dumps(fields)))   # not on the board
+                    continue
+                d = self.directives.answer(node_id, known)
+                parked = parked or d is None
+                answers.append(d)
+            if parked:
                 self.cv.notify_all()    # wait() watches for the stop order being acked
-            return body
+        return answers
+
+    def directives_sent(self, sent: list[Directive]) -> None:
+        with self.cv:
+            for d in sent:
+                self.directives.mark_sent(d)
 
     def state(self) -> dict:
         with self.cv:
@@ -833,13 +852,12 @@ class Master:
         self._wait_event(quiesced, self.cfg.recovery_timeout, lost)
         acked = quiesced.got
         phases["quiesce_s"] = round(time.time() - t, 4)
+        t = time.time()
         with self.cv:  # the quiesced reports carry the freshest snapshot inventory
             for ack in acked.values():
                 n = self.nodes[ack["node_id"]]
-                n.snapshots = {int(k): v for k, v in ack.get("snapshots", {}).items()}
-                n.replicas = {int(k): v for k, v in ack.get("replicas", {}).items()}
+                n.snapshots, n.replicas = ack.get("snapshots", {}), ack.get("replicas", {})
         reached = max((a.get("next_step", 0) for a in acked.values()), default=0)
-        t = time.time()
         fresh.update(self._replace_slots(lost))
         lost.clear()
         with self.cv:

@@ -153,9 +153,13 @@ class _Connection(asyncio.Protocol):
         self.server.dispatch(self, req)
 
     def respond(self, code: int, body: bytes, ctype: str = JSON) -> None:
+        self.send_response(render_response(code, body, ctype, close=not self.keep_alive))
+
+    def send_response(self, response: bytes) -> None:
+        """Send a rendered response: its Connection header must match self.keep_alive."""
         if self.closed:
             return
-        self.transport.write(render_response(code, body, ctype, close=not self.keep_alive))
+        self.transport.write(response)
         self.busy = False
         self.poll = None
         if not self.keep_alive:
@@ -238,28 +242,38 @@ class ControlServer:
             if not ids:    # drained early, from dispatch()
                 return
             self._wake_scheduled = more
-        for nid in ids:
-            for poll in self._polls.pop(nid, ()):
-                if poll.timer:
-                    poll.timer.cancel()
-                self._answer_or_park(poll)
+        polls = [poll for nid in ids for poll in self._polls.pop(nid, ())]
+        for poll in polls:
+            if poll.timer:
+                poll.timer.cancel()
+        self._answer_or_park(polls)
         if more:
             self.loop.call_soon(self._drain_wakes)
 
-    def _answer_or_park(self, poll: _Poll) -> None:
-        body = self.master.directive_now(poll.payload)
-        if body is not None:
-            poll.conn.respond(200, body)
-            return
-        if poll.timer is None or poll.timer.cancelled():
-            # Answered early by a random part, so that polls parked together (after a broadcast every agent
-            # polls again at once) do not all expire together: 16K agents re-polling in one burst every poll
-            # period were, each time, 16K requests in the loop's backlog (and a broadcast then in flight
-            # missed their parked polls).
-            timeout = min(float(poll.payload.get("timeout", 10.0)), 30.0) * random.uniform(0.5, 1.0)
-            poll.timer = self.loop.call_later(max(0.0, timeout), self._expire, poll)
-        self._polls.setdefault(poll.payload.get("node_id", ""), []).append(poll)
-        poll.conn.poll = poll
+    def _answer_or_park(self, polls: list[_Poll]) -> None:
+        rendered: tuple[bytes, bytes] | None = None   # a broadcast's nodes share one body: render it once
+        sent = []
+        for poll, d in zip(polls, self.master.answer_polls([poll.payload for poll in polls])):
+            if d is not None:
+                if not poll.conn.keep_alive:
+                    poll.conn.respond(200, d.body)
+                else:
+                    if rendered is None or rendered[0] is not d.body:
+                        rendered = d.body, render_response(200, d.body)
+                    poll.conn.send_response(rendered[1])
+                sent.append(d)
+                continue
+            if poll.timer is None or poll.timer.cancelled():
+                # Answered early by a random part, so that polls parked together (after a broadcast every agent
+                # polls again at once) do not all expire together: 16K agents re-polling in one burst every poll
+                # period were, each time, 16K requests in the loop's backlog (and a broadcast then in flight
+                # missed their parked polls).
+                timeout = min(float(poll.payload.get("timeout", 10.0)), 30.0) * random.uniform(0.5, 1.0)
+                poll.timer = self.loop.call_later(max(0.0, timeout), self._expire, poll)
+            self._polls.setdefault(poll.payload.get("node_id", ""), []).append(poll)
+            poll.conn.poll = poll
+        if sent:
+            self.master.directives_sent(sent)
 
     def _expire(self, poll: _Poll) -> None:
         waiting = self._polls.get(poll.payload.get("node_id", ""), [])
@@ -320,8 +334,7 @@ class ControlServer:
             if not isinstance(payload, dict):
                 raise ValueError("body must be a JSON object")
             if fn is None:
-                poll = _Poll(conn, payload, int(payload.get("version", -1)))
-                self._answer_or_park(poll)
+                self._answer_or_park([_Poll(conn, payload, int(payload.get("version", -1)))])
                 return
             conn.respond(200, wire.dumps(fn(payload)))
         except (ValueError, KeyError, TypeError) as e:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Collection, Iterable, Mapping
+from typing import Collection, Iterable, Mapping, TypeVar
 
 from phoenixrun.topology import Layout
+
+V = TypeVar("V")
 
 
 class Role(str, Enum):
@@ -71,6 +73,11 @@ def admit(layout: Layout, nodes: Mapping[str, NodeRecord], started: bool,
     return (Role.ACTIVE, min(free)) if free else (Role.SPARE, None)
 
 
+def by_rank(inventory: Mapping[str, V] | None) -> dict[int, V]:
+    """An inventory as it comes over the wire (JSON object keys are strings) keyed by int rank."""
+    return {int(k): v for k, v in (inventory or {}).items()}
+
+
 def pick_spare(nodes: Mapping[str, NodeRecord], avoid_domains: Iterable[str] = ()) -> NodeRecord | None:
     """The spare to promote: prefer one outside the failed node's fault domain, then earliest joined."""
     spares = [n for n in nodes.values() if n.role == Role.SPARE]
@@ -101,11 +108,12 @@ class PlanError(Exception):
     """In-memory recovery is impossible; the message says why."""
 
 
-def restore_step(available: Mapping[int, Iterable[int]]) -> int | None:
-    """The last step whose snapshot every rank can get: max of the intersection."""
+def restore_step(available: Iterable[Iterable[int]]) -> int | None:
+    """The last step whose snapshot every rank can get (one collection of steps per rank, or per
+    distinct inventory): max of the intersection."""
     common: set[int] | None = None
-    for steps in available.values():
-        common = set(steps) if common is None else common & set(steps)
+    for steps in available:
+        common = set(steps) if common is None else common.intersection(steps)
     return max(common) if common else None
 
 
@@ -125,13 +133,14 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
     if missing:
         raise PlanError(f"no spare node for slot(s) {sorted(missing)}")
     by_slot = {s: nodes[nid] for s, nid in slots.items() if s not in lost}
-    available: dict[int, set[int]] = {}
+    # Surviving ranks restore from their own agent: all that matters is which steps every one of them has.
+    # Their inventories repeat (16K nodes' ranks with the same two steps): each distinct one counts once.
+    npn = layout.nproc_per_node
+    available: set[tuple[int, ...]] = {tuple(by_slot[slot].snapshots.get(rank, ()))
+                                       for slot in range(layout.nnodes) if slot not in lost
+                                       for rank in range(slot * npn, (slot + 1) * npn)}
     candidates: dict[int, dict[int, tuple[str, str, int]]] = {}
-    for rank in range(layout.world_size):
-        slot = layout.slot_of(rank)
-        if slot not in lost:
-            available[rank] = set(by_slot[slot].snapshots.get(rank, []))
-            continue
+    for rank in (r for slot in sorted(lost) for r in layout.ranks_of_slot(slot)):
         options: dict[int, tuple[str, str, int]] = {}
         holders = [by_slot[h] for h in placement.get(rank, []) if h in by_slot]
         wanted = {step for h in holders for step in h.replicas.get(rank, [])}
@@ -154,7 +163,7 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
             raise PlanError(f"rank {rank}: every replica holder of its optimizer shard is lost")
         if not any_peer:
             raise PlanError(f"rank {rank}: no surviving data-parallel peer holds its parameters")
-        available[rank] = set(options)
+        available.add(tuple(options))
         candidates[rank] = options
     step = restore_step(available)
     if step is None:

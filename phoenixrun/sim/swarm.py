@@ -263,10 +263,14 @@ class Swarm:
 
     async def _poll_loop(self, a: SimAgent) -> None:
         conn = self._polls[a.index]
+
+        def poll() -> asyncio.Future:
+            return conn.send(self._raw("/v1/directive", {
+                "node_id": a.node_id, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
+        pending = poll()
         while a.alive and not self._stop.is_set():
             try:
-                status, body = await conn.request(self._raw("/v1/directive", {
-                    "node_id": a.node_id, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
+                status, body = await pending
             except ConnectionError as e:
                 if a.alive:
                     self.errors.append(f"poll {a.node_id}: {e}")
@@ -275,9 +279,15 @@ class Swarm:
                 self.errors.append(f"poll {a.node_id}: HTTP {status}")
                 return
             d = json.loads(body)
-            if d.get("version", -1) <= a.version or not a.alive:
+            if not a.alive:
+                return
+            if d.get("version", -1) <= a.version:
+                pending = poll()
                 continue
             a.version = d["version"]
+            # the next poll goes out before the directive is acted on, as the real agent's poll thread hands
+            # the directive to another thread and polls again at once
+            pending = poll() if d["command"] != "stop" else None
             cmd, g = d["command"], d.get("generation", a.generation)
             # when the bytes arrived, not when this task got its turn: the swarm's own backlog (it
             # shares the machine's cores with the master) is not the master's broadcast time
