@@ -454,10 +454,15 @@ class Master:
 
     # ---------------------------------------------------------------- failure detection
     def _monitor(self) -> None:
+        tick = min(0.25, self.cfg.node_timeout / 4)
+        woke = time.monotonic()
         while not self._stopped.is_set():
-            time.sleep(min(0.25, self.cfg.node_timeout / 4))
+            time.sleep(tick)
             now = time.time()
+            slept, woke = time.monotonic() - woke, time.monotonic()
             with self.cv:
+                if slept > 4 * tick:
+                    self._forgive_stall(slept - tick)
                 stale = []
                 for nid in self._heard:   # least recently heard first: stop at the first fresh one
                     if now - self.nodes[nid].last_heartbeat <= self.cfg.node_timeout:
@@ -470,6 +475,17 @@ class Master:
                                          "detail": f"no heartbeat for {now - n.last_heartbeat:.1f}s"})
                     n.last_heartbeat = now  # report once per timeout period
                     self._heard.move_to_end(nid)
+
+    def _forgive_stall(self, seconds: float) -> None:
+        """The master itself did not run for `seconds` (stopped, swapped out, starved): the heartbeats it
+        did not read meanwhile are its own silence, not the nodes'. Without this, a master paused for longer
+        than --node-timeout declared every node lost at once when it ran again (seen when a profiler
+        paused it at 16K nodes: the job failed, "recovery kept failing")."""
+        log.warning("the master did not run for %.1fs: heartbeat clocks moved on by as much", seconds)
+        self.events.emit("master_stalled", self.generation, seconds=round(seconds, 3))
+        now = time.time()
+        for n in self.nodes.values():   # capped: one heard since it ran again is no fresher than now
+            n.last_heartbeat = min(n.last_heartbeat + seconds, now)
 
     def _unreachable(self, nodes: list[NodeRecord], timeout: float = 0.5,
                      silent_is_dead: bool = True) -> list[NodeRecord]:
