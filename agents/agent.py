@@ -37,6 +37,11 @@ PING_GRACE_S = 1.0   # a live worker's agent-link thread answers a ping well wit
 # training thread is waiting on a gloo op that was enqueued as its connections went down stays blocked until the
 # collective timeout; past this grace it is killed and restarts from this node's snapshot (a local reset).
 QUIESCE_GRACE_S = 5.0
+# The directive long-poll: the master answers it at once when it has an order, else when this passes (it
+# answers after 50-100% of it). Long, because each expiry is a re-poll, and an agent between two polls gets a
+# broadcast only once its re-poll is read: at 16K agents, 10 s meant ~2,200 re-polls a second and a tail of
+# late agents on every broadcast. A dead master connection fails the poll at once; a silent one at +5 s.
+DIRECTIVE_POLL_S = 30.0
 
 
 @dataclass
@@ -205,7 +210,7 @@ class Agent:
         while not self._stop.is_set():
             try:
                 d = self.client.post("/v1/directive", {"node_id": self.node_id, "version": self._version,
-                                                       "timeout": 10.0}, timeout=15.0)
+                                                       "timeout": DIRECTIVE_POLL_S}, timeout=DIRECTIVE_POLL_S + 5)
             except ControlError as e:
                 log.debug("directive poll failed: %s", e)
                 time.sleep(0.2)

@@ -37,7 +37,7 @@ class SwarmConfig:
     spares: int = 1
     replicas: int = 1
     heartbeat_s: float = 1.0
-    poll_timeout_s: float = 10.0  # the real agent's directive long-poll timeout
+    poll_timeout_s: float = 30.0  # the real agent's directive long-poll timeout (agents.agent.DIRECTIVE_POLL_S)
     hb_connections: int = 1024
     report_connections: int = 256
     peer_host: str = "127.0.0.1"
