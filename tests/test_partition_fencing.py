@@ -11,7 +11,8 @@ from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.cli import valid_fault
 from phoenixrun.control.client import ControlError
 from phoenixrun.control.events import read_events
-from phoenixrun.control.master import Cascade, Master, MasterConfig
+from phoenixrun.control.master import Master, MasterConfig
+from phoenixrun.control.recovery import Cascade
 from phoenixrun.control.state import NodeRecord, Role, fence_reply
 
 

@@ -1,4 +1,5 @@
-"""The rendezvous master: membership, spare pool, generations, recovery driver, event log, status API.
+"""The rendezvous master: membership, spare pool, generations, fault handling, event log, status API
+(the recovery procedures it runs are control/recovery.py's).
 
 Agents talk to it over authenticated JSON/HTTP: register, heartbeat, report (faults and phase
 acknowledgements) and a long-polled `directive` that tells each agent what to do now. The
@@ -18,7 +19,6 @@ import logging
 import os
 import secrets
 import queue
-import random
 import resource
 import threading
 import time
@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from phoenixrun import persist
 from phoenixrun.control import wire
 from phoenixrun.control.directives import Directive, DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
+from phoenixrun.control.recovery import Recoveries, Stop
 from phoenixrun.control.server import ControlServer
-from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, admit, by_rank,
-                                      fence_reply, pick_spare, plan_recovery)
+from phoenixrun.control.state import NodeRecord, Phase, Role, admit, by_rank, fence_reply
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
 from phoenixrun.topology import Layout, place_replicas
 
@@ -68,48 +67,11 @@ class MasterConfig:
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
 ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error", "nan_loss")
-PROBE_AFTER_S = 0.3   # a recovery phase without a new ack this long: probe the nodes it waits for
-PROBE_MAX = 512       # ... this many at a time
 # which decision of an incident is carried out first
 SEVERITY = {Action.EXTERNAL_FALLBACK: 0, Action.NODE_REPLACE: 1, Action.LOCAL_RESET: 2}
 
 
-class Cascade(Exception):
-    """A new fault arrived while a recovery was in flight: start over at QUIESCE."""
-
-    def __init__(self, reason: str, event: dict | None = None):
-        super().__init__(reason)
-        self.event = event or {}
-
-
-class Acks:
-    """Acknowledgements of one recovery phase (`quiesced` or `resumed` of generation g): O(1) per
-    ack, so waiting for 16K of them is not quadratic."""
-
-    def __init__(self, kind: str, generation: int, expected: Iterable[str],
-                 on_ack: Callable[[dict], None] | None = None):
-        self.kind, self.generation, self.on_ack = kind, generation, on_ack
-        self.pending = set(expected)
-        self.got: dict[str, dict] = {}
-
-    def add(self, ev: dict) -> None:
-        self.got[ev["node_id"]] = ev
-        self.pending.discard(ev["node_id"])
-        if self.on_ack is not None:
-            self.on_ack(ev)
-
-    @property
-    def done(self) -> bool:
-        return not self.pending
-
-
-class Stop(Exception):
-    def __init__(self, exit_code: int, reason: str):
-        super().__init__(reason)
-        self.exit_code, self.reason = exit_code, reason
-
-
-class Master:
+class Master(Recoveries):
     def __init__(self, cfg: MasterConfig, secret: str):
         self.cfg = cfg
         self.secret = secret
@@ -724,276 +686,6 @@ class Master:
             self._hot_swap(lost, node, ev, verdict.action, failing_code)
         else:
             self._restart(lost, failing_code, f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')}")
-
-    # ---------------------------------------------------------------- torchrun-style restart
-    def _restart(self, lost: set[int], failing_code: int | None, why: str) -> None:
-        if self.restart_count >= self.cfg.max_restarts:
-            raise Stop(failing_code or 1, f"{why}; no restarts left (--max-restarts {self.cfg.max_restarts})")
-        self._replace_slots(lost)
-        with self.cv:
-            self.restart_count += 1
-            self.generation += 1
-            self.done_nodes.clear()
-            self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why)
-            self._direct_slots("restart", restart_count=self.restart_count, restore_step=None)
-            self.phase = Phase.RUNNING
-        self._drain_stale()
-
-    def _drain_stale(self) -> None:
-        """Drop reports about the generation that was just torn down."""
-        g = self.generation
-        self._take_queued(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
-
-    def _replace_slots(self, lost: set[int]) -> dict[int, str]:
-        """Promote a spare into every lost slot (waiting up to --spare-wait for one)."""
-        out: dict[int, str] = {}
-        for slot in sorted(lost):
-            deadline = time.time() + self.cfg.spare_wait
-            while True:
-                with self.cv:
-                    failed_id = self.slots[slot]
-                    failed = self.nodes[failed_id]
-                    spare = pick_spare(self.nodes, avoid_domains=[failed.fault_domain])
-                    if spare is not None:
-                        failed.role, failed.slot = Role.FAILED, None
-                        spare.role, spare.slot = Role.ACTIVE, slot
-                        self.slots[slot] = spare.node_id
-                        self.fault_history.pop(slot, None)   # escalation history belongs to the old node
-                        self.events.emit("spare_promoted", self.generation, slot=slot, node=spare.node_id,
-                                         replaces=failed_id)
-                        out[slot] = spare.node_id
-                        break
-                if time.time() > deadline:
-                    raise Stop(75, f"node in slot {slot} lost and no spare registered within "
-                                   f"--spare-wait {self.cfg.spare_wait:g}s")
-                self._pump(min(0.5, max(0.01, deadline - time.time())), lost)
-        return out
-
-    # ---------------------------------------------------------------- persistent fallback
-    def _newest_checkpoint(self) -> int | None:
-        if self.cfg.persist_dir is None:
-            return None
-        return persist.newest_complete(self.cfg.persist_dir, self.layout.world_size, exclude=self.bad_checkpoints)
-
-    def _fallback(self, lost: set[int], reason: str, counted: bool = True) -> bool:
-        """Restart every worker from the newest complete persistent checkpoint (spares fill `lost`).
-
-        For what in-memory recovery cannot cover: the owner of a shard and all its replica holders
-        lost together, or a fault class that must not be hot-swapped around. A checkpoint that fails
-        to load (checksum) is never resumed from: the next older one is tried. False: nothing to
-        fall back to (no checkpoint, or --max-fallbacks used up)."""
-        if counted and self.fallbacks >= self.cfg.max_fallbacks:
-            return False
-        t0 = time.time()
-        for _ in range(5):
-            step = self._newest_checkpoint()
-            if step is None:
-                return False
-            self._replace_slots(lost)
-            lost.clear()
-            with self.cv:
-                self.generation += 1
-                g = self.generation
-                self.fallbacks += counted
-                self.restart_count += 1
-                self.phase = Phase.RESTORE
-                self.done_nodes.clear()
-                self.events.emit("fallback_restart", g, restore_step=step, reason=reason, fallbacks=self.fallbacks,
-                                 checkpoint=str(persist.step_dir(self.cfg.persist_dir, step)))
-                self._direct_slots("restart", restart_count=self.restart_count, restore_step=step)
-                resumed = Acks("resumed", g, self.slots.values())
-            try:
-                self._wait_event(resumed, self.cfg.recovery_timeout, lost)
-            except Cascade as c:
-                if c.event.get("persist_step") == step:
-                    self.bad_checkpoints.add(step)
-                    self.events.emit("checkpoint_rejected", g, step=step, reason=c.event.get("reason", ""))
-                log.warning("fallback to checkpoint step %d interrupted: %s", step, c)
-                continue
-            with self.cv:
-                self.phase = Phase.RUNNING
-                self.events.emit("fallback_done", g, restore_step=step, duration_s=round(time.time() - t0, 4))
-            self._drain_stale()
-            return True
-        raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason})")
-
-    # ---------------------------------------------------------------- hot swap
-    def _hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
-                  failing_code: int | None) -> None:
-        t0 = time.time()
-        cause = ev.get("detail") or ev.get("text") or ev.get("kind")
-        with self.cv:
-            self.events.emit("recovery_started", self.generation + 1, failed_node=node.node_id,
-                             slot=node.slot, cause=cause, action=action.value)
-        attempts = 0
-        fresh: dict[int, str] = {}    # slot -> spare promoted during this recovery (holds no state yet)
-        while True:
-            attempts += 1
-            try:
-                plan, phases, reached = self._recovery_cycle(lost, fresh)
-                break
-            except Cascade as c:
-                log.warning("fault during recovery, restarting at quiesce: %s", c)
-                if attempts > 5:
-                    raise Stop(1, f"recovery kept failing: {c}")
-            except PlanError as e:
-                self.events.emit("recovery_failed", self.generation, reason=str(e))
-                # no in-memory state to resume from: the persistent checkpoint, else torchrun-style restart
-                if not self._fallback(set(), f"in-memory recovery impossible: {e}"):
-                    self._restart(set(), failing_code, f"in-memory recovery impossible: {e}")
-                return
-        with self.cv:
-            self.recoveries += 1
-            self.phase = Phase.RUNNING
-            self.done_nodes.clear()
-            self.events.emit("recovery_done", self.generation, restored_step=plan.restore_step,
-                             replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
-                             duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
-                             replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
-            # one directive for every node: each got its slot and world with the restore order
-            self._direct(self.slots.values(), command="run", restart_count=self.restart_count, resume=True)
-        self._drain_stale()
-
-    def _recovery_cycle(self, lost: set[int], fresh: dict[int, str]) -> tuple[RecoveryPlan, dict, int]:
-        """One attempt: quiesce survivors, fill lost slots from spares, plan, order the restore.
-
-        lost: slots whose node is gone (emptied here as spares are promoted); fresh: slots filled
-        by a spare during this recovery, which must fetch their state from peers.
-        """
-        phases: dict[str, float] = {}
-        t = time.time()
-        with self.cv:
-            self.generation += 1
-            g = self.generation
-            self.phase = Phase.QUIESCE
-            for slot in list(fresh):            # a promoted spare that died is lost again
-                if self.slots.get(slot) != fresh[slot]:
-                    del fresh[slot]
-            survivors = {s: nid for s, nid in self.slots.items() if s not in lost and s not in fresh}
-            self._direct(survivors.values(), command="quiesce")
-        quiesced = Acks("quiesced", g, survivors.values(), on_ack=self._quiesced_inventory)
-        self._wait_event(quiesced, self.cfg.recovery_timeout, lost)
-        acked = quiesced.got
-        phases["quiesce_s"] = round(time.time() - t, 4)
-        t = time.time()
-        reached = max((a.get("next_step", 0) for a in acked.values()), default=0)
-        fresh.update(self._replace_slots(lost))
-        lost.clear()
-        with self.cv:
-            plan = plan_recovery(self.layout, dict(self.nodes), self.slots, set(fresh), self.placement, fresh)
-            self.phase = Phase.RESTORE
-            phases["plan_s"] = round(time.time() - t, 4)
-            self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
-                             fetch={r: vars(s) for r, s in plan.fetch.items()})
-            # the ranks of replaced slots fetch their state from peers; everyone else restores locally
-            fetch: dict[int, dict] = {}
-            for r, src in plan.fetch.items():
-                fetch.setdefault(self.layout.slot_of(r), {}).setdefault("fetch", {})[r] = vars(src)
-            # a new world only where it changed: the slots filled in this recovery and the slots whose
-            # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
-            self._direct_slots("restore", own=fetch, world_for={c for s in fresh for c in self._needed_by.get(s, ())},
-                               restart_count=self.restart_count, restore_step=plan.restore_step)
-        t = time.time()
-        resumed_acks = Acks("resumed", g, plan.slots.values())
-        self._wait_event(resumed_acks, self.cfg.recovery_timeout, lost)
-        resumed = resumed_acks.got
-        phases["restore_s"] = round(time.time() - t, 4)
-        for key in ("rebuild_s", "params_s", "optimizer_s", "fetch_s", "spawn_s"):
-            vals = [r.get("timings", {}).get(key) for r in resumed.values() if r.get("timings", {}).get(key) is not None]
-            if vals:
-                phases[key] = round(max(vals), 4)
-        return plan, phases, reached
-
-    def _quiesced_inventory(self, ack: dict) -> None:
-        """A survivor's snapshot inventory as it quiesced (fresher than its last heartbeat's), taken as each
-        ack arrives: 16K of them in one go after the last ack were 60 ms of the plan at 16K nodes. Without
-        the lock: the fields are replaced whole (as heartbeats replace them), never changed in place, so a
-        reader under the lock sees the old inventory or the new one."""
-        node = self.nodes.get(ack.get("node_id", ""))
-        if node is not None:
-            node.snapshots, node.replicas = by_rank(ack.get("snapshots")), by_rank(ack.get("replicas"))
-
-    def _wait_event(self, acks: Acks, timeout: float, lost: set[int]) -> None:
-        """Consume reports until every expected ack came; past the deadline -> Cascade.
-
-        A node dying mid-recovery must not cost a heartbeat timeout: when acks stop coming for
-        PROBE_AFTER_S, up to PROBE_MAX of the nodes still awaited are probed (a random few each time, so
-        all get probed if the stall lasts). Not while acks flow: at 16K nodes, probing every pending node
-        every 0.3 s was most of the master's work in a recovery."""
-        deadline = time.time() + timeout
-        progress_at, acked = time.time(), 0
-        while not acks.done:
-            left = deadline - time.time()
-            if left <= 0:
-                raise Cascade("phase deadline passed")
-            self._pump(min(left, 0.1), lost, acks)
-            if len(acks.got) != acked:
-                acked, progress_at = len(acks.got), time.time()
-            elif time.time() - progress_at >= PROBE_AFTER_S:
-                progress_at = time.time()
-                # only the nodes this phase still waits for: one that acked and then died is
-                # caught by the next phase's probe (or its heartbeat timeout)
-                with self.cv:
-                    pending = random.sample(list(acks.pending), min(PROBE_MAX, len(acks.pending)))
-                    waiting = [self.nodes[nid] for nid in pending if nid in self.nodes]
-                    waiting = [n for n in waiting if n.role == Role.ACTIVE and n.slot not in lost]
-                # refusals only: mid-recovery, with the master and the agents at full load, a probe answered
-                # late is no evidence (at 16K nodes, late answers declared live nodes lost); silence is the
-                # heartbeat monitor's to judge
-                for n in self._unreachable(waiting, timeout=0.2, silent_is_dead=False):
-                    self._inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
-                                     "detail": "agent unreachable during recovery"})
-
-    def _pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
-        """Handle one report (or none within timeout). A new fault on an active node -> Cascade."""
-        try:
-            ev = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            return
-        kind = ev.get("kind")
-        if acks and kind == acks.kind and ev.get("generation") == acks.generation:
-            acks.add(ev)   # the common case, 16K times a phase: no lock (_absorb has nothing to do for acks)
-            return
-        self._absorb(ev)
-        with self.cv:
-            node = self.nodes.get(ev.get("node_id", ""))
-        if kind == "restore_failed":
-            raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}", ev)
-        if node is None or node.role != Role.ACTIVE or node.slot in lost:
-            return
-        if kind in ("node_lost", "left"):
-            # the losses queued behind this one (a rack, a switch) go into the same new cycle: one cycle
-            # per lost node would spend the cascade budget on a single correlated failure
-            queued = self._take_queued(lambda e: e.get("kind") in ("node_lost", "left"))
-            for loss in queued:
-                self._absorb(loss)             # a lost spare is marked failed, as _pump would have
-            newly = 0
-            with self.cv:
-                for loss in [ev, *queued]:
-                    n = self.nodes.get(loss.get("node_id", ""))
-                    if n is None or n.role != Role.ACTIVE or n.slot in lost:
-                        continue
-                    lost.add(n.slot)
-                    newly += 1
-                    self.events.emit("fault_detected", self.generation, node=n.node_id, slot=n.slot,
-                                     signal=loss["kind"], detail=loss.get("detail", ""), action="node_replace",
-                                     **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
-            raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: {ev.get('detail') or kind}"
-                          + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))
-        # worker exits and comm errors of the old generation are expected while quiescing
-
-    def _take_queued(self, which: Callable[[dict], bool]) -> list[dict]:
-        """Remove and return the queued reports `which` picks; the others stay queued, in order."""
-        taken, keep = [], []
-        while True:
-            try:
-                ev = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            (taken if which(ev) else keep).append(ev)
-        for ev in keep:
-            self._inbox.put(ev)
-        return taken
 
     def _finish(self, exit_code: int, reason: str) -> None:
         with self.cv:
