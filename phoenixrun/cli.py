@@ -82,42 +82,55 @@ def _tee(tee: str | None, redirects: str | None) -> bool:
     return redirects in (None, "0")
 
 
-def _timeouts(f):
-    for opt in reversed([
-        _opt("--heartbeat-interval", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
-             help="Seconds between agent heartbeats."),
-        _opt("--node-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
-             help="A node whose agent misses heartbeats this long is lost."),
-        _opt("--hang-timeout", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
-             help="A worker making no progress this long (outside a recovery) is hung: its agent kills it "
-                  "and the node gets a local reset."),
-        _opt("--spare-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
-             help="How long a recovery waits for a spare to register before giving up."),
-        _opt("--recovery-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-             help="Deadline of each recovery phase."),
-        _opt("--max-local-resets", type=click.IntRange(min=0), default=3, show_default=True,
-             help="Local resets of one node before it is replaced instead."),
-    ]):
-        f = opt(f)
-    return f
+def _options(*opts):
+    """One decorator for a group of options (shared by the commands that take them)."""
+    def apply(f):
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return apply
 
 
-def _persistence(f):
-    for opt in reversed([
-        _opt("--persist-every", type=click.IntRange(min=0), default=0, show_default=True,
-             help="Agents write each rank's committed snapshot to --persist-dir every N steps, in the "
-                  "background (0: only when an agent gets SIGTERM). The fallback when in-memory recovery "
-                  "is impossible, and what a job started on the same directory resumes from."),
-        _opt("--persist-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-             help="Persistent checkpoints (DCP format, one directory per step) [default: RUN_DIR/checkpoints "
-                  "when --persist-every is set]. Must be reachable from every node."),
-        _opt("--persist-keep", type=click.IntRange(min=1), default=2, show_default=True,
-             help="Complete checkpoints kept; older ones are pruned."),
-        _opt("--max-fallbacks", type=click.IntRange(min=0), default=3, show_default=True,
-             help="Restarts from the persistent checkpoint before the job gives up."),
-    ]):
-        f = opt(f)
-    return f
+# The job's shape and the master's recovery policy: `phoenixrun` (which runs a master) and `phoenixrun master`.
+_job_shape = _options(
+    _opt("--replicas", type=click.IntRange(min=0), default=1, show_default=True,
+         help="Peer copies of each rank's optimizer shard."),
+    _opt("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size."),
+    _opt("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size."),
+)
+_recovery_policy = _options(
+    _opt("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True, env="PET_MAX_RESTARTS",
+         help="Full restarts allowed when in-memory recovery is impossible (and for scripts without the API)."),
+    _opt("--node-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+         help="A node whose agent misses heartbeats this long is lost."),
+    _opt("--spare-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
+         help="How long a recovery waits for a spare to register before giving up."),
+    _opt("--recovery-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+         help="Deadline of each recovery phase."),
+    _opt("--max-local-resets", type=click.IntRange(min=0), default=3, show_default=True,
+         help="Local resets of one node before it is replaced instead."),
+)
+# what the agents watch: `phoenixrun` only (`phoenixrun agent` takes its own --heartbeat-interval)
+_agent_timeouts = _options(
+    _opt("--heartbeat-interval", type=click.FloatRange(min=0.01), default=0.5, show_default=True,
+         help="Seconds between agent heartbeats."),
+    _opt("--hang-timeout", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
+         help="A worker making no progress this long (outside a recovery) is hung: its agent kills it "
+              "and the node gets a local reset."),
+)
+_persistence = _options(
+    _opt("--persist-every", type=click.IntRange(min=0), default=0, show_default=True,
+         help="Agents write each rank's committed snapshot to --persist-dir every N steps, in the "
+              "background (0: only when an agent gets SIGTERM). The fallback when in-memory recovery "
+              "is impossible, and what a job started on the same directory resumes from."),
+    _opt("--persist-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+         help="Persistent checkpoints (DCP format, one directory per step) [default: RUN_DIR/checkpoints "
+              "when --persist-every is set]. Must be reachable from every node."),
+    _opt("--persist-keep", type=click.IntRange(min=1), default=2, show_default=True,
+         help="Complete checkpoints kept; older ones are pruned."),
+    _opt("--max-fallbacks", type=click.IntRange(min=0), default=3, show_default=True,
+         help="Restarts from the persistent checkpoint before the job gives up."),
+)
 
 
 def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) -> Path | None:
@@ -138,8 +151,6 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_opt("--rdzv-backend", default="c10d", show_default=True, env="PET_RDZV_BACKEND",
       help="c10d or static; both mean phoenixrun's own master.")
 @_opt("--rdzv-conf", default="", env="PET_RDZV_CONF", help="Accepted for compatibility; ignored.")
-@_opt("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True, env="PET_MAX_RESTARTS",
-      help="Full restarts allowed when in-memory recovery is impossible (and for scripts without the API).")
 @_opt("--node-rank", type=int, default=0, show_default=True, env="PET_NODE_RANK",
       help="Rank of this node; node 0 also runs the master.")
 @_opt("--master-addr", default="127.0.0.1", show_default=True, env="PET_MASTER_ADDR",
@@ -158,14 +169,12 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_opt("--spares", type=click.IntRange(min=0), default=0, show_default=True, help="Warm spare nodes (standalone).")
 @_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
       help="Events, master.json and the job secret go here [default: .phoenixrun/RUN_ID].")
-@_opt("--replicas", type=click.IntRange(min=0), default=1, show_default=True,
-      help="Peer copies of each rank's optimizer shard.")
-@_opt("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
-@_opt("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline-parallel size.")
 @_opt("--fault-domain", default="", help="Fault-domain label of this node (replicas avoid sharing one).")
 @_opt("--collective-timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
       help="Timeout of the workers' process groups (keep it above --hang-timeout).")
-@_timeouts
+@_job_shape
+@_recovery_policy
+@_agent_timeouts
 @_persistence
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf, max_restarts,
@@ -229,14 +238,8 @@ def commands():
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True)
 @click.option("--store-port", type=click.IntRange(0, 65535), default=0, help="TCPStore port [default: any].")
-@_opt("--replicas", type=click.IntRange(min=0), default=1)
-@_opt("--tp", type=click.IntRange(min=1), default=1)
-@_opt("--pp", type=click.IntRange(min=1), default=1)
-@_opt("--max-restarts", type=click.IntRange(min=0), default=0)
-@_opt("--node-timeout", type=click.FloatRange(min=0.1), default=5.0)
-@_opt("--spare-wait", type=click.FloatRange(min=0), default=30.0)
-@_opt("--recovery-timeout", type=click.FloatRange(min=1), default=60.0)
-@_opt("--max-local-resets", type=click.IntRange(min=0), default=3)
+@_job_shape
+@_recovery_policy
 @_persistence
 def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port, replicas, tp, pp, max_restarts,
                node_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
