@@ -1,8 +1,8 @@
 """Master decisions as pure functions: admission, spare choice, restore step, recovery plans."""
 import pytest
 
-from phoenixrun.control.state import (NodeRecord, PlanError, RankSource, Role, admit, pick_spare, plan_recovery,
-                                      restore_step)
+from phoenixrun.control.state import (FreeSlots, NodeRecord, PlanError, RankSource, Role, admit, pick_spare,
+                                      plan_recovery, restore_step)
 from phoenixrun.topology import Layout, place_replicas
 
 
@@ -11,15 +11,15 @@ def node(nid, role, slot=None, snapshots=None, replicas=None, domain=None):
                       role=role, slot=slot, snapshots=snapshots or {}, replicas=replicas or {})
 
 
-def test_admit_fills_slots_then_spares():
-    lay = Layout(2, 1)
-    nodes = {}
-    assert admit(lay, nodes, started=False) == (Role.ACTIVE, 0)
-    nodes["a"] = node("a", Role.ACTIVE, 0)
-    assert admit(lay, nodes, started=False) == (Role.ACTIVE, 1)
-    nodes["b"] = node("b", Role.ACTIVE, 1)
-    assert admit(lay, nodes, started=False) == (Role.SPARE, None)
-    assert admit(lay, {}, started=True) == (Role.SPARE, None)     # a repaired node joins as a spare
+def test_admit_fills_slots_lowest_first_then_spares():
+    free, taken = FreeSlots(3), {}
+    assert admit(False, free, taken) == (Role.ACTIVE, 0)
+    taken[0] = "a"
+    taken[2] = "c"                                                 # a rejoining node kept its slot
+    assert admit(False, free, taken) == (Role.ACTIVE, 1)
+    taken[1] = "b"
+    assert admit(False, free, taken) == (Role.SPARE, None)        # every slot taken
+    assert admit(True, FreeSlots(3), {}) == (Role.SPARE, None)    # after the start: a repaired node is a spare
 
 
 def test_pick_spare_avoids_failed_domain():

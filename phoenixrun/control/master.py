@@ -33,7 +33,7 @@ from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.recovery import Recoveries, Stop
 from phoenixrun.control.server import ControlServer
-from phoenixrun.control.state import NodeRecord, Phase, Role, admit, by_rank, fence_reply
+from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role, admit, by_rank, fence_reply
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
 from phoenixrun.topology import Layout, place_replicas
 
@@ -92,6 +92,7 @@ class Master(Recoveries):
         self.cv = threading.Condition()
         self.nodes: dict[str, NodeRecord] = {}
         self.slots: dict[int, str] = {}          # slot -> node id, current generation
+        self._free_slots = FreeSlots(cfg.nnodes)   # what registrations before the start fill
         self.generation = 0
         self.phase = Phase.WAITING
         self.restart_count = 0
@@ -165,8 +166,7 @@ class Master(Recoveries):
                 return fenced
             if p.get("rejoin"):
                 return self._readmit(p, p["rejoin"])
-            role, slot = admit(self.layout, self.nodes, started=self.phase != Phase.WAITING or bool(self.resumed_at),
-                               taken=self.slots.keys())
+            role, slot = admit(self.phase != Phase.WAITING or bool(self.resumed_at), self._free_slots, self.slots)
             node = NodeRecord(node_id=p["node_id"], host=p["host"], agent_pid=int(p["agent_pid"]),
                               peer_addr=p["peer_addr"], fault_domain=p.get("fault_domain") or p["node_id"],
                               role=role, slot=slot)
