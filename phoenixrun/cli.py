@@ -247,9 +247,6 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
     """Run the rendezvous master (control plane) in the foreground."""
     from phoenixrun.control.master import Master, MasterConfig
     _logging()
-    # The transport thread and the controller share the master's lock: with the default 5 ms GIL
-    # switch interval each contended hand-over can cost 5 ms, seconds over a 16K-node recovery.
-    sys.setswitchinterval(0.001)
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = auth.read_secret(run_dir) or auth.new_secret()
     auth.write_secret(run_dir, secret)
