@@ -25,6 +25,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from phoenixrun.agents.agent import DIRECTIVE_POLL_S
 from phoenixrun.topology import Layout, place_replicas
 
 
@@ -37,7 +38,7 @@ class SwarmConfig:
     spares: int = 1
     replicas: int = 1
     heartbeat_s: float = 1.0
-    poll_timeout_s: float = 30.0  # the real agent's directive long-poll timeout (agents.agent.DIRECTIVE_POLL_S)
+    poll_timeout_s: float = DIRECTIVE_POLL_S   # the real agent's directive long-poll timeout
     hb_connections: int = 1024
     report_connections: int = 256
     peer_host: str = "127.0.0.1"
