@@ -421,7 +421,8 @@ class Master(Recoveries):
         while not self._stopped.is_set():
             time.sleep(tick)
             now = time.time()
-            slept, woke = time.monotonic() - woke, time.monotonic()
+            t = time.monotonic()
+            slept, woke = t - woke, t
             with self.cv:
                 if slept > 4 * tick:
                     self._forgive_stall(slept - tick)
