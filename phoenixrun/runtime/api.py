@@ -38,7 +38,7 @@ import torch.distributed as dist
 from phoenixrun.faults.classify import is_collective_error_text
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
-from phoenixrun.runtime.process_group import (Generation, ReconfigurableProcessGroup, _socket_inodes,
+from phoenixrun.runtime.process_group import (GROUPS, Generation, ReconfigurableProcessGroup, _socket_inodes,
                                               abort_sockets_since, install_default_group)
 from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
                                          restore_into)
@@ -215,7 +215,7 @@ class _Runtime:
         """At exit, while the interpreter is whole: stop the agent-link thread and free the gloo
         backends in order. Left to interpreter teardown, a daemon thread or a late destructor
         occasionally ended the process with SIGABRT ('terminate called without an active exception')."""
-        self.pg.set_backend(None)
+        GROUPS.attach(None)
         self.link.close()
         for gen in [*self._retired, self._gen]:
             if gen is not None:
@@ -225,7 +225,7 @@ class _Runtime:
 
     def connect(self, generation: int, store_prefix: str | None = None) -> None:
         """Rendezvous generation `generation` (blocks until the whole world has joined)."""
-        self.pg.set_backend(None)
+        GROUPS.attach(None)
         if self._gen is not None:
             # Keep old generations referenced: destroying a gloo backend whose peers vanished
             # mid-collective is not a path torch makes safe. Their sockets are already shut down.
@@ -236,7 +236,7 @@ class _Runtime:
         gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout,
                          self.store_prefix)
         self._gen, self.generation = gen, generation
-        self.pg.set_backend(gen.backend)
+        GROUPS.attach(gen)   # the world, then every subgroup the script created, in creation order
 
 
 class Job:

@@ -1,10 +1,13 @@
-"""A default process group whose backend can be replaced in place, generation by generation.
+"""Process groups whose backends are replaced in place, generation by generation.
 
-DDP and ZeroRedundancyOptimizer keep a reference to the process group they were built with.
-This group keeps rank and world size fixed (a replacement node takes the failed node's ranks)
-and forwards every collective to an inner backend that recovery swaps for a fresh one on a new
-store prefix, so the training script's objects survive a node replacement (FINDINGS: accepted
-by dist.*, DDP and ZeRO).
+DDP, ZeroRedundancyOptimizer, DeviceMesh and the script itself keep references to the process
+groups they were built with. Every group here keeps its members, rank and size fixed (a
+replacement node takes the failed node's ranks) and forwards every collective to an inner gloo
+backend that recovery swaps for a fresh one on the new generation's store prefix, so the
+script's objects survive a node replacement. The default group is the world; each `new_group`
+(and so each DeviceMesh dimension) is a real group of its own members with its own backend per
+generation (`GroupRegistry`), the same pattern as torchft's reconfigurable ProcessGroup wrappers
+(torchft/process_group.py: a stable Python ProcessGroup whose `configure()` swaps the wrapped one).
 
 Gloo offers no call that unblocks an op stuck on a dead or hung peer; shutting down the
 generation's own TCP sockets does (within milliseconds). `abort_sockets_since(baseline)` shuts
@@ -46,7 +49,15 @@ class Generation:
                                    use_libuv=True)
         # the master's per-generation prefix (generation fencing); the plain one for an agent that sends none
         prefix = dist.PrefixStore(store_prefix or f"/phoenixrun/gen{generation}/", self.store)
+        self.prefix, self.timeout = prefix, timeout
         self.backend = ProcessGroupGloo(prefix, rank, world_size, timeout)
+        self.subgroups: list[ProcessGroupGloo] = []
+
+    def subgroup_backend(self, name: str, group_rank: int, group_size: int) -> ProcessGroupGloo:
+        """A gloo backend for one subgroup of this generation (a rendezvous among its members only)."""
+        b = ProcessGroupGloo(dist.PrefixStore(f"group/{name}/", self.prefix), group_rank, group_size, self.timeout)
+        self.subgroups.append(b)
+        return b
 
 
 def abort_sockets_since(baseline: set[str]) -> int:
@@ -70,43 +81,132 @@ def abort_sockets_since(baseline: set[str]) -> int:
     return n
 
 
-class ReconfigurableProcessGroup(ProcessGroup):
-    """Forwards collectives to the current generation's backend.
 
-    Without a backend (a replacement that is still restoring) collectives complete locally:
-    DDP's constructor checks parameter shapes and broadcasts rank 0's weights, and the
-    replacement's weights are overwritten by the restore anyway.
+# ProcessGroup method -> the gloo backend's method. The left side is every name torch 2.13 calls on a group:
+# from Python (torch.distributed's functions) and from C++ through the pybind11 trampoline (PyProcessGroup.hpp:
+# DDP's reducer, functional collectives). The old names stay for callers of the previous spelling.
+FORWARDED = {
+    "allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced", "broadcast": "broadcast",
+    "reduce": "reduce", "allgather": "allgather", "allgather_coalesced": "allgather_coalesced",
+    "all_gather_single": "_allgather_base", "_allgather_base": "_allgather_base",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_single": "_reduce_scatter_base",
+    "_reduce_scatter_base": "_reduce_scatter_base",
+    "alltoall": "alltoall", "all_to_all_single": "alltoall_base", "alltoall_base": "alltoall_base",
+    "gather": "gather", "scatter": "scatter", "barrier": "barrier", "monitored_barrier": "monitored_barrier",
+    "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
+    "_start_coalescing": "_start_coalescing", "_end_coalescing": "_end_coalescing",
+}
+
+# coalesced ops (lists of tensors) -> the single-tensor gloo op they are decomposed into
+COALESCED = {
+    "all_gather_single_coalesced": "_allgather_base", "allgather_into_tensor_coalesced": "_allgather_base",
+    "reduce_scatter_single_coalesced": "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced": "_reduce_scatter_base",
+}
+
+# Group-level calls that would hand out a group or backend outliving the generation: a clear error, never a
+# stale object (a stale backend's shut sockets would read as a collective error and loop recovery).
+UNSUPPORTED = {
+    "split_group": "a split group would not be rebuilt on recovery; create groups with dist.new_group",
+    "merge_remote_group": "groups spanning jobs are not rebuilt on recovery",
+    "_get_backend": "the backend object changes at every recovery; call collectives on the group itself",
+}
+
+class ReconfigurableProcessGroup(ProcessGroup):
+    """A process group of fixed members whose backend is replaced in place, generation by generation.
+
+    `ranks` are the members' global ranks (None: the whole world, the default group). Every entry
+    point torch 2.13 calls on a group object (from Python: `dist.*`; from C++: the pybind11
+    trampoline's virtual methods) is forwarded to the current generation's gloo backend of this
+    group. Without a backend (a replacement that is still restoring) the few collectives a model
+    wrapper's constructor issues complete locally: DDP's constructor checks parameter shapes and
+    broadcasts rank 0's weights, and the replacement's weights are overwritten by the restore anyway.
     """
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, ranks: tuple[int, ...] | None = None):
         super().__init__(rank, world_size)
+        self.global_ranks = ranks
         self.inner: ProcessGroupGloo | None = None
+        self._name = ""
+        self._desc = ""
 
     def set_backend(self, backend: ProcessGroupGloo | None) -> None:
         self.inner = backend
 
-    def getBackendName(self) -> str:
+    def getBackendName(self) -> str:  # noqa: N802 - the C++ virtual's name (pybind11 trampoline)
         return BACKEND_NAME
+
+    # torch stores a group's name on its C++ backends; a Python group has none registered, so without
+    # these `group.group_name` raised "ProcessGroup name not set" (init_device_mesh does read it)
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        who = "world" if self.global_ranks is None else f"ranks {list(self.global_ranks)}"
+        return f"<phoenixrun group {self._name or '?'} ({who}), rank {self.rank()}/{self.size()}>"
+
+    def shutdown(self) -> None:
+        """`dist.destroy_process_group(group)`: a destroyed group is no longer rebuilt on recovery."""
+        GROUPS.forget(self)
+        self.inner = None
 
     def _local(self, result=None):
         fut = torch.futures.Future()
         fut.set_result(result)
         return _create_work_from_future(fut)
 
-    def _fwd(name: str):  # noqa: N805 - builds forwarding methods
+    def _fwd(name: str, target: str):  # noqa: N805 - builds forwarding methods
         def method(self, *args, **kwargs):
             if self.inner is None:
                 return self._local_op(name, args)
-            return getattr(self.inner, name)(*args, **kwargs)
+            fn = getattr(self.inner, target, None)
+            if fn is None:
+                raise RuntimeError(f"phoenixrun: {name} is not available on a gloo group (torch 2.13 exposes no "
+                                   f"{target} for it); use the uncoalesced collective")
+            return fn(*args, **kwargs)
         method.__name__ = name
         return method
 
-    for _name in ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
-                  "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
-                  "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "barrier", "gather", "scatter",
-                  "send", "recv", "recv_anysource", "alltoall", "alltoall_base", "reduce", "monitored_barrier"):
-        locals()[_name] = _fwd(_name)
-    del _name
+    for _name, _target in FORWARDED.items():
+        locals()[_name] = _fwd(_name, _target)
+    del _name, _target
+
+    def _coalesced(name: str, single: str):  # noqa: N805
+        # torch 2.13's gloo binding has no coalesced all-gather/reduce-scatter: one op per pair, each waited for
+        # (every member issues the same list in the same order, so the results are those of the coalesced op)
+        def method(self, outputs, inputs, opts=None):
+            if self.inner is None:
+                return self._local_op(name, (outputs, inputs))
+            for out, inp in zip(outputs, inputs):
+                fn = getattr(self.inner, single)
+                (fn(out, inp) if opts is None else fn(out, inp, opts)).wait()
+            return self._local()
+        method.__name__ = name
+        return method
+
+    for _name, _single in COALESCED.items():
+        locals()[_name] = _coalesced(_name, _single)
+    del _name, _single
+
+    def _unsupported(name: str, why: str):  # noqa: N805
+        def method(self, *args, **kwargs):
+            raise RuntimeError(f"phoenixrun: {name} on a process group is not supported under phoenixrun ({why}); "
+                               "run this script without phoenixrun.init() (plain torchrun) or avoid this call")
+        method.__name__ = name
+        return method
+
+    for _name, _why in UNSUPPORTED.items():
+        locals()[_name] = _unsupported(_name, _why)
+    del _name, _why
 
     def _local_op(self, name: str, args):
         if name == "allgather":            # outputs[i][j] = inputs[i] from every rank: ours
@@ -114,7 +214,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
             for outs, inp in zip(outputs, inputs):
                 for o in outs:
                     o.copy_(inp)
-        elif name == "_allgather_base":
+        elif name in ("_allgather_base", "all_gather_single"):
             out, inp = args[0], args[1]
             out.copy_(inp.repeat(self.size(), *([1] * (inp.dim() - 1))).view_as(out))
         elif name not in ("broadcast", "barrier"):
@@ -123,19 +223,64 @@ class ReconfigurableProcessGroup(ProcessGroup):
         return self._local()
 
 
+class GroupRegistry:
+    """Every group the script created, in creation order, and the generation they currently live in.
+
+    Torch requires every rank to create groups in the same order, so creation order is a global order: rebuilding
+    each rank's member groups in that order cannot deadlock (the lowest group not yet rebuilt has all its members
+    waiting on it), and a group's name (torch's, identical on every rank) keys its rendezvous on the generation's
+    store.
+    """
+
+    def __init__(self):
+        self.world: ReconfigurableProcessGroup | None = None
+        self.subgroups: list[ReconfigurableProcessGroup] = []
+        self.generation: Generation | None = None
+
+    def create(self, opts, backend_options=None) -> ReconfigurableProcessGroup:
+        """The backend creator torch calls in `new_group` (extended API: it names the members and the group)."""
+        ranks = tuple(opts.global_ranks_in_group)
+        if not ranks:                          # init_process_group: the default group
+            if self.world is None:
+                raise RuntimeError("phoenixrun: the default group is created by phoenixrun.init(), not by "
+                                   "dist.init_process_group(backend='phoenixrun')")
+            return self.world
+        pg = ReconfigurableProcessGroup(opts.group_rank, opts.group_size, ranks)
+        pg.setGroupName(str(opts.group_id))
+        self.subgroups.append(pg)
+        if self.generation is not None:        # created while training: its members meet now
+            pg.set_backend(self.generation.subgroup_backend(pg.getGroupName(), pg.rank(), pg.size()))
+        return pg
+
+    def forget(self, pg: ReconfigurableProcessGroup) -> None:
+        if pg in self.subgroups:
+            self.subgroups.remove(pg)
+
+    def attach(self, gen: Generation | None) -> None:
+        """Point every group at generation `gen` (None: detach all; collectives then complete locally)."""
+        self.generation = None
+        for pg in [self.world, *self.subgroups]:
+            if pg is not None:
+                pg.set_backend(None)
+        if gen is None:
+            return
+        self.world.set_backend(gen.backend)
+        for pg in self.subgroups:
+            pg.set_backend(gen.subgroup_backend(pg.getGroupName(), pg.rank(), pg.size()))
+        self.generation = gen
+
+
+GROUPS = GroupRegistry()
 _registered = False
 
 
 def install_default_group(rank: int, world_size: int) -> ReconfigurableProcessGroup:
-    """Make a ReconfigurableProcessGroup the default (WORLD) group."""
+    """Make a ReconfigurableProcessGroup the default (WORLD) group; later `new_group`s get their own."""
     global _registered
     pg = ReconfigurableProcessGroup(rank, world_size)
+    GROUPS.world = pg
     if not _registered:
-        dist.Backend.register_backend(BACKEND_NAME, lambda store, r, w, t: _current[0], devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND_NAME, GROUPS.create, extended_api=True, devices=["cpu", "cuda"])
         _registered = True
-    _current[0] = pg
     dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size)
     return pg
-
-
-_current: list[ReconfigurableProcessGroup | None] = [None]
