@@ -28,7 +28,7 @@ from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.agents.persister import PersistConfig, PersistError, Persister
-from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError, remove_orphans
+from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError, remove_orphans
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
@@ -436,7 +436,8 @@ class Agent:
                                              "store_prefix": self.store_prefix})
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
-            self._report({"kind": "restore_failed", "reason": str(e)})
+            # integrity: the fetched state is not this rank's; retrying the same plan cannot help
+            self._report({"kind": "restore_failed", "reason": str(e), "integrity": isinstance(e, IntegrityError)})
 
     def _stage_from_disk(self, step: int) -> bool:
         """Fallback restart: load this node's ranks of persistent checkpoint `step` into their slots."""

@@ -11,6 +11,7 @@ import mmap
 import os
 import re
 import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,10 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 class SlotError(Exception):
     pass
+
+
+class IntegrityError(SlotError):
+    """Fetched state does not match the checksum its owner recorded: never restored from."""
 
 
 def remove_orphans(host: str) -> list[Path]:
@@ -196,18 +201,25 @@ class LocalSlots:
         if h.step != step:
             raise SlotError(f"replica of rank {rank} is step {h.step}, expected {step}")
         if crc_private(replicated, h) != h.crc_private:
-            raise SlotError(f"replica of rank {rank} step {step} fails its checksum")
+            raise IntegrityError(f"replica of rank {rank} step {step} fails its checksum")
         if len(shared) != h.shared_len:
-            raise SlotError(f"rank {rank}: parameters from the DP peer are {len(shared)} bytes, expected {h.shared_len}")
+            raise IntegrityError(f"rank {rank}: parameters from the DP peer are {len(shared)} bytes, expected "
+                                 f"{h.shared_len}")
+        # The replica's header carries the checksum the lost rank itself sealed over its shared region: the peer's
+        # bytes must be exactly those. Equal length is no evidence (a pipeline stage or an FSDP shard of another
+        # rank has the same size and different bytes): a mismatch is a refusal, never a restore.
+        got = zlib.crc32(shared)
+        if got != h.crc_shared:
+            raise IntegrityError(
+                f"rank {rank} step {step}: the parameters fetched from its DP peer do not match the checksum rank "
+                f"{rank} recorded (crc32 {got:#010x}, recorded {h.crc_shared:#010x}): that peer does not hold the "
+                "same replicated state (not a plain DDP replica of this rank); refusing to restore from it")
         self.allocate(rank, h.total_len)
         with self._lock:
             rs = self._get(rank)
             mm = rs.maps[0]
             mm[:h.replicated_len] = replicated
             mm[h.shared_off:h.shared_off + h.shared_len] = shared
-            h2 = SlotHeader(h.step, h.meta_cap, h.meta_len, h.private_len, h.shared_len, h.crc_private,
-                            crc_shared(mm, h))
-            mm[:64] = h2.pack()
             rs.steps = [step, None]
             rs.committed, rs.writing = 0, None
 

@@ -178,6 +178,7 @@ class Recoveries:
                 if attempts > 5:
                     raise Stop(1, f"recovery kept failing: {c}")
             except PlanError as e:
+                self._take_queued(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
                 self.events.emit("recovery_failed", self.generation, reason=str(e))
                 # no in-memory state to resume from: the persistent checkpoint, else torchrun-style restart
                 if not self._fallback(set(), f"in-memory recovery impossible: {e}"):
@@ -299,6 +300,8 @@ class Recoveries:
         with self.cv:
             node = self.nodes.get(ev.get("node_id", ""))
         if kind == "restore_failed":
+            if ev.get("integrity"):   # the plan's source holds other bytes: the same plan again cannot succeed
+                raise PlanError(f"{ev.get('node_id')}: {ev.get('reason')}")
             raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}", ev)
         if node is None or node.role != Role.ACTIVE or node.slot in lost:
             return

@@ -1,0 +1,104 @@
+"""A rank restored on a spare gets its parameters from a "DP peer": the bytes must be the ones the lost rank
+sealed itself (its checksum travels with its replica). Real /dev/shm slot files, no processes."""
+from pathlib import Path
+
+import pytest
+
+from phoenixrun.agents.slots import IntegrityError, LocalSlots, SlotError
+from phoenixrun.slot_format import SlotHeader
+from tests.harness import by_event, kill_node
+
+STEP = 7
+SIZE = 256
+
+
+def seal(slots: LocalSlots, rank: int, private: bytes, shared: bytes) -> tuple[bytes, bytes]:
+    """Write and seal S_STEP of `rank` as its worker and agent would; return (replicated prefix, shared region)."""
+    h = SlotHeader(step=STEP, meta_cap=64, meta_len=2, private_len=len(private), shared_len=len(shared))
+    slots.allocate(rank, h.total_len)
+    idx = slots.begin_write(rank)
+    mm = slots.view(rank, idx)
+    mm[64:66] = b"{}"
+    mm[h.private_off:h.private_off + len(private)] = private
+    mm[h.shared_off:h.shared_off + len(shared)] = shared
+    mm[:64] = h.pack()
+    sealed = slots.finish_write(rank, idx, STEP)
+    slots.commit(rank, idx, STEP)
+    return bytes(mm[:sealed.replicated_len]), bytes(mm[sealed.shared_off:sealed.shared_off + sealed.shared_len])
+
+
+@pytest.fixture
+def node():
+    """Two agents' slot memories: the lost node's (what it sealed) and the spare's."""
+    lost, spare = LocalSlots(prefix="phoenixrun-test-integrity-lost"), LocalSlots(prefix="phoenixrun-test-integrity-spare")
+    yield lost, spare
+    lost.clear()
+    spare.clear()
+
+
+def test_the_lost_ranks_own_bytes_are_installed(node):
+    lost, spare = node
+    replica, shared = seal(lost, 1, b"\x01" * 64, bytes(range(256)))
+    spare.install(1, replica, shared, STEP)
+    assert spare.available() == {1: [STEP]}
+    mm = spare.view(1, spare.slot_of(1, STEP))
+    h = SlotHeader.unpack(mm)
+    assert bytes(mm[h.shared_off:h.shared_off + h.shared_len]) == shared
+
+
+@pytest.mark.parametrize("wrong", [
+    pytest.param(lambda s: bytes(reversed(s)), id="another stage's parameters, same size"),
+    pytest.param(lambda s: s[:-1] + bytes([s[-1] ^ 1]), id="one bit flipped"),
+])
+def test_a_right_size_wrong_payload_is_refused(node, wrong):
+    lost, spare = node
+    replica, shared = seal(lost, 1, b"\x01" * 64, bytes(range(256)))
+    bad = wrong(shared)
+    assert len(bad) == len(shared) and bad != shared
+    with pytest.raises(IntegrityError, match=r"rank 1 step 7: the parameters fetched from its DP peer do not match "
+                                             r"the checksum rank 1 recorded"):
+        spare.install(1, replica, bad, STEP)
+    assert spare.available().get(1, []) == []          # nothing was committed for that rank
+
+
+def test_a_peer_that_is_another_rank_is_refused(node):
+    """The pure pipeline case: the "peer" is rank 0 (stage 0), the lost rank is rank 1 (stage 1), same sizes."""
+    lost, spare = node
+    _, stage0 = seal(lost, 0, b"\x00" * 64, bytes([3]) * SIZE)
+    replica1, _ = seal(lost, 1, b"\x01" * 64, bytes([5]) * SIZE)
+    with pytest.raises(IntegrityError, match="does not hold the same replicated state"):
+        spare.install(1, replica1, stage0, STEP)
+
+
+def test_wrong_size_and_corrupt_replica_are_refused(node):
+    lost, spare = node
+    replica, shared = seal(lost, 1, b"\x01" * 64, bytes(range(256)))
+    with pytest.raises(IntegrityError, match="255 bytes, expected 256"):
+        spare.install(1, replica, shared[:-1], STEP)
+    corrupt = bytearray(replica)
+    corrupt[-1] ^= 0xFF
+    with pytest.raises(IntegrityError, match="fails its checksum"):
+        spare.install(1, bytes(corrupt), shared, STEP)
+    assert issubclass(IntegrityError, SlotError)       # the agent's restore path reports it (restore_failed)
+
+
+PP = Path(__file__).resolve().parent / "scripts" / "pp_two_stages.py"
+
+
+@pytest.mark.e2e
+def test_pipeline_stage_is_never_restored_from_the_other_stage(tmp_path):
+    """Pure PP, 2 stages, no --pp: phoenixrun's plan takes the other stage for a DP peer. Both stages start from the
+    same weights (protect()'s start-up comparison passes), then diverge; a node kill must not end in exit 0 with
+    stage 1 holding stage 0's weights (what happened before the checksum of the lost rank was checked)."""
+    from tests.test_process_groups import launch_script, probe_results
+    job = launch_script(tmp_path, "pp", PP, ["--steps", "20", "--same-init", "--step-seconds", "0.1"], nnodes=2,
+                        nproc=1, spares=1)
+    kill_node(job.wait_step(4), slot=1)
+    code = job.finish()
+    ev = job.events()
+    assert not by_event(ev, "recovery_done"), "a stage was restored from the other stage"
+    failed = by_event(ev, "recovery_failed")
+    assert failed and "do not match the checksum rank 1 recorded" in failed[0]["reason"], job.log()[-3000:]
+    assert code != 0 and by_event(ev, "job_finished")[-1]["exit_code"] == code
+    assert "no restarts left" in by_event(ev, "job_finished")[-1]["reason"]
+    assert not probe_results(job.out)   # no rank reported a result
