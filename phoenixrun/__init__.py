@@ -20,4 +20,7 @@ def __getattr__(name):
     if name == "NonFiniteLoss":   # raised by job.observe_loss() for a NaN/inf loss
         from phoenixrun.runtime.api import NonFiniteLoss
         return NonFiniteLoss
+    if name == "ProtectionRefused":   # raised by protect() for state it cannot restore correctly (docs/api.md)
+        from phoenixrun.runtime.layout_check import ProtectionRefused
+        return ProtectionRefused
     raise AttributeError(f"module 'phoenixrun' has no attribute {name!r}")

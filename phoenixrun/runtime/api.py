@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixrun.faults.classify import is_collective_error_text
+from phoenixrun.runtime import layout_check
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.process_group import (GROUPS, Generation, ReconfigurableProcessGroup, _socket_inodes,
@@ -121,12 +122,17 @@ def init(backend: str = "gloo") -> Context:
         _runtime = _Runtime(os.environ["PHOENIXRUN_AGENT_SOCK"], int(os.environ.get("LOCAL_RANK", "0")))
         rank, world, local = _runtime.rank, _runtime.world_size, _runtime.local_rank
         managed = True
-    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    layout = Layout(max(1, world // max(1, nproc)), nproc, tp, pp) if world % max(1, nproc) == 0 \
-        else Layout(1, world, tp, pp)
+    layout = _plan_layout(world, tp, pp)
     _ctx = Context(rank=rank, world_size=world, local_rank=local, coords=layout.coords(rank), tp=tp, pp=pp,
                    dp=layout.dp, managed=managed, process_group=dist.group.WORLD)
     return _ctx
+
+
+def _plan_layout(world: int, tp: int, pp: int) -> Layout:
+    """The (nodes, ranks per node, tp, pp) layout the master plans recoveries with."""
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return Layout(max(1, world // max(1, nproc)), nproc, tp, pp) if world % max(1, nproc) == 0 \
+        else Layout(1, world, tp, pp)
 
 
 def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None,
@@ -145,7 +151,32 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
             "phoenixrun.protect: wrap the model with DDP(..., find_unused_parameters=True). DDP otherwise "
             "rebuilds its gradient buckets after the first step, and a replacement process would start with "
             "a different bucket layout than the survivors (gloo then aborts on a size mismatch).")
+    _check_layout(ctx, model, optimizer, fresh_start=_runtime.restore_step is None)
     return Job(_runtime, model, optimizer, state if state is not None else {}, every)
+
+
+def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fresh_start: bool) -> None:
+    """Refuse (ProtectionRefused) state a hot swap would restore wrongly; see runtime/layout_check.py.
+
+    At a fresh start every rank is here: one all-gather of (checksum, refused) per rank lets every rank take the
+    same decision, so a refusal stops all ranks at once instead of leaving the others in a collective. A
+    replacement joining a running job checks only what it sees locally (its peers passed at the start)."""
+    layout = _plan_layout(ctx.world_size, ctx.tp, ctx.pp)
+    flags = f"--tp {ctx.tp} --pp {ctx.pp}"
+    facts = layout_check.observe(model, optimizer, ctx.rank, layout.dp_peers(ctx.rank), flags)
+    own = layout_check.local_refusal(facts)
+    if fresh_start:
+        mine = torch.tensor([0 if own else layout_check.shared_checksum(model), 1 if own else 0], dtype=torch.int64)
+        every = torch.zeros(2 * ctx.world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine)
+        pairs = every.view(ctx.world_size, 2).tolist()
+        reason = layout_check.verdict(own, [r for r, (_, bad) in enumerate(pairs) if bad and r != ctx.rank],
+                                      [c for c, _ in pairs],
+                                      layout_check.dp_groups(ctx.world_size, layout.dp_peers), flags)
+    else:
+        reason = own
+    if reason:
+        raise layout_check.ProtectionRefused(reason)
 
 
 class PassThroughJob:

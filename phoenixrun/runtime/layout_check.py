@@ -1,0 +1,199 @@
+"""What `phoenixrun.protect()` refuses, before training: state it could not restore correctly today.
+
+A hot swap restores a lost rank's parameters (and a plain optimizer's state) from a rank the plan
+takes for its data-parallel peer: the ranks with the same (tp, pp) coordinates of the `--tp/--pp`
+layout, over all ranks when no flags are given. That is only correct when those ranks hold the same
+bytes: DDP-replicated parameters. Anything else is refused here, with the layout named and the way
+out, rather than recovered into a wrong state:
+
+- DTensor parameters, buffers or optimizer state (FSDP2 `fully_shard`, tensor parallelism, HSDP):
+  each rank holds its own shard, which the snapshot does not capture and no peer holds;
+- FSDP1 (`FullyShardedDataParallel`): flat sharded parameters, likewise;
+- a DDP whose process group does not include every rank the plan takes for a DP peer (DDP over a
+  mesh dimension or a subgroup, without matching `--tp/--pp`): the peers' parameters diverge;
+- ranks in the DP-peer relation whose parameters differ at protect() time (pipeline stages,
+  per-rank models): compared with one all-gather of a checksum per rank.
+
+The decisions are pure functions of observed facts (`local_refusal`, `peer_mismatch`); `observe`
+and `shared_checksum` read them from the live objects. Parameters that start equal and diverge
+later (two stages seeded alike) pass here; the restore then refuses them (the fetched bytes must
+match the checksum the lost rank recorded: agents/slots.py).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+WAY_OUT = ("run it without protect() (PHOENIXRUN_PROTECT=0, or plain torchrun: a failure restarts the job, "
+           "--max-restarts) - protecting this layout is tracked in issue 15.")
+
+
+class ProtectionRefused(ValueError):
+    """protect() cannot restore this script's state correctly after a failure; the message says why."""
+
+
+@dataclass(frozen=True)
+class DTensorFacts:
+    name: str                       # "model/<state_dict key>" or "optim/<param index>/<key>"
+    mesh_dims: tuple[str, ...]      # the mesh's dimension names (or dim_<i>)
+    placements: tuple[str, ...]     # str() of each placement: Shard(dim=0), Replicate(), Partial(sum)
+
+
+@dataclass(frozen=True)
+class LayoutFacts:
+    """What protect() sees of one rank's model and optimizer."""
+    rank: int
+    wrapper: str                                   # type name of the model object
+    dtensors: tuple[DTensorFacts, ...] = ()
+    ddp_group: tuple[int, ...] | None = None       # global ranks of DDP's process group; None: not DDP
+    plan_peers: tuple[int, ...] = ()               # the ranks the plan takes for this rank's DP peers (with itself)
+    flags: str = "--tp 1 --pp 1"
+
+
+def describe(d: DTensorFacts) -> str:
+    """The layout a DTensor's placements mean, in the words of the APIs that make them."""
+    shard = [m for m, p in zip(d.mesh_dims, d.placements) if p.startswith("Shard") or p.startswith("_StridedShard")]
+    rep = [m for m, p in zip(d.mesh_dims, d.placements) if p.startswith("Replicate")]
+    if shard and rep:
+        kind = f"sharded over {shard} and replicated over {rep} (HSDP, or TP x DP)"
+    elif shard:
+        kind = f"sharded over {shard} (FSDP2 fully_shard or tensor parallelism)"
+    else:
+        kind = f"a DTensor replicated over {rep or list(d.mesh_dims)}"
+    return f"{d.name} is {kind}; placements ({', '.join(d.placements)}) on mesh dims {list(d.mesh_dims)}"
+
+
+def local_refusal(f: LayoutFacts) -> str | None:
+    """Why this rank's state cannot be protected, from what it sees locally; None: nothing against it."""
+    if f.dtensors:
+        more = f" (and {len(f.dtensors) - 1} more DTensors)" if len(f.dtensors) > 1 else ""
+        return (f"phoenixrun.protect: {describe(f.dtensors[0])}{more}. Sharded DTensor state (FSDP2, HSDP, tensor "
+                "parallelism) is not protected yet: the snapshot holds plain tensors only and the recovery plan "
+                "would restore a replaced rank's shard from a rank that holds another shard. Use DDP, or " + WAY_OUT)
+    if f.wrapper == "FullyShardedDataParallel":
+        return ("phoenixrun.protect: the model is FSDP (FullyShardedDataParallel): each rank holds a different "
+                "flat shard of the parameters, and the recovery plan would restore a replaced rank's shard from a "
+                "data-parallel peer that holds another. Use DDP, or " + WAY_OUT)
+    if f.ddp_group is not None and not set(f.plan_peers) <= set(f.ddp_group):
+        outside = sorted(set(f.plan_peers) - set(f.ddp_group))
+        return (f"phoenixrun.protect: DDP on rank {f.rank} replicates over ranks {list(f.ddp_group)}, but with "
+                f"{f.flags} phoenixrun takes ranks {list(f.plan_peers)} for its data-parallel peers: rank(s) "
+                f"{outside} hold other parameters (another stage or shard), and a replaced rank would be restored "
+                "from one of them. Pass --tp/--pp so that the DP peers are exactly DDP's group, or " + WAY_OUT)
+    return None
+
+
+def dp_groups(world_size: int, peers_of) -> list[tuple[int, ...]]:
+    """The plan's DP-peer classes (each rank with its peers), from `peers_of(rank) -> iterable of ranks`."""
+    seen: set[int] = set()
+    out = []
+    for r in range(world_size):
+        if r in seen:
+            continue
+        g = tuple(sorted({r, *peers_of(r)}))
+        seen.update(g)
+        out.append(g)
+    return out
+
+
+def peer_mismatch(checksums: Sequence[int], groups: Sequence[Sequence[int]], flags: str = "--tp 1 --pp 1") -> str | None:
+    """None when every DP-peer class holds identical replicated state; else why not (the first class that differs)."""
+    for g in groups:
+        values = {checksums[r] for r in g}
+        if len(values) > 1:
+            by_value: dict[int, list[int]] = {}
+            for r in g:
+                by_value.setdefault(checksums[r], []).append(r)
+            split = " vs ".join(str(rs) for rs in by_value.values())
+            return (f"phoenixrun.protect: ranks {list(g)} are data-parallel peers in phoenixrun's plan ({flags}), "
+                    f"so a replaced rank's parameters would be taken from one of them, but they hold different "
+                    f"parameters at protect() time ({split}): pipeline stages or per-rank models are not plain "
+                    "DDP replicas. Pass --pp/--tp so that only true replicas are DP peers, or " + WAY_OUT)
+    return None
+
+
+def verdict(own: str | None, refused: Sequence[int], checksums: Sequence[int], groups: Sequence[Sequence[int]],
+            flags: str = "--tp 1 --pp 1") -> str | None:
+    """The decision every rank takes from the same gathered facts (so all of them stop, none waits on the others):
+    its own refusal, else another rank's, else a DP-peer class whose state differs."""
+    if own is not None:
+        return own
+    if refused:
+        return (f"phoenixrun.protect: rank(s) {list(refused)} cannot be protected (their error says why); "
+                "every rank stops before training")
+    return peer_mismatch(checksums, groups, flags)
+
+
+def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, plan_peers: Sequence[int],
+            flags: str) -> LayoutFacts:
+    """The facts `local_refusal` decides on, read from the live model and optimizer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dts = []
+    for name, t in model.state_dict().items():
+        d = _dtensor_facts(f"model/{name}", t)
+        if d is not None:
+            dts.append(d)
+    for idx, st in _optimizer_state(optimizer).items():
+        for k, v in st.items():
+            d = _dtensor_facts(f"optim/{idx}/{k}", v)
+            if d is not None:
+                dts.append(d)
+    ddp_group = None
+    if isinstance(model, DDP):
+        import torch.distributed as dist
+        ddp_group = tuple(dist.get_process_group_ranks(model.process_group))
+    return LayoutFacts(rank=rank, wrapper=type(model).__name__, dtensors=tuple(dts), ddp_group=ddp_group,
+                       plan_peers=tuple(sorted({rank, *plan_peers})), flags=flags)
+
+
+def shared_checksum(model: torch.nn.Module) -> int:
+    """crc32 over the model's state (names, dtypes, shapes and bytes): what DP peers must hold identically."""
+    c = 0
+    for name, t in model.state_dict().items():
+        if _is_dtensor(t):
+            continue          # refused anyway; its local shard says nothing about a peer
+        t = t.detach()
+        c = zlib.crc32(f"{name}:{t.dtype}:{tuple(t.shape)};".encode(), c)
+        if t.numel():
+            c = zlib.crc32(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), c)
+    return c
+
+
+def _optimizer_state(optimizer) -> dict:
+    from phoenixrun.runtime.snapshot import local_optimizer
+    try:
+        return local_optimizer(optimizer).state_dict()["state"]
+    except Exception:  # noqa: BLE001 - an optimizer whose state_dict fails is refused later by the snapshot
+        return {}
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dtensor_facts(name: str, t) -> DTensorFacts | None:
+    if not _is_dtensor(t):
+        return None
+    mesh = t.device_mesh
+    dims = tuple(mesh.mesh_dim_names or (f"dim_{i}" for i in range(mesh.ndim)))
+    return DTensorFacts(name, dims, tuple(_placement(p) for p in t.placements))
+
+
+def _placement(p) -> str:
+    # str(Shard(0)) is "S(0)" in torch 2.13: spell them the way the APIs are written
+    if p.is_shard():
+        return f"Shard(dim={p.dim})"
+    if p.is_replicate():
+        return "Replicate()"
+    if p.is_partial():
+        return f"Partial({getattr(p, 'reduce_op', 'sum')})"
+    return str(p)
+
+

@@ -1,0 +1,148 @@
+"""What protect() refuses: table tests of the pure decisions, the facts read from real FSDP2/TP/DDP objects, and
+the refusal end to end (a pipeline whose stages phoenixrun would take for DP peers)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from phoenixrun.runtime.layout_check import (DTensorFacts, LayoutFacts, describe, dp_groups, local_refusal,
+                                             peer_mismatch, verdict)
+from phoenixrun.topology import Layout
+from tests.harness import by_event
+
+FSDP2 = DTensorFacts("model/0.weight", ("dp_shard",), ("Shard(dim=0)",))
+HSDP = DTensorFacts("model/0.weight", ("replicate", "shard"), ("Replicate()", "Shard(dim=0)"))
+TP = DTensorFacts("model/w1.weight", ("tp",), ("Shard(dim=1)",))
+REPL = DTensorFacts("model/b", ("dp",), ("Replicate()",))
+
+
+@pytest.mark.parametrize("facts, expect", [
+    # plain DDP over the world, no flags: every rank is a DP peer of every other, DDP replicates over all: protected
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1, 2, 3), plan_peers=(0, 1, 2, 3)), None),
+    # DDP over a DP subgroup with matching --pp 2: the plan's peers are inside DDP's group
+    (LayoutFacts(1, "DistributedDataParallel", ddp_group=(1, 3), plan_peers=(1, 3), flags="--tp 1 --pp 2"), None),
+    # DDP over the world with --tp 2: the plan's peers are a subset of DDP's replicas: still identical bytes
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1, 2, 3), plan_peers=(0, 2), flags="--tp 2 --pp 1"),
+     None),
+    # a plain module (hand-written pipeline, manual all-reduce): nothing local against it; the checksum decides
+    (LayoutFacts(0, "Sequential", plan_peers=(0, 1)), None),
+    # DDP over a mesh dimension without --tp/--pp: ranks 2, 3 are "peers" of rank 0 but hold another stage/shard
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1, 2, 3)),
+     r"DDP on rank 0 replicates over ranks \[0, 1\].*--tp 1 --pp 1.*ranks \[0, 1, 2, 3\].*rank\(s\) \[2, 3\]"),
+    (LayoutFacts(0, "FSDPModule", dtensors=(FSDP2,), plan_peers=(0, 1)),
+     r"model/0.weight is sharded over \['dp_shard'\] \(FSDP2 fully_shard or tensor parallelism\).*Shard\(dim=0\)"),
+    (LayoutFacts(0, "FSDPModule", dtensors=(HSDP, FSDP2), plan_peers=(0, 1)),
+     r"sharded over \['shard'\] and replicated over \['replicate'\] \(HSDP.*and 1 more DTensors"),
+    (LayoutFacts(0, "Transformer", dtensors=(TP,), plan_peers=(0, 1)), r"mesh dims \['tp'\]"),
+    (LayoutFacts(0, "Module", dtensors=(REPL,), plan_peers=(0, 1)), r"a DTensor replicated over \['dp'\]"),
+    (LayoutFacts(0, "FullyShardedDataParallel", plan_peers=(0, 1)), r"FSDP \(FullyShardedDataParallel\)"),
+])
+def test_local_refusal(facts, expect):
+    got = local_refusal(facts)
+    if expect is None:
+        assert got is None
+    else:
+        assert got is not None
+        import re
+        assert re.search(expect, got), got
+        assert "PHOENIXRUN_PROTECT=0" in got and "torchrun" in got      # the way out is always named
+
+
+@pytest.mark.parametrize("checksums, groups, expect", [
+    ([7, 7, 7, 7], [(0, 1, 2, 3)], None),
+    ([7, 9, 7, 9], [(0, 2), (1, 3)], None),                  # --tp 2: each class identical, classes differ: fine
+    ([7, 9], [(0, 1)], r"ranks \[0, 1\] are data-parallel peers.*\[0\] vs \[1\]"),   # pure PP, 2 stages
+    ([7, 7, 9, 9], [(0, 1, 2, 3)], r"\[0, 1\] vs \[2, 3\]"),  # PP 2 x DP 2 without --pp
+    ([7, 7, 7, 8], [(0, 2), (1, 3)], r"ranks \[1, 3\]"),
+])
+def test_peer_mismatch(checksums, groups, expect):
+    got = peer_mismatch(checksums, groups)
+    if expect is None:
+        assert got is None
+    else:
+        import re
+        assert got is not None and re.search(expect, got), got
+
+
+@pytest.mark.parametrize("own, refused, checksums, expect", [
+    (None, [], [1, 1], None),
+    ("mine", [], [1, 2], "mine"),                              # its own reason first
+    (None, [1], [1, 1], r"rank\(s\) \[1\] cannot be protected"),   # another rank refused: stop too, never wait
+    (None, [], [1, 2], "different parameters"),
+])
+def test_verdict_is_the_same_decision_on_every_rank(own, refused, checksums, expect):
+    got = verdict(own, refused, checksums, [(0, 1)])
+    if expect is None:
+        assert got is None
+    else:
+        import re
+        assert got is not None and re.search(expect, got), got
+
+
+@pytest.mark.parametrize("layout, expect", [
+    (Layout(2, 2), [(0, 1, 2, 3)]),
+    (Layout(2, 2, tp=2), [(0, 2), (1, 3)]),
+    (Layout(2, 2, pp=2), [(0, 1), (2, 3)]),
+    (Layout(2, 1), [(0, 1)]),
+])
+def test_dp_groups_follow_the_plan(layout, expect):
+    assert dp_groups(layout.world_size, layout.dp_peers) == expect
+
+
+def test_describe_names_the_layout():
+    assert "FSDP2" in describe(FSDP2) and "HSDP" in describe(HSDP)
+
+
+OBSERVE = textwrap.dedent("""
+    import json, os, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from phoenixrun.runtime.layout_check import observe, local_refusal
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    out = {}
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    from torch.distributed.fsdp import fully_shard
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(m, mesh=mesh)
+    out["fsdp2"] = local_refusal(observe(m, torch.optim.SGD(m.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    tp_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    t = parallelize_module(torch.nn.Linear(4, 4), tp_mesh, ColwiseParallel())
+    out["tp"] = local_refusal(observe(t, torch.optim.SGD(t.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    d = DDP(torch.nn.Linear(4, 4))
+    out["ddp"] = local_refusal(observe(d, torch.optim.SGD(d.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    print(json.dumps(out))
+    dist.destroy_process_group()
+""")
+
+
+def test_facts_are_read_from_real_fsdp2_tp_and_ddp_objects(tmp_path):
+    """One process, a world of 1 (gloo): the refusal comes from the objects torch builds, not from a fake."""
+    r = subprocess.run([sys.executable, "-c", OBSERVE], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "FSDP2" in out["fsdp2"] and "Shard(dim=0)" in out["fsdp2"] and "dp_shard" in out["fsdp2"]
+    assert "Shard(dim=0)" in out["tp"] and "'tp'" in out["tp"]
+    assert out["ddp"] is None
+
+
+PP = Path(__file__).resolve().parent / "scripts" / "pp_two_stages.py"
+
+
+@pytest.mark.e2e
+def test_pipeline_stages_taken_for_dp_peers_are_refused_at_protect(tmp_path):
+    """Pure PP, 2 stages seeded differently, no --pp: refused before the first step, on both ranks."""
+    from tests.test_process_groups import launch_script, probe_results
+    job = launch_script(tmp_path, "pp", PP, ["--steps", "5"], nnodes=2, nproc=1)
+    code = job.finish()
+    log = job.log()
+    assert code != 0, log[-3000:]
+    assert log.count("ProtectionRefused: phoenixrun.protect: ranks [0, 1] are data-parallel peers") == 2, log[-3000:]
+    assert "PHOENIXRUN_PROTECT=0" in log
+    assert by_event(job.events(), "job_finished")[-1]["exit_code"] == code
+    assert not probe_results(job.out)
