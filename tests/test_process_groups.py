@@ -74,3 +74,22 @@ def test_calls_that_cannot_be_rebuilt_are_clear_errors():
         pg.alltoall([torch.zeros(1)] * 2, [torch.zeros(1)] * 2)
     pg.setGroupName("7")
     assert pg.group_name == "7" and "ranks [0, 1]" in repr(pg)
+
+
+def test_a_group_created_after_protect_is_refused():
+    """A replacement runs the script up to protect() only: a later group would exist on the survivors alone."""
+    from torch._C._distributed_c10d import _DistributedBackendOptions
+
+    from phoenixrun.runtime.process_group import GroupRegistry
+    reg = GroupRegistry()
+    opts = _DistributedBackendOptions()
+    opts.group_rank, opts.group_size, opts.global_ranks_in_group, opts.group_id = 0, 2, [0, 1], "3"
+    pg = reg.create(opts)
+    assert pg.global_ranks == (0, 1) and pg.group_name == "3" and pg.inner is None   # no generation yet
+    assert reg.subgroups == [pg]
+    reg.sealed = True
+    opts.group_id = "4"
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] created after phoenixrun.protect\(\).*before protect"):
+        reg.create(opts)
+    pg.shutdown()                                      # dist.destroy_process_group(pg): no longer rebuilt
+    assert reg.subgroups == []

@@ -152,6 +152,7 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
             "rebuilds its gradient buckets after the first step, and a replacement process would start with "
             "a different bucket layout than the survivors (gloo then aborts on a size mismatch).")
     _check_layout(ctx, model, optimizer, fresh_start=_runtime.restore_step is None)
+    GROUPS.sealed = True
     return Job(_runtime, model, optimizer, state if state is not None else {}, every)
 
 

@@ -127,6 +127,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
         super().__init__(rank, world_size)
         self.global_ranks = ranks
         self.inner: ProcessGroupGloo | None = None
+        self.registry: GroupRegistry | None = None    # the registry that rebuilds it (None: the world group)
         self._name = ""
         self._desc = ""
 
@@ -156,7 +157,8 @@ class ReconfigurableProcessGroup(ProcessGroup):
 
     def shutdown(self) -> None:
         """`dist.destroy_process_group(group)`: a destroyed group is no longer rebuilt on recovery."""
-        GROUPS.forget(self)
+        if self.registry is not None:
+            self.registry.forget(self)
         self.inner = None
 
     def _local(self, result=None):
@@ -236,6 +238,7 @@ class GroupRegistry:
         self.world: ReconfigurableProcessGroup | None = None
         self.subgroups: list[ReconfigurableProcessGroup] = []
         self.generation: Generation | None = None
+        self.sealed = False      # set by protect(): see create()
 
     def create(self, opts, backend_options=None) -> ReconfigurableProcessGroup:
         """The backend creator torch calls in `new_group` (extended API: it names the members and the group)."""
@@ -245,8 +248,15 @@ class GroupRegistry:
                 raise RuntimeError("phoenixrun: the default group is created by phoenixrun.init(), not by "
                                    "dist.init_process_group(backend='phoenixrun')")
             return self.world
+        if self.sealed:
+            # a replacement process runs the script up to protect() and then joins: a group created later exists on
+            # the survivors only, and rebuilding it would wait for a member that never creates it
+            raise RuntimeError(f"phoenixrun: process group over ranks {list(ranks)} created after phoenixrun.protect(); "
+                               "create every group (dist.new_group, init_device_mesh) before protect(), so that a "
+                               "replacement process has them too")
         pg = ReconfigurableProcessGroup(opts.group_rank, opts.group_size, ranks)
         pg.setGroupName(str(opts.group_id))
+        pg.registry = self
         self.subgroups.append(pg)
         if self.generation is not None:        # created while training: its members meet now
             pg.set_backend(self.generation.subgroup_backend(pg.getGroupName(), pg.rank(), pg.size()))
