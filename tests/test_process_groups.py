@@ -93,3 +93,15 @@ def test_a_group_created_after_protect_is_refused():
         reg.create(opts)
     pg.shutdown()                                      # dist.destroy_process_group(pg): no longer rebuilt
     assert reg.subgroups == []
+
+
+def test_a_group_with_an_explicit_builtin_backend_is_a_clear_error():
+    """new_group(backend="gloo") rendezvouses on the default group's store: it refuses instead of waiting 30 min."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    from phoenixrun.runtime.process_group import DEFAULT_STORE
+    with pytest.raises(RuntimeError, match=r"explicit backend.*without backend="):
+        ProcessGroupGloo(dist.PrefixStore("1/cpu/", DEFAULT_STORE), 0, 2, timedelta(seconds=5))

@@ -280,6 +280,22 @@ class GroupRegistry:
         self.generation = gen
 
 
+class NoBuiltinBackendStore(dist.Store):
+    """The default group's store. A group made with an explicit built-in backend (`new_group(backend="gloo")`)
+    rendezvouses on it; it would be a group of no generation, never rebuilt, and on a per-process store its
+    rendezvous would wait for peers that never arrive (30 min). Any use is a clear error instead."""
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("phoenixrun: a process group with an explicit backend (dist.new_group(..., backend='gloo' "
+                           "or 'nccl')) cannot be rebuilt after a failure; under phoenixrun.init() create groups "
+                           "without backend= (they use phoenixrun's gloo generations), or run without phoenixrun")
+
+    set = get = add = compare_set = wait = check = delete_key = num_keys = multi_get = multi_set = append = _refuse
+
+
+# held here: torch keeps only the C++ side, and a Python store whose object was collected answers every call
+# with "INTERNAL ASSERT FAILED ... Not implemented" instead of its own message
+DEFAULT_STORE = NoBuiltinBackendStore()
 GROUPS = GroupRegistry()
 _registered = False
 
@@ -292,5 +308,5 @@ def install_default_group(rank: int, world_size: int) -> ReconfigurableProcessGr
     if not _registered:
         dist.Backend.register_backend(BACKEND_NAME, GROUPS.create, extended_api=True, devices=["cpu", "cuda"])
         _registered = True
-    dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size)
+    dist.init_process_group(BACKEND_NAME, store=DEFAULT_STORE, rank=rank, world_size=world_size)
     return pg
