@@ -114,6 +114,10 @@ OBSERVE = textwrap.dedent("""
     tp_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
     t = parallelize_module(torch.nn.Linear(4, 4), tp_mesh, ColwiseParallel())
     out["tp"] = local_refusal(observe(t, torch.optim.SGD(t.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    tf = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh2["tp"], {"0": ColwiseParallel()})
+    fully_shard(tf, mesh=mesh2["dp"])
+    out["tp_fsdp2"] = local_refusal(observe(tf, torch.optim.SGD(tf.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
     d = DDP(torch.nn.Linear(4, 4))
     out["ddp"] = local_refusal(observe(d, torch.optim.SGD(d.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
     print(json.dumps(out))
@@ -128,6 +132,7 @@ def test_facts_are_read_from_real_fsdp2_tp_and_ddp_objects(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "FSDP2" in out["fsdp2"] and "Shard(dim=0)" in out["fsdp2"] and "dp_shard" in out["fsdp2"]
     assert "Shard(dim=0)" in out["tp"] and "'tp'" in out["tp"]
+    assert "sharded over ['dp', 'tp']" in out["tp_fsdp2"], out["tp_fsdp2"]   # _StridedShard counted as a shard
     assert out["ddp"] is None
 
 

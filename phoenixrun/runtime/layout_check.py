@@ -187,7 +187,10 @@ def _dtensor_facts(name: str, t) -> DTensorFacts | None:
 
 
 def _placement(p) -> str:
-    # str(Shard(0)) is "S(0)" in torch 2.13: spell them the way the APIs are written
+    # str(Shard(0)) is "S(0)" in torch 2.13: spell them the way the APIs are written. FSDP2 over a TP-sharded
+    # parameter shards it again as _StridedShard, which is_shard() does not count
+    if type(p).__name__ == "_StridedShard":
+        return f"_StridedShard(dim={p.dim}, sf={getattr(p, 'split_factor', '?')})"
     if p.is_shard():
         return f"Shard(dim={p.dim})"
     if p.is_replicate():
