@@ -81,7 +81,6 @@ def abort_sockets_since(baseline: set[str]) -> int:
     return n
 
 
-
 # ProcessGroup method -> the gloo backend's method. The left side is every name torch 2.13 calls on a group:
 # from Python (torch.distributed's functions) and from C++ through the pybind11 trampoline (PyProcessGroup.hpp:
 # DDP's reducer, functional collectives). The old names stay for callers of the previous spelling.
@@ -94,7 +93,6 @@ FORWARDED = {
     "alltoall": "alltoall", "all_to_all_single": "alltoall_base", "alltoall_base": "alltoall_base",
     "gather": "gather", "scatter": "scatter", "barrier": "barrier", "monitored_barrier": "monitored_barrier",
     "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
-    "_start_coalescing": "_start_coalescing", "_end_coalescing": "_end_coalescing",
 }
 
 # coalesced ops (lists of tensors) -> the single-tensor gloo op they are decomposed into
@@ -110,7 +108,11 @@ UNSUPPORTED = {
     "split_group": "a split group would not be rebuilt on recovery; create groups with dist.new_group",
     "merge_remote_group": "groups spanning jobs are not rebuilt on recovery",
     "_get_backend": "the backend object changes at every recovery; call collectives on the group itself",
+    # dist._coalescing_manager: under torchrun gloo raises "Backend gloo does not implement startCoalescing" too
+    "_start_coalescing": "gloo does not implement coalescing",
+    "_end_coalescing": "gloo does not implement coalescing",
 }
+
 
 class ReconfigurableProcessGroup(ProcessGroup):
     """A process group of fixed members whose backend is replaced in place, generation by generation.
