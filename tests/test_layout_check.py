@@ -41,6 +41,8 @@ REPL = DTensorFacts("model/b", ("dp",), ("Replicate()",))
     (LayoutFacts(0, "Transformer", dtensors=(TP,), plan_peers=(0, 1)), r"mesh dims \['tp'\]"),
     (LayoutFacts(0, "Module", dtensors=(REPL,), plan_peers=(0, 1)), r"a DTensor replicated over \['dp'\]"),
     (LayoutFacts(0, "FullyShardedDataParallel", plan_peers=(0, 1)), r"FSDP \(FullyShardedDataParallel\)"),
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1), local_stats=("module.1",)),
+     r"\['module.1'\] keep running statistics.*SyncBatchNorm"),
 ])
 def test_local_refusal(facts, expect):
     got = local_refusal(facts)
@@ -118,6 +120,11 @@ OBSERVE = textwrap.dedent("""
     tf = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh2["tp"], {"0": ColwiseParallel()})
     fully_shard(tf, mesh=mesh2["dp"])
     out["tp_fsdp2"] = local_refusal(observe(tf, torch.optim.SGD(tf.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    b = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    out["bn"] = local_refusal(observe(b, torch.optim.SGD(b.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    s = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4),   # DDP wraps SyncBatchNorm on GPU only
+                            torch.nn.BatchNorm1d(4, track_running_stats=False))
+    out["syncbn"] = local_refusal(observe(s, torch.optim.SGD(s.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
     d = DDP(torch.nn.Linear(4, 4))
     out["ddp"] = local_refusal(observe(d, torch.optim.SGD(d.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
     print(json.dumps(out))
@@ -133,7 +140,8 @@ def test_facts_are_read_from_real_fsdp2_tp_and_ddp_objects(tmp_path):
     assert "FSDP2" in out["fsdp2"] and "Shard(dim=0)" in out["fsdp2"] and "dp_shard" in out["fsdp2"]
     assert "Shard(dim=0)" in out["tp"] and "'tp'" in out["tp"]
     assert "sharded over ['dp', 'tp']" in out["tp_fsdp2"], out["tp_fsdp2"]   # _StridedShard counted as a shard
-    assert out["ddp"] is None
+    assert "['module.1'] keep running statistics" in out["bn"], out["bn"]
+    assert out["syncbn"] is None and out["ddp"] is None
 
 
 PP = Path(__file__).resolve().parent / "scripts" / "pp_two_stages.py"

@@ -12,7 +12,9 @@ out, rather than recovered into a wrong state:
 - a DDP whose process group does not include every rank the plan takes for a DP peer (DDP over a
   mesh dimension or a subgroup, without matching `--tp/--pp`): the peers' parameters diverge;
 - ranks in the DP-peer relation whose parameters differ at protect() time (pipeline stages,
-  per-rank models): compared with one all-gather of a checksum per rank.
+  per-rank models): compared with one all-gather of a checksum per rank;
+- BatchNorm running statistics: each rank's forward updates them from its own batch, so DP peers
+  never hold a replaced rank's values (SyncBatchNorm's are identical on every rank).
 
 The decisions are pure functions of observed facts (`local_refusal`, `peer_mismatch`); `observe`
 and `shared_checksum` read them from the live objects. Parameters that start equal and diverge
@@ -51,6 +53,7 @@ class LayoutFacts:
     ddp_group: tuple[int, ...] | None = None       # global ranks of DDP's process group; None: not DDP
     plan_peers: tuple[int, ...] = ()               # the ranks the plan takes for this rank's DP peers (with itself)
     flags: str = "--tp 1 --pp 1"
+    local_stats: tuple[str, ...] = ()              # modules whose buffers each rank's own forward updates
 
 
 def describe(d: DTensorFacts) -> str:
@@ -77,6 +80,13 @@ def local_refusal(f: LayoutFacts) -> str | None:
         return ("phoenixrun.protect: the model is FSDP (FullyShardedDataParallel): each rank holds a different "
                 "flat shard of the parameters, and the recovery plan would restore a replaced rank's shard from a "
                 "data-parallel peer that holds another. Use DDP, or " + WAY_OUT)
+    if f.local_stats:
+        # measured: DDP broadcasts buffers before the forward, BatchNorm then updates them from the local batch, so
+        # after one step running_mean differs between two DDP ranks (torchrun, 2 ranks, gloo)
+        return (f"phoenixrun.protect: {list(f.local_stats)} keep running statistics that each rank's own forward "
+                "updates (BatchNorm): they differ between data-parallel peers after every step, so a replaced rank "
+                "could only get another rank's values. Use torch.nn.SyncBatchNorm (its statistics are the same on "
+                "every rank), or " + WAY_OUT)
     if f.ddp_group is not None and not set(f.plan_peers) <= set(f.ddp_group):
         outside = sorted(set(f.plan_peers) - set(f.ddp_group))
         return (f"phoenixrun.protect: DDP on rank {f.rank} replicates over ranks {list(f.ddp_group)}, but with "
@@ -145,8 +155,11 @@ def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
     if isinstance(model, DDP):
         import torch.distributed as dist
         ddp_group = tuple(dist.get_process_group_ranks(model.process_group))
+    bn = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)   # SyncBatchNorm is none of them
+    stats = tuple(name or type(m).__name__ for name, m in model.named_modules()
+                  if isinstance(m, bn) and m.track_running_stats)
     return LayoutFacts(rank=rank, wrapper=type(model).__name__, dtensors=tuple(dts), ddp_group=ddp_group,
-                       plan_peers=tuple(sorted({rank, *plan_peers})), flags=flags)
+                       plan_peers=tuple(sorted({rank, *plan_peers})), flags=flags, local_stats=stats)
 
 
 def shared_checksum(model: torch.nn.Module) -> int:
