@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from phoenixrun import auth
 from phoenixrun.control import metrics, wire
+from phoenixrun.control.messages import MessageError
 
 if TYPE_CHECKING:
     from phoenixrun.control.master import Master
@@ -419,7 +420,7 @@ class ControlServer:
                 return
             conn.respond(200, wire.dumps(fn(payload)))
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            code, reason = getattr(e, "code", 400), getattr(e, "reason", "malformed")
+            code, reason = (e.code, e.reason) if isinstance(e, MessageError) else (400, "malformed")
             log.debug("refused %s from %s: %s", req.path, conn.peer, e)
             self.refuse(conn.peer, req.path, reason, str(e))
             conn.respond(code, wire.dumps({"error": f"refused: {e}", "reason": reason}))
