@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phoenixrun.control.client import ControlError
+from phoenixrun.control.messages import valid_fault
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
@@ -103,6 +104,7 @@ class Agent:
         self.health = [self.injected, NvmlHealthSource()]
         self._next_health_poll = 0.0
         self._version = -1
+        self.token: str | None = None      # from the master's reply to our registration: our later calls carry it
         self._stop = threading.Event()
         self._flush_deadline = float("inf")
 
@@ -122,6 +124,7 @@ class Agent:
             return 2
         self.job = reg
         self.role, self.slot = reg["role"], reg["slot"]
+        self.token = reg.get("token")
         persist_cfg = PersistConfig.from_json(reg.get("persist"))
         if persist_cfg is not None:
             self.persister = Persister(persist_cfg, self.slots.copy_snapshot, prefix=f"phoenixrun-{self.node_id}",
@@ -155,8 +158,8 @@ class Agent:
         while True:
             try:
                 return self.client.post("/v1/register", payload)
-            except ControlError:
-                if time.time() > deadline:
+            except ControlError as e:
+                if e.refused or time.time() > deadline:   # refused (4xx): asking again gets the same answer
                     raise
                 time.sleep(0.2)
 
@@ -178,6 +181,7 @@ class Agent:
             self.exit_code = 0
             self._stop.set()
             return
+        self.token = reply.get("token")
         log.warning("rejoined a restarted master as %s%s", reply["role"],
                     f" (slot {reply['slot']})" if reply.get("slot") is not None else "")
 
@@ -209,20 +213,21 @@ class Agent:
     def _poll_directives(self) -> None:
         while not self._stop.is_set():
             try:
-                d = self.client.post("/v1/directive", {"node_id": self.node_id, "version": self._version,
-                                                       "timeout": DIRECTIVE_POLL_S}, timeout=DIRECTIVE_POLL_S + 5)
+                d = self.client.post("/v1/directive", {"node_id": self.node_id, "token": self.token,
+                                                       "version": self._version, "timeout": DIRECTIVE_POLL_S},
+                                     timeout=DIRECTIVE_POLL_S + 5)
             except ControlError as e:
                 log.debug("directive poll failed: %s", e)
                 time.sleep(0.2)
                 continue
-            if d.get("version", -1) > self._version:
+            if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
                 self._version = d["version"]
                 self.directives.put(d)
 
     def _heartbeat(self) -> None:
         while not self._stop.is_set():
             with self.lock:
-                payload = {"node_id": self.node_id,
+                payload = {"node_id": self.node_id, "token": self.token,
                            "worker_pids": [w.pid for w in self.workers.values() if w.poll() is None],
                            "snapshots": self.slots.available(), "replicas": self.replicas.available(),
                            "protection": self.protection, "api": self.api}
@@ -231,13 +236,13 @@ class Agent:
                 if reply.get("fenced"):    # replaced while it was away: never rejoin
                     self._fenced(reply)
                     return
-                if reply.get("error"):       # a restarted master: it learns the job from us
+                if reply.get("error"):       # an unknown node: a restarted master, it learns the job from us
                     self._rejoin()
-                for fault in reply.get("inject", []):
+                for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
                     self._inject(fault)
             except ControlError as e:
                 # the master may be restarting: keep going (training does not need it), keep trying
-                log.debug("heartbeat failed: %s", e)
+                (log.warning if e.refused else log.debug)("heartbeat failed: %s", e)
             # jittered: agents that got their replies together (after a master stall, say) must not keep
             # heartbeating in step, which would load the master in bursts
             self._stop.wait(self.cfg.heartbeat_interval * random.uniform(0.9, 1.1))
@@ -247,6 +252,9 @@ class Agent:
         self.outbox.put({"node_id": self.node_id, "generation": self.generation, "slot": self.slot,
                          "t": time.time(), **ev})
 
+    def _report_payload(self, ev: dict) -> dict:
+        return {**ev, "token": self.token}     # the current token: a rejoin since it was queued changes it
+
     def _send_reports(self) -> None:
         while True:
             ev = self.outbox.get()
@@ -255,13 +263,16 @@ class Agent:
             delay = 0.1
             while True:
                 try:
-                    reply = self.client.post("/v1/report", ev)
+                    reply = self.client.post("/v1/report", self._report_payload(ev))
                     if reply.get("fenced"):      # replaced while it was away: never rejoin
                         self._fenced(reply)
                         break
                     if not reply.get("error"):
                         break
                 except ControlError as e:    # master down or restarting: a fault seen now is handled later
+                    if e.refused:            # the report itself was refused: sending it again will not help
+                        log.warning("report %s refused by the master: %s", ev.get("kind"), e)
+                        break
                     log.debug("report %s not delivered yet: %s", ev.get("kind"), e)
                 if self._stop.is_set() and time.time() > self._flush_deadline:
                     log.warning("report %s not delivered: the master is unreachable", ev.get("kind"))
@@ -456,7 +467,18 @@ class Agent:
         return True
 
     def _inject(self, fault: str) -> None:
-        """`phoenixrun inject`: real effects where this machine allows, the injected source for hardware."""
+        """`phoenixrun inject`: real effects where this machine allows, the injected source for hardware.
+        Never raises: it runs on the heartbeat thread, and a bad fault spec must not stop the heartbeats
+        (a master that did not check it once got a healthy node replaced that way)."""
+        if not valid_fault(fault):
+            log.error("cannot inject %r: not a fault spec (see phoenixrun inject --help)", fault)
+            return
+        try:
+            self._inject_checked(fault)
+        except Exception:
+            log.exception("injecting %r failed", fault)
+
+    def _inject_checked(self, fault: str) -> None:
         log.warning("injecting fault %r", fault)
         with self.lock:
             workers = [w for w in self.workers.values() if w.poll() is None]

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from phoenixrun import auth
+from phoenixrun.control.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
 SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject")
 
@@ -312,24 +313,6 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
     """Show the job, its nodes and recent events."""
     from phoenixrun.status import show
     sys.exit(show(run_dir, endpoint, secret_file, as_json, watch, interval))
-
-
-FAULTS = ("crash-worker", "kill-node", "hang", "ecc", "partition", "comm-timeout", "nan")
-
-
-def valid_fault(fault: str) -> bool:
-    """A fault name `phoenixrun inject` accepts (the agent's _inject carries it out)."""
-    name, sep, arg = fault.partition(":")
-    if not sep:
-        return fault in FAULTS
-    if name == "xid":
-        return arg.isdigit()
-    if name == "partition":
-        try:
-            return 0 < float(arg) < float("inf")
-        except ValueError:
-            return False
-    return False
 
 
 @commands.command("inject")

@@ -30,10 +30,12 @@ def client_for(run_dir: Path | None, endpoint: str | None, secret_file: Path | N
 
 def render(state: dict) -> Group:
     job = Table(title=f"phoenixrun job {state['run_id']}", show_header=True)
-    for col in ("phase", "generation", "step", "steps/s", "world", "restarts", "recoveries", "master"):
+    for col in ("phase", "generation", "step", "steps/s", "world", "restarts", "recoveries", "refused requests",
+                "master"):
         job.add_column(col)
     job.add_row(state["phase"], str(state["generation"]), str(state["step"]), str(state["steps_per_s"]),
                 str(state["world_size"]), str(state["restart_count"]), str(state["recoveries"]),
+                str((state.get("rejected_requests") or {}).get("total", 0)),
                 f"{state['endpoint']} pid {state['master_pid']}")
     nodes = Table(title="nodes")
     for col in ("slot", "role", "node", "agent pid", "worker pids", "heartbeat age", "committed step",

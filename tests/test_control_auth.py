@@ -48,8 +48,13 @@ def test_unauthenticated_and_wrong_secret_rejected(master, tmp_path):
     with pytest.raises(ControlError, match="401"):
         ControlClient(m.endpoint, "wrong").get_json("/v1/state")
     assert m.nodes == {}                                  # nothing was acted on
+    # counted, and one event per peer and reason per interval (not one per refusal)
     rejected = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "rejected_request"]
-    assert len(rejected) == 3
+    assert len(rejected) == 1 and rejected[0]["reason"] == "unauthorized" and rejected[0]["count"] == 1
+    state = ControlClient(m.endpoint, secret).get_json("/v1/state")
+    assert state["rejected_requests"] == {"total": 3, "by_reason": {"unauthorized": 3}}
+    assert 'phoenixrun_rejected_requests_total{reason="unauthorized"} 3' in \
+        ControlClient(m.endpoint, secret).get_text("/metrics")
 
 
 def test_malformed_rejected_and_valid_accepted(master, tmp_path):

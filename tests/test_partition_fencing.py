@@ -41,9 +41,9 @@ def test_replaced_node_is_fenced_on_every_endpoint(tmp_path):
     is never given work: no directive of the new generation, no heartbeat bookkeeping, no report queued."""
     m = Master(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1), auth.new_secret())
     m.store_port = 0                              # not started: no store, no HTTP; the handlers are called directly
-    _register(m, "a")
+    token = _register(m, "a")["token"]
     assert m._inbox.get_nowait()["kind"] == "joined"
-    assert m.heartbeat({"node_id": "a"})["ok"]
+    assert m.heartbeat({"node_id": "a", "token": token})["ok"]
     with m.cv:                                    # what _replace_slots does to the node it replaces
         m.nodes["a"].role, m.nodes["a"].slot = Role.FAILED, None
         m.generation = 3

@@ -12,7 +12,16 @@ from urllib.parse import urlsplit
 
 
 class ControlError(Exception):
-    """The master could not be reached or refused the call."""
+    """The master could not be reached or refused the call. `status`: the HTTP status of a refusal (a 4xx: the
+    message itself was refused and sending it again will not help), None if the master was not reached."""
+
+    def __init__(self, msg: str, status: int | None = None):
+        super().__init__(msg)
+        self.status = status
+
+    @property
+    def refused(self) -> bool:
+        return self.status is not None and 400 <= self.status < 500
 
 
 class ControlClient:
@@ -51,7 +60,8 @@ class ControlClient:
             if resp.will_close:
                 self._drop()
             if resp.status >= 400:
-                raise ControlError(f"master refused {path}: HTTP {resp.status} {body.decode(errors='replace')}")
+                raise ControlError(f"master refused {path}: HTTP {resp.status} {body.decode(errors='replace')}",
+                                   status=resp.status)
             return body
         raise AssertionError("unreachable")
 

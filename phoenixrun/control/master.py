@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from phoenixrun.control import wire
+from phoenixrun.control import messages, wire
 from phoenixrun.control.directives import Directive, DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.recovery import Recoveries, Stop
+from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.server import ControlServer
-from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role, admit, by_rank, fence_reply
+from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role, admit, fence_reply
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
 from phoenixrun.topology import Layout, place_replicas
 
@@ -122,6 +123,9 @@ class Master(Recoveries):
         self._stopped = threading.Event()
         self._fenced: set[str] = set()           # replaced nodes already told to go (one event each)
         self._prefix_key = secrets.token_bytes(16)   # never leaves the master: see store_prefix()
+        self._msg_job = messages.Job(cfg.nnodes, cfg.nproc_per_node, self.layout.world_size)
+        self._tokens: dict[str, str] = {}        # node id -> the token its registration was given
+        self.rejections = Rejections(lambda **f: self.events.emit("rejected_request", self.generation, **f))
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -159,17 +163,23 @@ class Master(Recoveries):
         return self.exit_code or 0
 
     # ---------------------------------------------------------------- API handlers (transport thread)
+    # Every message is parsed by control/messages.py before anything of it is applied; a MessageError
+    # (a ValueError) is answered with its 4xx code by the transport. Then the rules that need the master's
+    # state: the node's registration token, the generation, the directive version (docs/architecture.md).
     def register(self, p: dict) -> dict:
+        msg = messages.parse_register(p, self._msg_job)
         with self.cv:
-            fenced = self._fence(p.get("node_id", ""), "register")
+            fenced = self._fence(msg.node_id, "register")
             if fenced:
                 return fenced
-            if p.get("rejoin"):
-                return self._readmit(p, p["rejoin"])
+            known = self.nodes.get(msg.node_id)
+            if known is not None:
+                return self._reregister(known, msg)
+            if msg.rejoin is not None:
+                return self._readmit(msg, msg.rejoin)
             role, slot = admit(self.phase != Phase.WAITING or bool(self.resumed_at), self._free_slots, self.slots)
-            node = NodeRecord(node_id=p["node_id"], host=p["host"], agent_pid=int(p["agent_pid"]),
-                              peer_addr=p["peer_addr"], fault_domain=p.get("fault_domain") or p["node_id"],
-                              role=role, slot=slot)
+            node = NodeRecord(node_id=msg.node_id, host=msg.host, agent_pid=msg.agent_pid,
+                              peer_addr=msg.peer_addr, fault_domain=msg.fault_domain, role=role, slot=slot)
             self.nodes[node.node_id] = node
             self._heard[node.node_id] = None
             self._heard.move_to_end(node.node_id)
@@ -180,15 +190,26 @@ class Master(Recoveries):
             if role == Role.SPARE:
                 self._direct([node.node_id], command="wait", warm=self._api_mode())
             self._inbox.put({"kind": "joined", "node_id": node.node_id})
-            return self._job_json(role, slot)
+            return self._job_json(role, slot, self._new_token(node.node_id))
 
-    def _readmit(self, p: dict, r: dict) -> dict:
+    def _reregister(self, node: NodeRecord, msg: messages.Register) -> dict:
+        """A live node id registering again. Node ids are bound to the registration that created them: the
+        same agent retrying (its reply was lost: same pid and peer address) gets the same answer; anyone
+        else is refused (a second agent with the same --node-id, a buggy one) and the record stays as it was."""
+        if (node.agent_pid, node.peer_addr, node.host) == (msg.agent_pid, msg.peer_addr, msg.host):
+            return self._job_json(node.role, node.slot, self._tokens[node.node_id])
+        raise messages.MessageError(
+            f"node id {node.node_id!r} is already registered (agent pid {node.agent_pid} at {node.peer_addr}): "
+            "give each agent a unique --node-id", code=409, reason="node_id_in_use")
+
+    def _readmit(self, msg: messages.Register, r: messages.Rejoin) -> dict:
         """An agent of a job already running when this master started (it restarted): rebuild the
         job's state from what the agents report - membership, slots, generation, snapshots."""
-        nid = p["node_id"]
-        gen = int(r.get("generation", 0))
-        slot = r.get("slot") if r.get("role") == "active" else None
-        known = self.nodes.get(nid)
+        nid, gen, slot = msg.node_id, r.generation, r.slot
+        if gen > self.generation and self.phase != Phase.WAITING:
+            # once running, this master issued every generation since: a newer one was never issued
+            raise messages.MessageError(f"rejoin generation {gen} was never issued (the job is at generation "
+                                        f"{self.generation})", code=409, reason="generation_not_issued")
         holder = self.slots.get(slot) if slot is not None else None
         if holder not in (None, nid) and gen > self._rejoin_generation.get(holder, gen):
             # two agents claim one slot: the one with the older generation missed a recovery while it
@@ -198,16 +219,16 @@ class Master(Recoveries):
             stale.last_fault = f"slot {slot} was given to {nid} in generation {gen}"
             del self.slots[slot]
             holder = None
-        if (known is not None and known.role == Role.FAILED) or holder not in (None, nid):
-            reason = f"slot {slot} belongs to {holder}" if holder not in (None, nid) else "replaced while away"
+        if holder not in (None, nid):
+            reason = f"slot {slot} belongs to {holder}"
             self.events.emit("node_fenced", self.generation, node=nid, slot=slot, reason=reason)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
         self._rejoin_generation[nid] = gen
         role = Role.ACTIVE if slot is not None else Role.SPARE
-        node = NodeRecord(node_id=nid, host=p["host"], agent_pid=int(p["agent_pid"]), peer_addr=p["peer_addr"],
-                          fault_domain=p.get("fault_domain") or nid, role=role, slot=slot, api=bool(r.get("api")))
-        node.snapshots = by_rank(r.get("snapshots"))
-        node.replicas = by_rank(r.get("replicas"))
+        node = NodeRecord(node_id=nid, host=msg.host, agent_pid=msg.agent_pid, peer_addr=msg.peer_addr,
+                          fault_domain=msg.fault_domain, role=role, slot=slot, api=r.api)
+        node.snapshots = dict(r.snapshots)
+        node.replicas = dict(r.replicas)
         self.nodes[nid] = node
         self._heard[nid] = None
         self._heard.move_to_end(nid)
@@ -216,38 +237,53 @@ class Master(Recoveries):
         if slot is not None:
             self.slots[slot] = nid
         self.generation = max(self.generation, gen)
-        self.restart_count = max(self.restart_count, int(r.get("restart_count", 0)))
-        self._peer_hint.update(by_rank((r.get("world") or {}).get("slots")))
+        self.restart_count = max(self.restart_count, r.restart_count)
+        self._peer_hint.update(r.world_slots)
         self.resumed_at = self.resumed_at or time.time()
         self.events.emit("node_rejoined", self.generation, node=nid, role=role.value, slot=slot,
-                         agent_generation=gen, interrupted=bool(r.get("frozen")))
+                         agent_generation=gen, interrupted=r.frozen)
         if role == Role.SPARE:
             self._direct([nid], command="wait", warm=node.api)
-        self._inbox.put({"kind": "joined", "node_id": nid, "interrupted": bool(r.get("frozen"))})
-        return self._job_json(role, slot)
+        self._inbox.put({"kind": "joined", "node_id": nid, "interrupted": r.frozen})
+        return self._job_json(role, slot, self._new_token(nid))
 
-    def _job_json(self, role: Role, slot: int | None) -> dict:
-        return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id,
+    def _job_json(self, role: Role, slot: int | None, token: str) -> dict:
+        return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id, "token": token,
                 "store_port": self.store_port, "nnodes": self.cfg.nnodes,
                 "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
                 "max_restarts": self.cfg.max_restarts, "persist": self._persist_json()}
 
+    def _new_token(self, node_id: str) -> str:
+        """The registration's token: the node's later calls carry it (messages are bound to their sender)."""
+        token = self._tokens[node_id] = secrets.token_hex(8)
+        return token
+
+    def _check_token(self, node_id: str, token: str | None, via: str) -> None:
+        """Call with the lock held, for a node this master knows."""
+        expected = self._tokens.get(node_id)
+        if expected is None or token is None or not hmac.compare_digest(expected, token):
+            raise messages.MessageError(
+                f"{via} for node {node_id!r} does not carry the token of its registration"
+                + ("" if token else " (an agent older than this master? upgrade it)"), code=403, reason="wrong_token")
+
     def heartbeat(self, p: dict) -> dict:
+        msg = messages.parse_heartbeat(p, self._msg_job)
         with self.cv:
-            node = self.nodes.get(p.get("node_id", ""))
+            node = self.nodes.get(msg.node_id)
             if node is None:
                 return {"error": "unknown node: register first"}
             fenced = self._fence(node.node_id, "heartbeat")
             if fenced:
                 return fenced
+            self._check_token(node.node_id, msg.token, "heartbeat")
             node.last_heartbeat = time.time()
             self._heard.move_to_end(node.node_id)
-            node.worker_pids = list(p.get("worker_pids", []))
-            node.snapshots = by_rank(p.get("snapshots"))
-            node.replicas = by_rank(p.get("replicas"))
-            node.protection = by_rank(p.get("protection"))
+            node.worker_pids = msg.worker_pids
+            node.snapshots = msg.snapshots
+            node.replicas = msg.replicas
+            node.protection = msg.protection
             self._node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
-            if p.get("api") and not node.api:
+            if msg.api and not node.api:
                 node.api = True
                 self._api_nodes.add(node.node_id)
                 if self._api_mode():  # spares can now pre-start their workers (torch imported, waiting)
@@ -260,24 +296,60 @@ class Master(Recoveries):
 
     def inject(self, p: dict) -> dict:
         """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
+        msg = messages.parse_inject(p, self._msg_job)
         with self.cv:
-            nid = self.slots.get(int(p["slot"]))
+            nid = self.slots.get(msg.slot)
             if nid is None or self.nodes[nid].role != Role.ACTIVE:
-                return {"error": f"no active node in slot {p['slot']}"}
-            self._injections.setdefault(nid, []).append(str(p["fault"]))
-            self.events.emit("fault_injected", self.generation, node=nid, slot=int(p["slot"]), fault=p["fault"])
+                raise messages.MessageError(f"no active node in slot {msg.slot}", code=409, reason="no_such_node")
+            self._injections.setdefault(nid, []).append(msg.fault)
+            self.events.emit("fault_injected", self.generation, node=nid, slot=msg.slot, fault=msg.fault)
             return {"ok": True, "node": nid}
 
     def report(self, p: dict) -> dict:
-        if p.get("node_id") not in self.nodes:
-            return {"error": "unknown node"}
+        msg = messages.parse_report(p, self._msg_job, time.time())
         with self.cv:
-            fenced = self._fence(p["node_id"], "report")
-        if fenced:
-            return fenced
-        p.setdefault("t", time.time())
-        self._inbox.put(p)
+            node = self.nodes.get(msg.node_id)
+            if node is None:
+                return {"error": "unknown node"}
+            fenced = self._fence(msg.node_id, "report")
+            if fenced:
+                return fenced
+            self._check_token(msg.node_id, msg.token, "report")
+            gen = msg.generation
+            if gen is not None and gen > self.generation:
+                raise messages.MessageError(f"report generation {gen} was never issued (the job is at generation "
+                                            f"{self.generation})", code=409, reason="generation_not_issued")
+            if messages.REPORT_KINDS[msg.kind] and gen is not None and gen < self.generation:
+                # about workers of a generation already replaced: moot (a late or replayed report)
+                self.rejections.note(time.time(), node.host, "stale_generation", "/v1/report",
+                                     f"{msg.kind} of generation {gen} from {msg.node_id} (now {self.generation})")
+                return {"ok": True, "ignored": f"stale generation {gen} (now {self.generation})"}
+            if msg.kind == "workers_done" and not self._may_be_done(node, gen):
+                raise messages.MessageError(
+                    f"workers_done from {msg.node_id}: it was not told to run workers in generation {self.generation}",
+                    code=409, reason="not_running")
+        self._inbox.put(msg.event)
         return {"ok": True}
+
+    def _may_be_done(self, node: NodeRecord, generation: int | None) -> bool:
+        """A node's workers can have finished only if it holds a slot and, in this generation, was sent an
+        order that runs workers (or rejoined this restarted master as an active node of it)."""
+        if node.role != Role.ACTIVE or node.slot is None or generation != self.generation:
+            return False
+        d = self.directives.get(node.node_id)
+        if d is not None and d.sent and d.fields.get("generation") == generation \
+                and d.fields.get("command") in ("run", "restart", "restore"):
+            return True
+        return self._rejoin_generation.get(node.node_id) == generation
+
+    def poll_intake(self, p: dict) -> messages.Poll:
+        """A directive long-poll as it arrives (the transport then answers or parks it): refused if it is
+        malformed, holds a version this master never issued, or carries another registration's token."""
+        with self.cv:
+            msg = messages.parse_poll(p, self.directives.version)
+            if msg.node_id in self.nodes and self._fence(msg.node_id, "directive") is None:
+                self._check_token(msg.node_id, msg.token, "directive poll")
+        return msg
 
     def answer_polls(self, polls: list[dict]) -> list[Directive | None]:
         """Directive long-polls (many under one hold of the lock: a broadcast wakes thousands): ack the
@@ -324,6 +396,7 @@ class Master(Recoveries):
                 "nodes": sorted((n.to_json(now) for n in self.nodes.values()),
                                 key=lambda d: (d["slot"] is None, d["slot"] or 0, d["node_id"])),
                 "events": list(self.events.recent)[-15:],
+                "rejected_requests": self.rejections.snapshot(),
             }
 
     # ---------------------------------------------------------------- helpers (call with self.cv held)

@@ -19,6 +19,9 @@ def render(state: dict) -> str:
     roles: dict[str, int] = {}
     for n in state["nodes"]:
         roles[n["role"]] = roles.get(n["role"], 0) + 1
+    refused = (state.get("rejected_requests") or {}).get("by_reason", {})
+    metric("rejected_requests_total", "counter", "Requests the master refused, by reason.",
+           [(f'{{reason="{r}"}}', c) for r, c in sorted(refused.items())])
     metric("nodes", "gauge", "Agents by role.", [(f'{{role="{r}"}}', c) for r, c in sorted(roles.items())])
     metric("node_heartbeat_age_seconds", "gauge", "Seconds since each agent's last heartbeat.",
            [(f'{{node="{n["node_id"]}",slot="{n["slot"]}"}}', n["heartbeat_age_s"]) for n in state["nodes"]])

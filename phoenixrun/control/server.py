@@ -6,9 +6,17 @@ the master sets that agent's directive (`wake`) or when the poll's timeout passe
 call is a short synchronous handler run on the loop thread (it holds the master's lock only
 briefly); the status reads, O(nodes), run in a worker thread so they never stall heartbeats.
 
-Wire protocol (unchanged from the agent's point of view): JSON bodies, bearer secret on every
-request (401 otherwise, logged and recorded as a `rejected_request` event), 400 for malformed
-bodies (not acted on), 404 for unknown paths.
+Wire protocol: JSON bodies, bearer secret on every request, checked as soon as the request head
+is in (401 and the connection closed otherwise: an unauthenticated peer never gets a body read), 400
+for malformed bodies and 4xx for invalid messages (control/messages.py; nothing of them is applied),
+404 for unknown paths. Refusals are counted (control/rejections.py), not logged one event each.
+
+What a peer can make the master hold (measured on main at 73f19fc: 60 unauthenticated connections
+sending 16 MiB bodies took it from 233 MB to 1.3 GB): before authentication, at most MAX_HEAD bytes
+per connection and at most MAX_UNAUTHENTICATED such connections (more are closed at once); a request
+head or body that does not complete within READ_TIMEOUT_S is dropped (slow senders); authenticated
+bodies are at most MAX_BODY (the largest real message, a rejoin or a quiesce ack of a node with many
+ranks, is a few KiB).
 """
 from __future__ import annotations
 
@@ -17,23 +25,28 @@ import logging
 import random
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from phoenixrun import auth
 from phoenixrun.control import metrics, wire
+from phoenixrun.control.messages import MessageError
 
 if TYPE_CHECKING:
     from phoenixrun.control.master import Master
 
 log = logging.getLogger("phoenixrun.master")
 
-MAX_HEAD = 64 * 1024
-MAX_BODY = 16 * 1024 * 1024
+MAX_HEAD = 8 * 1024
+MAX_BODY = 1024 * 1024
+MAX_UNAUTHENTICATED = 4096        # connections that have not yet sent an authenticated request head
+READ_TIMEOUT_S = 10.0             # to complete a request once its first byte (or the connection) is there
 BACKLOG = 4096                    # thousands of agents connect at once when a job starts
 WAKE_BATCH = 32768                # directive polls answered per loop iteration (~16 us each, mostly the send)
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-           413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+           405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
+           431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 JSON = "application/json"
 
 
@@ -64,9 +77,18 @@ class RequestError(Exception):
         self.code = code
 
 
-def parse_request(buf: bytearray) -> tuple[Request, int] | None:
-    """One complete request from the front of buf and its length in bytes, or None if incomplete."""
-    end = buf.find(b"\r\n\r\n")
+@dataclass
+class Head:
+    method: str
+    path: str
+    headers: dict[str, str]       # lower-case names
+    length: int                   # of the body
+    keep_alive: bool
+
+
+def parse_head(buf: bytearray) -> tuple[Head, int] | None:
+    """The request head at the front of buf and its length in bytes, or None if incomplete."""
+    end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
     if end < 0:
         if len(buf) > MAX_HEAD:
             raise RequestError(431, "request head too large")
@@ -87,13 +109,11 @@ def parse_request(buf: bytearray) -> tuple[Request, int] | None:
         n = int(headers.get("content-length", "0"))
     except ValueError:
         raise RequestError(400, "bad Content-Length") from None
-    if n < 0 or n > MAX_BODY:
-        raise RequestError(413, "body too large")
-    if len(buf) < end + 4 + n:
-        return None
+    if n < 0:
+        raise RequestError(400, "bad Content-Length")
     conn_hdr = headers.get("connection", "").lower()
     keep = "close" not in conn_hdr if parts[2] == "HTTP/1.1" else "keep-alive" in conn_hdr
-    return Request(parts[0], parts[1], headers, bytes(buf[end + 4:end + 4 + n]), keep), end + 4 + n
+    return Head(parts[0], parts[1], headers, n, keep), end + 4
 
 
 def render_response(code: int, body: bytes, ctype: str = JSON, close: bool = False) -> bytes:
@@ -103,7 +123,8 @@ def render_response(code: int, body: bytes, ctype: str = JSON, close: bool = Fal
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: requests are handled one at a time, in order (no pipelining overlap)."""
+    """One client connection: requests are handled one at a time, in order (no pipelining overlap).
+    A request's head is authenticated as soon as it is in; its body is read only after that."""
 
     def __init__(self, server: ControlServer):
         self.server = server
@@ -111,6 +132,10 @@ class _Connection(asyncio.Protocol):
         self.busy = False              # a request is being handled (or parked): read no further
         self.closed = False
         self.keep_alive = True
+        self.authenticated = False     # has sent a request head with the job's secret
+        self.head: Head | None = None  # the current request's head, authenticated, its body still coming
+        self.head_len = 0
+        self.waiting_since: float | None = None   # an incomplete request (or no request yet) since then
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.poll: _Poll | None = None   # its parked directive long-poll
@@ -119,35 +144,79 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if peer else "?"
+        if len(self.server.unauthenticated) >= MAX_UNAUTHENTICATED:
+            self.server.refuse(self.peer, "", "too_many_connections",
+                               f"{MAX_UNAUTHENTICATED} connections already waiting to authenticate")
+            self.closed = True
+            transport.abort()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:   # a crashed host sends no FIN: let the kernel find dead peers
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self.server.connections.add(self)
+        self.server.unauthenticated.add(self)
+        self.waiting_since = time.monotonic()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        self.server.unauthenticated.discard(self)
         self.server.forget(self)
+        self.buf = bytearray()         # released now, not when the last reference to the protocol goes
+        self.head = None
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
         self.buf += data
+        if len(self.buf) > MAX_HEAD + MAX_BODY + 4:
+            # a client sending while its request is handled (pipelining) gets no more than one request's room
+            self.fail(413, "too much data sent ahead of the replies", "too_large")
+            return
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
         if not self.busy:
             self.next_request()
+
+    def fail(self, code: int, msg: str, reason: str = "malformed") -> None:
+        self.server.refuse(self.peer, self.head.path if self.head else "", reason, msg)
+        self.transport.write(render_response(code, wire.dumps({"error": msg}), close=True))
+        self.closed = True
+        self.transport.close()
 
     def next_request(self) -> None:
         if self.closed:
             return
         try:
-            parsed = parse_request(self.buf)
+            if self.head is None:
+                parsed = parse_head(self.buf)
+                if parsed is None:
+                    return
+                head, self.head_len = parsed
+                if not auth.check(self.server.master.secret, head.headers.get("authorization")):
+                    log.debug("rejected unauthenticated %s %s from %s", head.method, head.path, self.peer)
+                    self.head = head
+                    self.fail(401, "unauthorized: missing or wrong job secret", "unauthorized")
+                    return
+                if head.length > MAX_BODY:
+                    self.head = head
+                    self.fail(413, f"body too large ({head.length} bytes, at most {MAX_BODY})", "too_large")
+                    return
+                self.head = head
+                if not self.authenticated:
+                    self.authenticated = True
+                    self.server.unauthenticated.discard(self)
         except RequestError as e:
-            log.warning("rejected request from %s: %s", self.peer, e)
-            self.transport.write(render_response(e.code, wire.dumps({"error": str(e)}), close=True))
-            self.transport.close()
+            self.fail(e.code, str(e))
             return
-        if parsed is None:
+        head, start = self.head, self.head_len
+        if len(self.buf) < start + head.length:
             return
-        req, n = parsed
-        del self.buf[:n]
+        req = Request(head.method, head.path, head.headers, bytes(self.buf[start:start + head.length]),
+                      head.keep_alive)
+        del self.buf[:start + head.length]
+        self.head = None
+        self.waiting_since = time.monotonic() if self.buf else None
         self.busy = True
         self.keep_alive = req.keep_alive
         self.server.dispatch(self, req)
@@ -187,6 +256,7 @@ class ControlServer:
         self.server_address = self.sock.getsockname()
         self.loop = new_event_loop()
         self.connections: set[_Connection] = set()
+        self.unauthenticated: set[_Connection] = set()
         self._polls: dict[str, list[_Poll]] = {}
         self._to_wake: set[str] = set()
         self._wake_lock = threading.Lock()
@@ -205,7 +275,24 @@ class ControlServer:
         self.server = self.loop.run_until_complete(
             self.loop.create_server(lambda: _Connection(self), sock=self.sock, backlog=BACKLOG))
         self._started.set()
+        self.loop.call_later(READ_TIMEOUT_S / 4, self._sweep)
         self.loop.run_forever()
+
+    def _sweep(self) -> None:
+        """Drop connections that have not completed a request within READ_TIMEOUT_S (slow or idle senders
+        holding a half-sent request, or connected without ever authenticating). Only those waiting are
+        looked at: a parked long-poll is not waiting, and an idle keep-alive connection holds nothing."""
+        now = time.monotonic()
+        for c in [c for c in self.connections if c.waiting_since is not None and not c.busy
+                  and (c.buf or not c.authenticated) and now - c.waiting_since > READ_TIMEOUT_S]:
+            c.fail(408, f"request not completed within {READ_TIMEOUT_S:g}s", "read_timeout")
+        self.loop.call_later(READ_TIMEOUT_S / 4, self._sweep)
+
+    def refuse(self, peer: str, path: str, reason: str, detail: str) -> None:
+        """Count a refused request (one event per peer and reason per interval: control/rejections.py)."""
+        if self.master.rejections.note(time.time(), peer, reason, path, detail):
+            log.warning("refused %s from %s: %s (%s; counted, one event per peer and reason per %gs)",
+                        path or "a connection", peer, detail, reason, self.master.rejections.interval)
 
     def shutdown(self) -> None:
         if not self._thread.is_alive():
@@ -298,13 +385,6 @@ class ControlServer:
             # Directives first: a loaded loop reads a whole batch of sockets (thousands of requests)
             # before it gets to a scheduled callback; a broadcast must not wait behind heartbeats.
             self._drain_wakes()
-        m = self.master
-        if not auth.check(m.secret, req.headers.get("authorization")):
-            log.warning("rejected unauthenticated %s %s from %s", req.method, req.path, conn.peer)
-            m.events.emit("rejected_request", m.generation, path=req.path, peer=conn.peer,
-                          reason="bad or missing secret")
-            conn.respond(401, b'{"error": "unauthorized: missing or wrong job secret"}')
-            return
         if req.method == "GET":
             self._get(conn, req.path)
         elif req.method == "POST":
@@ -334,14 +414,16 @@ class ControlServer:
             if not isinstance(payload, dict):
                 raise ValueError("body must be a JSON object")
             if fn is None:
-                self._answer_or_park([_Poll(conn, payload, int(payload.get("version", -1)))])
+                poll = self.master.poll_intake(payload)
+                self._answer_or_park([_Poll(conn, {"node_id": poll.node_id, "version": poll.version,
+                                                   "timeout": poll.timeout}, poll.version)])
                 return
             conn.respond(200, wire.dumps(fn(payload)))
-        except (ValueError, KeyError, TypeError) as e:
-            m = self.master
-            log.warning("rejected malformed %s: %s", req.path, e)
-            m.events.emit("rejected_request", m.generation, path=req.path, peer=conn.peer, reason=f"malformed: {e}")
-            conn.respond(400, wire.dumps({"error": f"malformed request: {e}"}))
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            code, reason = (e.code, e.reason) if isinstance(e, MessageError) else (400, "malformed")
+            log.debug("refused %s from %s: %s", req.path, conn.peer, e)
+            self.refuse(conn.peer, req.path, reason, str(e))
+            conn.respond(code, wire.dumps({"error": f"refused: {e}", "reason": reason}))
         except Exception as e:   # a bug in a handler: answer, keep serving everyone else
             log.exception("handler for %s failed", req.path)
             conn.respond(500, wire.dumps({"error": f"master error: {e}"}))

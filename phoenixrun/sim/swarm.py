@@ -53,6 +53,7 @@ class SimAgent:
     slot: int | None = None
     version: int = -1
     generation: int = 0
+    token: str | None = None      # the master's, from the registration: every later call carries it
     alive: bool = True
     last_heartbeat: float = 0.0   # local time of its last heartbeat the master answered
     # (command, generation) -> local time the directive arrived
@@ -181,7 +182,7 @@ class Swarm:
                 if status != 200:
                     raise RuntimeError(f"register {a.node_id}: HTTP {status} {body[:200]!r}")
                 reg = json.loads(body)
-                a.role, a.slot = reg["role"], reg["slot"]
+                a.role, a.slot, a.token = reg["role"], reg["slot"], reg.get("token")
                 self._polls[a.index] = await self._connect()
                 self._tasks.append(asyncio.create_task(self._poll_loop(a)))
         await asyncio.gather(*(worker(c) for c in conns))
@@ -243,7 +244,7 @@ class Swarm:
         if not a.role:                    # not registered yet
             loop.call_later(self.cfg.heartbeat_s, self._heartbeat, a, conn)
             return
-        payload = {"node_id": a.node_id, "worker_pids": list(range(self.cfg.nproc_per_node)),
+        payload = {"node_id": a.node_id, "token": a.token, "worker_pids": list(range(self.cfg.nproc_per_node)),
                    **self._inventory(a), "protection": {}, "api": True}
         t0 = time.monotonic()
 
@@ -267,7 +268,7 @@ class Swarm:
 
         def poll() -> asyncio.Future:
             return conn.send(self._raw("/v1/directive", {
-                "node_id": a.node_id, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
+                "node_id": a.node_id, "token": a.token, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
         pending = poll()
         while a.alive and not self._stop.is_set():
             try:
@@ -331,7 +332,7 @@ class Swarm:
                 self.errors.append(f"report {ev['kind']}: {f.exception()}")
             elif f.result()[0] != 200:
                 self.errors.append(f"report {ev['kind']}: HTTP {f.result()[0]} {f.result()[1][:100]!r}")
-        conn.send(self._raw("/v1/report", {"node_id": a.node_id, **ev})).add_done_callback(done)
+        conn.send(self._raw("/v1/report", {"node_id": a.node_id, "token": a.token, **ev})).add_done_callback(done)
 
     # ------------------------------------------------------------------ control
     async def fail(self, a: SimAgent) -> float:
