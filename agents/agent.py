@@ -407,6 +407,7 @@ class Agent:
                 _, shared = self.peers.call(src["shared_addr"], {"op": "get_shared", "rank": src["shared_rank"],
                                                                 "step": step})
                 timings["params_fetch_s"] = round(time.time() - t1, 4)
+                self.slots.forget(rank)   # fetched whole: a copy from an earlier attempt may be laid out smaller
                 self.slots.install(rank, bytes(private), bytes(shared), step)
             if d.get("fetch"):
                 timings["fetch_s"] = round(time.time() - t0, 4)

@@ -162,6 +162,12 @@ class LocalSlots:
             rs.maps[idx], rs.paths[idx] = mm, path
         _release(*old)
 
+    def forget(self, rank: int) -> None:
+        """Drop a rank's slots, if any (its state is about to be installed whole, from its replica)."""
+        with self._lock:
+            if rank in self._ranks:
+                self._drop(rank)
+
     def paths(self, rank: int) -> list[str]:
         with self._lock:
             return [str(p) for p in self._get(rank).paths]

@@ -123,3 +123,21 @@ def test_a_slot_that_cannot_grow_is_a_clear_error_and_keeps_the_committed_snapsh
     assert "File too large" in err                                        # the limit that was hit
     assert "phoenixrun.protect()" in err and "more room" in err           # what to do
     assert "OK {0: [1, 2]}" in r.stdout          # S_2 written in the old layout beside S_1
+
+
+def test_installing_a_larger_layout_over_an_earlier_install(slots):
+    """A spare fetching its rank again (a cascaded recovery) may get a snapshot laid out larger than the copy it
+    installed the first time: forget + install takes it whole."""
+    a = write(slots, 0, 1, 10)
+    slots.commit(0, a, 1)
+    src = LocalSlots(prefix="phoenixrun-test-growth-src")
+    try:
+        src.allocate(0, BIG)
+        b = write(src, 0, 2, 20, meta_cap=4096)
+        h = SlotHeader.unpack(src.view(0, b))
+        mm = src.view(0, b)
+        slots.forget(0)
+        slots.install(0, bytes(mm[:h.replicated_len]), bytes(mm[h.shared_off:h.shared_off + h.shared_len]), 2)
+        assert slots.available() == {0: [2]} and intact(slots, 0, 0, 2, 20)
+    finally:
+        src.clear()
