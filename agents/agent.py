@@ -29,7 +29,7 @@ from phoenixrun.agents.ipc import WorkerChannelServer, WorkerConn
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.agents.persister import PersistConfig, PersistError, Persister
-from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError, remove_orphans
+from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError, SlotSpaceError, remove_orphans
 from phoenixrun.agents.workers import Placement, Worker, WorkerSpec, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
@@ -418,6 +418,7 @@ class Agent:
                 _, shared = self.peers.call(src["shared_addr"], {"op": "get_shared", "rank": src["shared_rank"],
                                                                 "step": step})
                 timings["params_fetch_s"] = round(time.time() - t1, 4)
+                self.slots.forget(rank)   # fetched whole: a copy from an earlier attempt may be laid out smaller
                 self.slots.install(rank, bytes(private), bytes(shared), step)
             if d.get("fetch"):
                 timings["fetch_s"] = round(time.time() - t0, 4)
@@ -623,8 +624,16 @@ class Agent:
                     reply = {"paths": self.slots.allocate(rank, int(msg["nbytes"]))}
                 elif op == "slots":
                     reply = {"paths": self.slots.paths(rank)}
-                else:
-                    reply = {"slot": self.slots.begin_write(rank)}
+                else:   # the slot to write, grown first if the snapshot needs more (then at a new path)
+                    idx = self.slots.begin_write(rank, int(msg.get("nbytes", 0)))
+                    path, size = self.slots.path(rank, idx)
+                    reply = {"slot": idx, "path": path, "nbytes": size}
+            except SlotSpaceError as e:
+                # not transient: the snapshot cannot grow on this host. A fault of its own (classified as
+                # snapshot_space), so that it is not mistaken for the comm error the worker reports next
+                reply = {"error": str(e)}
+                self._report({"kind": "health", "rank": rank, "detail": str(e), "t": time.time(), "signal": Signal(
+                    kind="snapshot_space", node=self.slot, rank=rank, detail=str(e)).to_dict()})
             except SlotError as e:
                 reply = {"error": str(e)}
             conn.send({"op": "reply", "id": msg["id"], **reply})

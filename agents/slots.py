@@ -4,9 +4,16 @@ worker writes into) and the replica store for other nodes' ranks.
 The agent, not the worker, decides which slot is committed. A slot becomes invalid the moment
 a writer is handed it and valid again only once the write is complete (and, for local slots,
 replicated), so a crash at any point leaves the previously committed snapshot intact.
+
+Slots grow (a snapshot that no longer fits: state that grows every step, optimizer state created late): the
+writer asks for the size it needs with `begin_write`, and only the slot handed out for writing is replaced
+by a larger file - the committed one is never touched, so it stays restorable until a snapshot in the new
+layout is committed; the other slot grows when it is next written. Replicas need nothing: each received
+replica is kept in a buffer of its own size.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -30,6 +37,10 @@ class IntegrityError(SlotError):
     """Fetched state does not match the checksum its owner recorded: never restored from."""
 
 
+class SlotSpaceError(SlotError):
+    """Snapshot memory cannot be created or grown on this host (shared memory full, a file-size limit)."""
+
+
 def remove_orphans(host: str) -> list[Path]:
     """Delete the shm files of this host's agents that died without cleaning up (SIGKILL, OOM):
     agent node ids are `<host>-<pid>-<tag>`, so a file whose agent pid is gone is garbage."""
@@ -47,10 +58,45 @@ def _map(path: Path, size: int, create: bool) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            try:
+                os.ftruncate(fd, size)
+                # Reserve the pages now: past the size of a tmpfs, ftruncate still succeeds (sparse file) and
+                # the first write into the mapping kills the writer with SIGBUS. posix_fallocate says ENOSPC.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL) and os.fstat(fd).st_size == size:
+                    pass      # a filesystem without fallocate: the sparse file will have to do
+                else:
+                    os.close(fd)
+                    fd = -1
+                    path.unlink(missing_ok=True)
+                    raise SlotSpaceError(_space_message(path, size, e)) from None
         return mmap.mmap(fd, size)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
+
+
+def _space_message(path: Path, size: int, e: OSError) -> str:
+    try:
+        st = os.statvfs(path.parent)
+        room = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+    except OSError:
+        room = "free space unknown"
+    return (f"cannot allocate {size} bytes of snapshot memory in {path.parent} ({e.strerror}; {room}). A rank's "
+            f"snapshot holds its model, optimizer state and the state dict given to phoenixrun.protect(); it "
+            f"grew past what this host can hold. Give {path.parent} more room (e.g. mount -o remount,size=... "
+            f"/dev/shm; check `ulimit -f`), keep the state dict small (it is snapshotted every step), or run "
+            f"fewer ranks per node")
+
+
+def _release(mm: mmap.mmap, path: Path) -> None:
+    """Drop a slot file replaced by a larger one (a worker may still map it: unlinking is safe)."""
+    path.unlink(missing_ok=True)
+    try:
+        mm.close()
+    except BufferError:   # a view of it is still alive (a transfer finishing): freed with the last view
+        pass
 
 
 def _prefault(mm: mmap.mmap) -> None:
@@ -68,6 +114,7 @@ class _RankSlots:
     steps: list[int | None] = field(default_factory=lambda: [None, None])
     committed: int | None = None      # index of the committed slot
     writing: int | None = None
+    grown: int = 0                    # slot files replaced by larger ones (names the next one)
 
 
 class LocalSlots:
@@ -80,25 +127,60 @@ class LocalSlots:
         self._ranks: dict[int, _RankSlots] = {}
 
     def allocate(self, rank: int, nbytes: int) -> list[str]:
+        """Both slots of `rank`, at least `nbytes` each - except a committed slot, which is never replaced
+        (it grows when it is next written, see `begin_write`). SlotSpaceError: no room on this host."""
         with self._lock:
             rs = self._ranks.get(rank)
-            if rs is not None and len(rs.maps[0]) == nbytes:
-                return [str(p) for p in rs.paths]
-            if rs is not None:
+            if rs is None:
+                paths = [SHM_DIR / f"{self.prefix}-r{rank}-s{i}" for i in (0, 1)]
+                maps = []
+                try:
+                    for p in paths:
+                        maps.append(_map(p, nbytes, create=True))
+                except SlotError:
+                    for mm, p in zip(maps, paths):
+                        _release(mm, p)
+                    raise
+                for mm in maps:
+                    _prefault(mm)
+                self._ranks[rank] = _RankSlots(paths, maps)
+                return [str(p) for p in paths]
+            small = [i for i in (0, 1) if len(rs.maps[i]) < nbytes and rs.committed != i]
+        for i in small:
+            self._grow(rank, rs, i, nbytes)
+        return self.paths(rank)
+
+    def _grow(self, rank: int, rs: _RankSlots, idx: int, nbytes: int) -> None:
+        """Replace slot `idx` (holding no committed snapshot) by a file of `nbytes`. Created and pre-faulted
+        without the lock (heartbeats read the inventory meanwhile); the slot is invalid throughout."""
+        with self._lock:
+            rs.grown += 1
+            rs.steps[idx] = None
+            path = SHM_DIR / f"{self.prefix}-r{rank}-s{idx}-g{rs.grown}"
+        mm = _map(path, nbytes, create=True)        # SlotSpaceError: the old, smaller slot stays as it was
+        _prefault(mm)
+        with self._lock:
+            if self._ranks.get(rank) is not rs or rs.committed == idx:   # cleared, or restored meanwhile
+                _release(mm, path)
+                raise SlotError(f"rank {rank}: slot {idx} changed hands while it grew")
+            old = rs.maps[idx], rs.paths[idx]
+            rs.maps[idx], rs.paths[idx] = mm, path
+        _release(*old)
+
+    def forget(self, rank: int) -> None:
+        """Drop a rank's slots, if any (its state is about to be installed whole, from its replica)."""
+        with self._lock:
+            if rank in self._ranks:
                 self._drop(rank)
-            paths = [SHM_DIR / f"{self.prefix}-r{rank}-s{i}" for i in (0, 1)]
-            maps = [_map(p, nbytes, create=True) for p in paths]
-            for mm in maps:
-                _prefault(mm)
-            self._ranks[rank] = _RankSlots(paths, maps)
-            return [str(p) for p in paths]
 
     def paths(self, rank: int) -> list[str]:
         with self._lock:
             return [str(p) for p in self._get(rank).paths]
 
-    def begin_write(self, rank: int) -> int:
-        """Hand the writer the non-committed slot; it is invalid from now until commit."""
+    def begin_write(self, rank: int, nbytes: int = 0) -> int:
+        """Hand the writer the non-committed slot, at least `nbytes` large (a larger layout: that slot is
+        replaced by a larger file, see `path`); it is invalid from now until commit. The committed slot is
+        never touched. SlotSpaceError: the slot cannot grow on this host."""
         with self._lock:
             if self.frozen:
                 raise SlotError("snapshots are frozen for recovery")
@@ -106,7 +188,16 @@ class LocalSlots:
             idx = 0 if rs.committed is None else 1 - rs.committed
             rs.steps[idx] = None
             rs.writing = idx
-            return idx
+            if len(rs.maps[idx]) >= nbytes:
+                return idx
+        self._grow(rank, rs, idx, nbytes)
+        return idx
+
+    def path(self, rank: int, idx: int) -> tuple[str, int]:
+        """The file of slot `idx` and its size (it changes when the slot grows: the worker maps it anew)."""
+        with self._lock:
+            rs = self._get(rank)
+            return str(rs.paths[idx]), len(rs.maps[idx])
 
     def finish_write(self, rank: int, idx: int, step: int) -> SlotHeader:
         """Seal a written slot: checksum into its header. Not committed until `commit`."""

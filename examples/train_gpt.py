@@ -14,6 +14,7 @@ import gc
 import hashlib
 import json
 import os
+import signal
 import time
 
 import torch
@@ -115,6 +116,10 @@ def main() -> None:
     p.add_argument("--progress-dir", default=None, help="append 'step unix_time' per finished step (benchmarks)")
     p.add_argument("--raise-at", type=int, default=None, help="fault drill: rank 0 raises a user error at this step")
     p.add_argument("--nan-at", type=int, default=None, help="fault drill: rank 0's loss is NaN at this step")
+    p.add_argument("--crash-at", type=int, default=None,
+                   help="fault drill: rank 0 kills itself (SIGKILL) whenever it reaches this step")
+    p.add_argument("--state-growth", type=int, default=0, metavar="BYTES",
+                   help="test: grow the state dict given to protect() by BYTES a step (snapshots must grow)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -124,7 +129,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = DDP(GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq), find_unused_parameters=True)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
-    progress: dict = {"losses": {}, "step_seconds": {}}
+    progress: dict = {"losses": {}, "step_seconds": {}, **({"pad": {}} if args.state_growth else {})}
     job = phoenixrun.protect(model, opt, state=progress)
     start = load_checkpoint(args, rank, model, opt, progress) if args.ckpt_dir else 0
     log = open(os.path.join(args.progress_dir, f"rank{rank}.log"), "a", buffering=1) if args.progress_dir else None
@@ -134,6 +139,8 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         with job.step(step):
+            if step == args.crash_at and rank == 0:   # a fault that comes back however often it is recovered
+                os.kill(os.getpid(), signal.SIGKILL)
             if step == args.raise_at and rank == 0:
                 raise ValueError(f"fault drill: user error at step {step}")
             x, y = batch(step, rank, args)
@@ -145,6 +152,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             progress["losses"][str(step)] = loss.item()
+            if args.state_growth:
+                progress["pad"][str(step)] = (f"{step:08d}" * (args.state_growth // 8 + 1))[:args.state_growth]
         # the whole iteration, including phoenixrun's end-of-step work
         progress["step_seconds"][str(step)] = time.perf_counter() - t0
         if log:
@@ -160,6 +169,9 @@ def main() -> None:
         "param_sha256": digest(model.module.state_dict().values()),
         "optim_sha256": digest(v for i in sorted(shard) for k, v in sorted(shard[i].items()) if torch.is_tensor(v)),
     }
+    if args.state_growth:   # what was restored of the state dict (timings aside) must match an unprotected run
+        kept = {k: v for k, v in progress.items() if k != "step_seconds"}
+        result["state_sha256"] = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

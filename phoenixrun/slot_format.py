@@ -8,6 +8,13 @@
 
 The replicated part is the prefix [0, private_off + private_len): header, metadata and
 private state travel together in one contiguous copy.
+
+Every slot describes itself: its header names its own metadata capacity and region lengths, so the two
+ping-pong slots of a rank (and the replicas of them) may have different layouts. That is how a snapshot
+grows: when the state no longer fits, the writer picks a larger layout (`grown_capacity`: geometric
+headroom, so growing state re-lays out O(log size) times, not every step), and the agent enlarges the
+slot it hands out for writing - never the committed one, which stays restorable until a snapshot in the
+new layout is committed (docs/api.md, "Snapshots that grow").
 """
 from __future__ import annotations
 
@@ -24,6 +31,22 @@ assert HEADER.size == HEADER_SIZE
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def grown_capacity(current: int, needed: int) -> int:
+    """The capacity to re-lay out to when `needed` bytes no longer fit in `current`: doubled until it fits
+    (at least ALIGN), so a region that keeps growing is re-laid out a logarithmic number of times."""
+    if needed < 0 or current < 0:
+        raise ValueError(f"capacities are non-negative (current {current}, needed {needed})")
+    cap = max(current, ALIGN)
+    while cap < needed:
+        cap *= 2
+    return cap
+
+
+def slot_bytes(meta_cap: int, private_len: int, shared_len: int) -> int:
+    """Size of a slot laid out for these region sizes."""
+    return SlotHeader(0, meta_cap, 0, private_len, shared_len).total_len
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ class Job:
 
 
 def launch(tmp: Path, name: str, nnodes: int = 2, nproc: int = 2, spares: int = 0, steps: int = 30,
-           extra_flags: list[str] | None = None, script_args: list[str] | None = None, **env_extra: str) -> Job:
+           extra_flags: list[str] | None = None, script_args: list[str] | None = None, preexec_fn=None,
+           **env_extra: str) -> Job:
     run_dir, out = tmp / f"{name}-run", tmp / f"{name}-out"
     log = open(tmp / f"{name}-run.log", "w")
     e = env(PHOENIXRUN_TEST_PAUSE_DIR=str(tmp), **env_extra)
@@ -90,14 +91,14 @@ def launch(tmp: Path, name: str, nnodes: int = 2, nproc: int = 2, spares: int = 
            "--spares", str(spares), "--run-dir", str(run_dir), "--heartbeat-interval", "0.1", *(extra_flags or []),
            str(EXAMPLE),
            "--steps", str(steps), "--out", str(out), *SMALL, *(script_args or [])]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=tmp)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=tmp, preexec_fn=preexec_fn)
     return Job(run_dir, out, proc)
 
 
-def torchrun(tmp: Path, name: str, nproc: int, steps: int) -> Path:
+def torchrun(tmp: Path, name: str, nproc: int, steps: int, script_args: list[str] | None = None) -> Path:
     out = tmp / f"{name}-out"
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE),
-           "--steps", str(steps), "--out", str(out), *SMALL]
+           "--steps", str(steps), "--out", str(out), *SMALL, *(script_args or [])]
     subprocess.run(cmd, check=True, env=env(), cwd=tmp, capture_output=True, timeout=300)
     return out
 

@@ -24,6 +24,9 @@ TABLE = [
     (Signal(K.NODE_UNREACHABLE), NS, NR, True, False),
     (Signal(K.NIC_DOWN), NS, NR, True, False),
     (Signal(K.STORAGE_ERROR), NS, NR, True, False),
+    # the agent cannot grow a snapshot slot (shared memory full): never a local reset that would loop
+    (Signal(K.SNAPSHOT_SPACE, detail="cannot allocate 1048576 bytes of snapshot memory in /dev/shm"),
+     HP, XF, True, False),
     (Signal(K.NAN_LOSS), SU, XF, True, False),
     (Signal(K.USER_EXCEPTION, detail="ValueError: bad batch"), SU, XF, True, False),
     (Signal(K.USER_EXCEPTION), SU, XF, True, False),

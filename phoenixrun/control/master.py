@@ -36,6 +36,7 @@ from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.server import ControlServer
 from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role, admit, fence_reply
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
+from phoenixrun.faults.escalate import Attempt, Limits, escalate
 from phoenixrun.topology import Layout, place_replicas
 
 log = logging.getLogger("phoenixrun.master")
@@ -106,6 +107,7 @@ class Master(Recoveries):
         self.protect_every = 1
         self.done_nodes: set[str] = set()
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
+        self.attempts: list[Attempt] = []   # every fault acted on, with the committed step then (no loop)
         # directive versions only grow, across master restarts too: agents ignore what is not newer
         self.directives = DirectiveBoard(on_sent=self._directive_sent)
         self._injections: dict[str, list[str]] = {}
@@ -710,12 +712,16 @@ class Master(Recoveries):
             history = {s: list(h) for s, h in self.fault_history.items()}
         pairs = [(self._signal_of(e, slot_of[e["node_id"]]), e) for e in events
                  if slot_of.get(e["node_id"]) is not None]
-        corr = correlate([sig for sig, _ in pairs], history, max_local_resets=self.cfg.max_local_resets)
+        # fault_history holds one signal per incident handled (this window gathers an incident's reports), so
+        # entries are never merged by time: merged, local resets 0.5 s apart never escalated (issue 20)
+        corr = correlate([sig for sig, _ in pairs], history, max_local_resets=self.cfg.max_local_resets,
+                         incident_gap_s=0.0)
         acted = sorted(corr.acted_on, key=lambda d: SEVERITY[d.action])
         if not acted:
             return None
         d = acted[0]
         ev = next(e for sig, e in pairs if sig is d.signal)
+        verdict = self._escalated(d.classification, ev)
         with self.cv:
             node = self.nodes[ev["node_id"]]
             # recorded with the fault: how the window was decided and who reported what (nodes by id)
@@ -723,7 +729,28 @@ class Master(Recoveries):
         context = {"verdict": d.verdict.value,
                    "reporters": sorted({ids[x.node] for x in corr.decisions}),
                    "symptoms": sorted({ids[x.node] for x in corr.symptoms})}
-        return node, ev, d.classification, context
+        return node, ev, verdict, context
+
+    def _escalated(self, c: Classification, ev: dict) -> Classification:
+        """No loop: a fault acted on at the committed step of earlier attempts (no progress since) gets a
+        stronger remedy, and past the last one the job stops (faults/escalate.py). Hot swap only: a
+        torchrun-style job's restarts are bounded by --max-restarts."""
+        with self.cv:
+            if not self._api_mode():
+                return c
+            newest = [max(s) for n in self.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
+            step = min(newest) if len(newest) == self.layout.world_size else None
+            e = escalate(c, step, self.attempts, Limits(local_resets=self.cfg.max_local_resets))
+            self.attempts = [*self.attempts[-63:], Attempt(step, e.action or c.action)]
+            if e.stop:
+                self.events.emit("fault_detected", self.generation, node=ev.get("node_id"), signal=ev.get("kind"),
+                                 rank=ev.get("rank"), detail=(ev.get("detail") or ev.get("text") or "")[:300],
+                                 **{"class": c.fault_class.value}, action="stop", step=step, repeats=e.repeats)
+        if e.stop:
+            raise Stop(_exit_code(ev) or 1, e.reason)
+        if e.action is c.action:
+            return c
+        return Classification(c.fault_class, e.action, c.root_cause, e.reason, c.ambiguous)
 
     def _definite(self, ev: dict) -> bool:
         with self.cv:

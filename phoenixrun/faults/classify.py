@@ -173,6 +173,12 @@ def _base(sig: Signal) -> Classification:
         return _c(FaultClass.NETWORK_STORAGE, Action.NODE_REPLACE, "NIC down")
     if k is SignalKind.STORAGE_ERROR:
         return _c(FaultClass.NETWORK_STORAGE, Action.NODE_REPLACE, "storage error")
+    if k is SignalKind.SNAPSHOT_SPACE:
+        # The host cannot hold the rank's snapshot any more (shared memory full). Not transient - a local reset
+        # would fail the same way at the same step - and a spare would fill up alike as the state keeps
+        # growing: restart from a persistent checkpoint, else stop with the agent's message (size, room, remedy).
+        return _c(FaultClass.HOST_PCIE, Action.EXTERNAL_FALLBACK,
+                  f"snapshot memory exhausted: {sig.detail}" if sig.detail else "snapshot memory exhausted")
     raise AssertionError(f"unhandled signal kind {k!r}")  # SignalKind is closed; a new kind must be added here
 
 

@@ -43,6 +43,7 @@ class SignalKind(str, Enum):
     USER_EXCEPTION = "user_exception"  # detail: the exception text / traceback tail
     NIC_DOWN = "nic_down"
     STORAGE_ERROR = "storage_error"
+    SNAPSHOT_SPACE = "snapshot_space"  # detail: the agent cannot create or grow a snapshot slot on this host
 
 
 # Kinds whose payload lives in ``Signal.code``; for the others ``code`` is optional context.

@@ -289,6 +289,7 @@ class Job:
         self.binding: StateBinding | None = None
         self.writer: SnapshotWriter | None = None
         self.slots: list[SlotMap] = []
+        self._restored_meta_cap = 0     # metadata capacity of the snapshot last restored (a floor for the layout)
         self.copier = BackgroundCopier()
         self.awaited_step = -1          # step of the last snapshot submitted: opt.step waits for its commit
         self.stall_s = 0.0
@@ -379,12 +380,16 @@ class Job:
         self._iteration_t = now
         if step % self.every:
             return
-        if self.binding is None:
-            self._bind()
+        if self.binding is None or self.binding.stale():
+            self._bind()                   # first snapshot, after a restore, or the optimizer state changed
         self.binding.refresh_volatile()
-        extra = json.dumps(self.state)                      # on this thread: the script mutates it next step
-        groups = self.binding.param_groups()
         writer, slots, link, every = self.writer, self.slots, self.link, self.every
+        # on this thread: the script mutates its state dict next step
+        meta = writer.encode_meta(step, json.dumps(self.state), self.binding.param_groups(), every)
+        if writer.fit(len(meta)):
+            log.info("rank %d: snapshot %d outgrew its layout (metadata %d bytes): re-laid out for %d bytes of "
+                     "metadata, %d bytes a slot", self.rt.rank, step, len(meta), writer.meta_cap, writer.total_len)
+        meta_cap, nbytes = writer.meta_cap, writer.total_len
         ready = None
         if isinstance(writer.copier, CudaCopier):   # order the D2H copy after this step's optimizer update
             ready = torch.cuda.Event()
@@ -395,18 +400,31 @@ class Job:
         self._submit_t = time.perf_counter()
 
         def copy() -> None:
-            idx = link.request({"op": "write"})["slot"]
-            writer.write(slots[idx], step, json.loads(extra), groups, every, ready)
+            # the agent hands out the non-committed slot, grown first if this layout needs more room
+            reply = link.request({"op": "write", "nbytes": nbytes})
+            idx = reply["slot"]
+            if slots[idx].path != reply["path"] or slots[idx].nbytes < nbytes:   # grown: a new file
+                writer.copier.release(slots[idx])
+                slots[idx] = SlotMap(reply["path"], reply["nbytes"])
+            writer.write_encoded(slots[idx], step, meta, meta_cap, ready)
             link.send({"op": "written", "slot": idx, "step": step, "stats": stats})
         self.awaited_step = step
         self.copier.submit(copy)
 
     def _bind(self) -> None:
+        old = self.writer
         self.binding = StateBinding(self.model, self.optimizer)
-        meta_cap = 64 * 1024 + 256 * (len(self.binding.private) + len(self.binding.shared))
+        # The metadata capacity only grows: what the last layout (or the restored snapshot) needed, else a
+        # first guess. The slots themselves grow when a snapshot needs more (the `write` request).
+        meta_cap = max(64 * 1024 + 256 * (len(self.binding.private) + len(self.binding.shared)),
+                       old.meta_cap if old is not None else 0, self._restored_meta_cap)
         self.writer = SnapshotWriter(self.binding, meta_cap)
-        paths = self.link.request({"op": "alloc", "nbytes": self.writer.total_len})["paths"]
-        self.slots = [SlotMap(p, self.writer.total_len) for p in paths]
+        if old is not None and (old.private_len, old.shared_len) != (self.writer.private_len, self.writer.shared_len):
+            log.info("rank %d: optimizer state changed: snapshot tensors now %d + %d bytes", self.rt.rank,
+                     self.writer.private_len, self.writer.shared_len)
+        if not self.slots:
+            paths = self.link.request({"op": "alloc", "nbytes": self.writer.total_len})["paths"]
+            self.slots = [SlotMap(p) for p in paths]   # each as large as its file (slots grow one at a time)
 
     # ---------------------------------------------------------------- recovery
     def _recover(self, exc: BaseException | None) -> None:
@@ -473,6 +491,7 @@ class Job:
                 continue
             h, meta = found
             restore_into(slot, h, meta, self.model, self.optimizer)
+            self._restored_meta_cap = h.meta_cap   # a fresh process starts with the layout the state needed
             self.state.clear()
             self.state.update(meta["extra"])
             self.every = meta.get("every", self.every)   # a replacement takes the job's interval

@@ -1,8 +1,9 @@
 """The snapshot engine: copy a rank's state into its agent-owned slot every step, off the hot path.
 
-The layout is computed once: each live tensor (optimizer shard state, RNG, parameters) gets a
-fixed offset in the slot, so a snapshot is a sequence of plain copies into pre-faulted shared
-memory, no pickling. On CPU the copy runs on a background thread (tensor copies release the
+The layout is computed when the state is bound: each live tensor (optimizer shard state, RNG,
+parameters) gets a fixed offset in the slot, so a snapshot is a sequence of plain copies into
+pre-faulted shared memory, no pickling. It is computed again only when the state outgrows it (the
+metadata - mostly the script's state dict - past its capacity, or optimizer state that appears late). On CPU the copy runs on a background thread (tensor copies release the
 GIL) and overlaps the next forward/backward; on CUDA it would be one async D2H copy on a side
 stream into the mapping registered as pinned memory (`CudaCopier`).
 """
@@ -17,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from phoenixrun.testing import pause_point
-from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_private, crc_shared
+from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_private, crc_shared, grown_capacity, slot_bytes
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -77,10 +78,21 @@ class StateBinding:
             self.private += [(f"rng/cuda{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
         # param group hyperparameters in state_dict() form, without packing the state every step
         self._group_params = [g["params"] for g in opt_sd["param_groups"]]
+        self._state_count = self.state_count()
         self.private_entries = _entries(self.private)
         self.shared_entries = _entries(self.shared)
         self.signature = (tuple(e.to_json().__repr__() for e in self.private_entries),
                           tuple(e.to_json().__repr__() for e in self.shared_entries))
+
+    def state_count(self) -> tuple[int, int]:
+        """How many parameters have optimizer state, and how many entries in all (cheap: no tensors touched)."""
+        st = self.local_opt.state
+        return len(st), sum(len(v) for v in st.values())
+
+    def stale(self) -> bool:
+        """The optimizer state gained or lost entries since binding (state created lazily for a parameter that
+        got its first gradient late, a param group added): the snapshot layout must be computed again."""
+        return self.state_count() != self._state_count
 
     def refresh_volatile(self) -> None:
         """Tensors that are re-created rather than updated in place (RNG states)."""
@@ -129,29 +141,60 @@ class SlotMap:
 
 
 class SnapshotWriter:
-    """Writes S_k into a slot: header, metadata, private region, shared region."""
+    """Writes S_k into a slot: header, metadata, private region, shared region.
+
+    The layout is (meta_cap, private region, shared region). `meta_cap` grows (`fit`) when the metadata -
+    mostly the script's state dict, which may grow every step - outgrows it; the tensor regions follow the
+    binding (a new binding when the optimizer state changes). Each slot's header records the layout it was
+    written with, so slots of different layouts coexist (slot_format.py)."""
 
     def __init__(self, binding: StateBinding, meta_cap: int):
         self.b = binding
-        pl, sl = _region_len(binding.private_entries), _region_len(binding.shared_entries)
+        self.private_len, self.shared_len = _region_len(binding.private_entries), _region_len(binding.shared_entries)
         self.meta_cap = meta_cap
-        self.proto = SlotHeader(step=0, meta_cap=meta_cap, meta_len=0, private_len=pl, shared_len=sl)
-        self.total_len = self.proto.total_len
+        # the part of the metadata fixed by the binding, encoded once (per step only the state dict and the
+        # param groups are)
+        self._meta_tail = json.dumps({
+            "scalars": binding.scalars, "optimizer_private": binding.optimizer_private,
+            "private": [e.to_json() for e in binding.private_entries],
+            "shared": [e.to_json() for e in binding.shared_entries]})[1:]
         cuda = [t for _, t in binding.private + binding.shared if t.is_cuda]
         self.copier = CudaCopier(cuda[0].device) if cuda else CpuCopier()
+
+    @property
+    def total_len(self) -> int:
+        """Bytes a slot needs for the current layout."""
+        return slot_bytes(self.meta_cap, self.private_len, self.shared_len)
+
+    def encode_meta(self, step: int, extra_json: str, param_groups: list, every: int = 1) -> bytes:
+        """The metadata of S_step; `extra_json` is the script's state dict, already JSON."""
+        head = json.dumps({"step": step, "every": every, "param_groups": param_groups})
+        return f'{head[:-1]}, "extra": {extra_json}, {self._meta_tail}'.encode()
+
+    def fit(self, meta_len: int) -> bool:
+        """Make room for `meta_len` bytes of metadata: True if the layout grew (geometric headroom)."""
+        if meta_len <= self.meta_cap:
+            return False
+        self.meta_cap = grown_capacity(self.meta_cap, meta_len)
+        return True
 
     def write(self, slot: SlotMap, step: int, extra: dict, param_groups: list, every: int = 1,
               ready: "torch.cuda.Event | None" = None) -> None:
         """`ready`: on CUDA, an event recorded after the optimizer step on the training stream."""
+        meta = self.encode_meta(step, json.dumps(extra), param_groups, every)
+        self.fit(len(meta))
+        self.write_encoded(slot, step, meta, self.meta_cap, ready)
+
+    def write_encoded(self, slot: SlotMap, step: int, meta: bytes, meta_cap: int,
+                      ready: "torch.cuda.Event | None" = None) -> None:
+        """Write S_step with metadata `meta` laid out for `meta_cap` (the capacity `fit` chose for this snapshot,
+        passed along: the training thread may grow the writer's for the next one meanwhile)."""
         b = self.b
-        meta = json.dumps({
-            "step": step, "extra": extra, "every": every, "param_groups": param_groups, "scalars": b.scalars,
-            "optimizer_private": b.optimizer_private,
-            "private": [e.to_json() for e in b.private_entries],
-            "shared": [e.to_json() for e in b.shared_entries]}).encode()
-        if len(meta) > self.meta_cap:
-            raise ValueError(f"snapshot metadata ({len(meta)} bytes) outgrew its slot; extra state too large")
-        h = SlotHeader(step, self.meta_cap, len(meta), self.proto.private_len, self.proto.shared_len)
+        if len(meta) > meta_cap:
+            raise ValueError(f"snapshot metadata ({len(meta)} bytes) does not fit the layout ({meta_cap} bytes)")
+        h = SlotHeader(step, meta_cap, len(meta), self.private_len, self.shared_len)
+        if slot.nbytes < h.total_len:
+            raise ValueError(f"slot {slot.path} holds {slot.nbytes} bytes, snapshot {step} needs {h.total_len}")
         with torch.no_grad():
             self.copier.copy([(slot.view(h.private_off, e), t) for (_, t), e in zip(b.private, b.private_entries)],
                              slot, ready)
@@ -169,6 +212,9 @@ class CpuCopier:
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
         for dst, src in pairs:
             dst.copy_(src)
+
+    def release(self, slot: SlotMap) -> None:
+        """The slot is being unmapped (replaced by a larger one)."""
 
 
 class CudaCopier:
@@ -188,6 +234,14 @@ class CudaCopier:
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of {slot.path} failed (cudaError {int(rc)})")
         self._registered.add(ptr)
+
+    def release(self, slot: SlotMap) -> None:
+        """Unpin a slot that is being unmapped (replaced by a larger one): pinned pages must not outlive it."""
+        ptr = slot.buf.data_ptr()
+        if ptr in self._registered:
+            torch.cuda.synchronize(self.stream.device)
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+            self._registered.discard(ptr)
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
         self._register(slot)

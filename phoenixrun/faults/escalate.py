@@ -1,0 +1,94 @@
+"""No loop: a fault that keeps coming back without the job making progress climbs a ladder of remedies
+(local reset -> node replace -> external fallback), then the job stops with the reason. Pure.
+
+The master records one `Attempt` per fault it acted on (one recovery, however soon after the previous one),
+keyed by the job's committed step when the fault was acted on. A later fault at the same committed step
+means nothing was gained since: whatever was tried did not help, so the next attempt must be a stronger
+remedy. The bound holds whatever the time between repeats (a deterministic fault replayed every 0.5 s looped
+forever when repeats were counted as incidents separated in time: issue 20).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .taxonomy import Action, Classification
+
+# weakest to strongest; a fault's own action is never weakened, only raised
+LADDER: tuple[Action, ...] = (Action.LOCAL_RESET, Action.NODE_REPLACE, Action.EXTERNAL_FALLBACK)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How many attempts at one step each rung gets before the next one (defaults: 3 + 1 + 1, then stop)."""
+
+    local_resets: int = 3
+    node_replaces: int = 1
+    fallbacks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("local_resets", "node_replaces", "fallbacks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"escalation limit {name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def attempts(self) -> int:
+        """Attempts at one step before the job stops."""
+        return self.local_resets + self.node_replaces + self.fallbacks
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One fault acted on: the job's committed step then (None: none yet), and the action taken."""
+
+    step: int | None
+    action: Action
+
+
+@dataclass(frozen=True)
+class Escalation:
+    action: Action | None  # None: stop the job
+    repeats: int  # earlier attempts at this step
+    reason: str  # the classification's reason, with why it was escalated (or why the job stops)
+
+    @property
+    def stop(self) -> bool:
+        return self.action is None
+
+
+def rung(repeats: int, limits: Limits) -> Action | None:
+    """The weakest action allowed after `repeats` earlier attempts at the same step (None: stop)."""
+    if repeats < limits.local_resets:
+        return Action.LOCAL_RESET
+    if repeats < limits.local_resets + limits.node_replaces:
+        return Action.NODE_REPLACE
+    if repeats < limits.attempts:
+        return Action.EXTERNAL_FALLBACK
+    return None
+
+
+def _summary(attempts: list[Attempt]) -> str:
+    counts: dict[Action, int] = {}
+    for a in attempts:
+        counts[a.action] = counts.get(a.action, 0) + 1
+    return ", ".join(f"{a.value} x{counts[a]}" for a in LADDER if a in counts)
+
+
+def escalate(c: Classification, step: int | None, history: Iterable[Attempt],
+             limits: Limits = Limits()) -> Escalation:
+    """The action for fault `c` acted on at committed step `step`, given the earlier attempts `history`.
+
+    Attempts at other steps do not count (the job progressed between them). The action is the stronger of
+    the fault's own and the ladder's rung for the number of repeats; past the last rung the job stops.
+    """
+    same = [a for a in history if a.step == step]
+    n = len(same)
+    floor = rung(n, limits)
+    where = f"step {step}" if step is not None else "the start (nothing committed yet)"
+    if floor is None:
+        return Escalation(None, n, f"{c.reason}; the job stops: {n} attempts at {where} made no progress "
+                                   f"({_summary(same)})")
+    if LADDER.index(floor) <= LADDER.index(c.action):
+        return Escalation(c.action, n, c.reason)
+    return Escalation(floor, n, f"{c.reason}; escalated to {floor.value}: {n} earlier attempts at {where} made no "
+                                f"progress ({_summary(same)})")

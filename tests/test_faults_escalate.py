@@ -1,0 +1,94 @@
+"""The no-loop rule (faults/escalate.py): table tests and properties."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from phoenixrun.faults.escalate import LADDER, Attempt, Limits, escalate, rung
+from phoenixrun.faults.taxonomy import Action, Classification, FaultClass
+
+LR, NR, XF = Action.LOCAL_RESET, Action.NODE_REPLACE, Action.EXTERNAL_FALLBACK
+TRANSIENT = Classification(FaultClass.TRANSIENT_COMM, LR, False, "collective error")
+HARDWARE = Classification(FaultClass.HOST_PCIE, NR, True, "agent heartbeat lost")
+USER = Classification(FaultClass.SOFTWARE_UNKNOWN, XF, True, "exception in user code")
+
+
+def at(step, *actions):
+    return [Attempt(step, a) for a in actions]
+
+
+# (fault, committed step, history, action expected; None = stop)
+TABLE = [
+    # nothing before: the fault's own action
+    (TRANSIENT, 10, [], LR),
+    (HARDWARE, 10, [], NR),
+    (USER, 10, [], XF),
+    # repeats at the same step climb the ladder whatever the fault's own action
+    (TRANSIENT, 10, at(10, LR, LR), LR),
+    (TRANSIENT, 10, at(10, LR, LR, LR), NR),
+    (TRANSIENT, 10, at(10, LR, LR, LR, NR), XF),
+    (TRANSIENT, 10, at(10, LR, LR, LR, NR, XF), None),
+    (HARDWARE, 10, at(10, NR, NR, NR, NR), XF),
+    (HARDWARE, 10, at(10, NR, NR, NR, NR, XF), None),
+    (USER, 10, at(10, XF, XF, XF, XF, XF), None),
+    # attempts at other steps: the job progressed in between, they do not count
+    (TRANSIENT, 11, at(10, LR, LR, LR, NR, XF), LR),
+    (TRANSIENT, 10, at(9, LR, LR) + at(11, LR, LR) + at(10, LR), LR),
+    # a fallback went back to an older checkpoint and the job failed again at the same step: still a repeat
+    (TRANSIENT, 10, at(10, LR, LR, LR, NR) + at(5, LR) + at(10, XF), None),
+    # nothing committed yet is a step like any other
+    (TRANSIENT, None, at(None, LR, LR, LR), NR),
+    (TRANSIENT, None, at(0, LR, LR, LR), LR),
+]
+
+
+@pytest.mark.parametrize("fault,step,history,expected", TABLE)
+def test_table(fault, step, history, expected):
+    e = escalate(fault, step, history)
+    assert e.action is expected, e.reason
+    assert e.stop == (expected is None)
+    assert e.reason.startswith(fault.reason)
+    if expected is not fault.action:
+        assert "no progress" in e.reason
+        assert (f"step {step}" if step is not None else "nothing committed yet") in e.reason
+
+
+def test_stop_reason_says_what_was_tried():
+    e = escalate(TRANSIENT, 1281, at(1281, LR, LR, LR, NR, XF))
+    assert e.reason == ("collective error; the job stops: 5 attempts at step 1281 made no progress "
+                        "(local_reset x3, node_replace x1, external_fallback x1)")
+
+
+def test_limits_shape_the_ladder():
+    lim = Limits(local_resets=0, node_replaces=0, fallbacks=2)
+    assert [rung(n, lim) for n in range(4)] == [XF, XF, None, None]
+    assert [rung(n, Limits()) for n in range(7)] == [LR, LR, LR, NR, XF, None, None]
+    with pytest.raises(ValueError, match="local_resets"):
+        Limits(local_resets=-1)
+
+
+actions = st.sampled_from(LADDER)
+faults = st.sampled_from([TRANSIENT, HARDWARE, USER])
+limits = st.builds(Limits, st.integers(0, 4), st.integers(0, 3), st.integers(0, 3))
+
+
+@given(faults, st.lists(st.tuples(st.sampled_from([None, 1, 2, 3]), actions), max_size=30), limits)
+def test_never_weaker_than_the_fault_and_never_weaker_for_more_repeats(fault, hist, lim):
+    history = [Attempt(s, a) for s, a in hist]
+    e = escalate(fault, 2, history, lim)
+    more = escalate(fault, 2, history + [Attempt(2, LR)], lim)
+    if not e.stop:
+        assert LADDER.index(e.action) >= LADDER.index(fault.action)
+        assert more.stop or LADDER.index(more.action) >= LADDER.index(e.action)
+
+
+@given(faults, limits, st.lists(faults, max_size=40))
+def test_a_fault_repeating_at_one_step_stops_within_the_bound(first, lim, later):
+    """Feed the decisions back as the master does: the job ends after at most limits.attempts attempts."""
+    history: list[Attempt] = []
+    for fault in [first, *later, *[TRANSIENT] * (lim.attempts + 1)]:
+        e = escalate(fault, 7, history, lim)
+        if e.stop:
+            break
+        history.append(Attempt(7, e.action))
+    assert e.stop
+    assert len(history) == lim.attempts
