@@ -226,6 +226,8 @@ class Agent:
                            "worker_pids": [w.pid for w in self.workers.values() if w.poll() is None],
                            "snapshots": self.slots.available(), "replicas": self.replicas.available(),
                            "protection": self.protection, "api": self.api}
+                if self.role == "spare":
+                    payload["warm_ready"] = self.warm_ready()
             try:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
                 if reply.get("fenced"):    # replaced while it was away: never rejoin
@@ -289,9 +291,10 @@ class Agent:
             if "world" in d:
                 self.world = d["world"]
             self.restart_count = d.get("restart_count", self.restart_count)
-        if cmd in ("run", "restart") and self.persister is not None:
+        if (cmd == "run" or (cmd == "restart" and d.get("restore_step") is None)) and self.persister is not None:
             # before workers start (not under the lock: heartbeats go on): the first checkpoints
-            # must not be skipped because the I/O process is still importing
+            # must not be skipped because the I/O process is still importing. (A restart from a checkpoint
+            # needs the process to read it anyway: it waits for it there, with its workers starting meanwhile.)
             self.persister.ready.wait(timeout=60)
         if cmd == "wait":
             if d.get("warm") and not self.workers:
@@ -304,6 +307,8 @@ class Agent:
                     self.restore_step = None
                     self._kill_all()   # a spare's warm workers carry no rank: start real ones
                     self._spawn_all(rank_known=True)
+        elif cmd == "restart" and d.get("restore_step") is not None and (self.api or self._warm_workers()):
+            self._restart_from_disk(d["restore_step"])
         elif cmd == "restart":
             with self.lock:
                 self.role = "active"
@@ -330,6 +335,50 @@ class Agent:
             else:
                 self.exit_code = d.get("exit_code", 0)
                 self._stop.set()
+
+    def _warm_workers(self) -> bool:
+        """Pre-started workers with no rank yet (a warm spare's) are all alive."""
+        with self.lock:
+            return bool(self.workers) and all(w.rank is None and w.poll() is None for w in self.workers.values())
+
+    def _restart_from_disk(self, step: int) -> None:
+        """Fallback restart of a node whose workers use the phoenixrun API: the workers start (or, on a warm
+        spare, are already up) while the checkpoint is read, and get their rank and restore step once it is
+        staged. Done one after the other - I/O process ready, read, then spawn and import torch - it took
+        over 13 s a restart on a loaded 2-core machine, and under a kill every 8-15 s no fallback finished."""
+        with self.lock:
+            self.role = "active"
+            if not self._warm_workers():
+                self._kill_all()
+                self._spawn_all(rank_known=False)     # they import torch and wait for their assignment
+            self.slots.clear()
+            self.restore_step = None
+        if not self._stage_from_disk(step):
+            return
+        with self.lock:
+            self.restore_step = step
+            self.slots.frozen = self.replicas.frozen = False
+            self.replicas.restore_point(step)
+            self.pending_resume = set(range(self.cfg.nproc_per_node))
+            self.resume_timings = {}
+            self.last_progress.clear()
+            for lr in range(self.cfg.nproc_per_node):
+                w = self.workers.get(lr)
+                if w is None or w.poll() is not None:
+                    self._spawn(lr, rank_known=True)
+                    continue
+                w.rank = self._rank(lr)
+                conn = self.waiting_hello.pop(lr, None)
+                if conn is not None:                   # else it gets the assignment with its hello
+                    self.conns[lr] = conn
+                    conn.send(self._assignment(lr))
+
+    def warm_ready(self) -> bool:
+        """A spare whose pre-started workers have all connected (torch imported): promoting it costs no
+        start-up. The master prefers such spares (a spare promoted before its workers were up made every
+        3-8 s recovery of a soak)."""
+        with self.lock:
+            return self._warm_workers() and len(self.waiting_hello) == self.cfg.nproc_per_node
 
     def _rank(self, local_rank: int) -> int:
         return self.slot * self.cfg.nproc_per_node + local_rank
@@ -398,6 +447,7 @@ class Agent:
         step = d["restore_step"]
         timings: dict[str, float] = {}
         try:
+            pause_point("restore", step)     # tests: a worker that dies while the others rebuild
             if d.get("fetch"):
                 pause_point("fetch", step)   # tests: a spare that dies while restoring
             for rank, src in d.get("fetch", {}).items():
@@ -444,6 +494,7 @@ class Agent:
         try:
             if self.persister is None:
                 raise PersistError("this job writes no persistent checkpoints")
+            self.persister.reset(step)     # queued writes of the abandoned timeline do not go before the read
             for lr in range(self.cfg.nproc_per_node):
                 self.slots.install_image(self._rank(lr), self.persister.read(step, self._rank(lr)))
         except (PersistError, SlotError, OSError) as e:

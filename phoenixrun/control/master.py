@@ -246,6 +246,7 @@ class Master(Recoveries):
             node.snapshots = by_rank(p.get("snapshots"))
             node.replicas = by_rank(p.get("replicas"))
             node.protection = by_rank(p.get("protection"))
+            node.warm_ready = p.get("warm_ready") is True
             self._node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
             if p.get("api") and not node.api:
                 node.api = True
