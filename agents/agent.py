@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phoenixrun.control.client import ControlError
+from phoenixrun import netaddr
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
@@ -105,6 +106,9 @@ class Agent:
         self._version = -1
         self._stop = threading.Event()
         self._flush_deadline = float("inf")
+        # gloo binds the workers' sockets to this node's address (left to itself, it resolves the hostname, which
+        # /etc/hosts often maps to 127.0.0.1: cross-node connects then fail)
+        self.gloo_ifname = netaddr.interface_for(cfg.host, netaddr.interfaces())
 
     # ------------------------------------------------------------------ startup
     def run(self) -> int:
@@ -155,9 +159,9 @@ class Agent:
         while True:
             try:
                 return self.client.post("/v1/register", payload)
-            except ControlError:
-                if time.time() > deadline:
-                    raise
+            except ControlError as e:
+                if time.time() > deadline or (e.status is not None and 400 <= e.status < 500):
+                    raise      # a refusal (a loopback address from another machine, say) does not go away
                 time.sleep(0.2)
 
     def _rejoin(self) -> None:
@@ -389,7 +393,7 @@ class Agent:
             slot=self.slot if rank_known else None, rank=self._rank(local_rank) if rank_known else None,
             master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=self.job["store_port"],
             run_id=self.job["run_id"], restart_count=self.restart_count, max_restarts=self.job["max_restarts"],
-            generation=self.generation, agent_sock=self.sock_path,
+            generation=self.generation, agent_sock=self.sock_path, gloo_ifname=self.gloo_ifname,
             error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{self.node_id}-{local_rank}.json"))
 
     def _spawn(self, local_rank: int, rank_known: bool) -> None:

@@ -12,7 +12,11 @@ from urllib.parse import urlsplit
 
 
 class ControlError(Exception):
-    """The master could not be reached or refused the call."""
+    """The master could not be reached or refused the call (status: its HTTP status, None if unreached)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ControlClient:
@@ -51,7 +55,8 @@ class ControlClient:
             if resp.will_close:
                 self._drop()
             if resp.status >= 400:
-                raise ControlError(f"master refused {path}: HTTP {resp.status} {body.decode(errors='replace')}")
+                raise ControlError(f"master refused {path}: HTTP {resp.status} {body.decode(errors='replace')}",
+                                   resp.status)
             return body
         raise AssertionError("unreachable")
 

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from phoenixrun import auth
+from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
 
 if TYPE_CHECKING:
@@ -333,6 +333,13 @@ class ControlServer:
             payload = wire.loads(req.body or b"{}")
             if not isinstance(payload, dict):
                 raise ValueError("body must be a JSON object")
+            if req.path == "/v1/register":
+                why = netaddr.loopback_refusal([payload.get("host", ""), netaddr.split_host_port(
+                    str(payload.get("peer_addr", "")))[0]], conn.peer)
+                if why:
+                    log.warning("refused registration of %s: %s", payload.get("node_id"), why)
+                    conn.respond(400, wire.dumps({"error": why}))
+                    return
             if fn is None:
                 self._answer_or_park([_Poll(conn, payload, int(payload.get("version", -1)))])
                 return
