@@ -346,17 +346,27 @@ class Agent:
             return bool(self.workers) and all(w.rank is None and w.poll() is None for w in self.workers.values())
 
     def _restart_from_disk(self, step: int) -> None:
-        """Fallback restart of a node whose workers use the phoenixrun API: the workers start (or, on a warm
-        spare, are already up) while the checkpoint is read, and get their rank and restore step once it is
-        staged. Done one after the other - I/O process ready, read, then spawn and import torch - it took
-        over 13 s a restart on a loaded 2-core machine, and under a kill every 8-15 s no fallback finished."""
+        """Fallback restart of a node whose workers use the phoenixrun API, without starting processes where it
+        can: live workers are quiesced and rebuilt from the staged checkpoint (a local reset from disk); a warm
+        spare's workers get their rank once it is staged; only dead ones are spawned, while it is read. Done
+        one after the other - I/O process ready, read, then kill, spawn and import torch - a restart took over
+        13 s on a loaded 2-core machine, and under a kill every 8-15 s no fallback finished."""
         with self.lock:
             self.role = "active"
-            if not self._warm_workers():
+            live = {lr for lr, w in self.workers.items()
+                    if w.rank is not None and w.poll() is None and lr in self.conns}
+            if not live and not self._warm_workers():
                 self._kill_all()
+                self.slots.clear()
                 self._spawn_all(rank_known=False)     # they import torch and wait for their assignment
-            self.slots.clear()
             self.restore_step = None
+            if live:
+                self.slots.frozen = self.replicas.frozen = True
+                self.pending_quiesce = set(live)
+                for lr in live:
+                    self.conns[lr].send({"op": "quiesce", "generation": self.generation})
+        if live:
+            self._await_quiesced(live)
         if not self._stage_from_disk(step):
             return
         with self.lock:
@@ -369,13 +379,34 @@ class Agent:
             for lr in range(self.cfg.nproc_per_node):
                 w = self.workers.get(lr)
                 if w is None or w.poll() is not None:
-                    self._spawn(lr, rank_known=True)
-                    continue
-                w.rank = self._rank(lr)
-                conn = self.waiting_hello.pop(lr, None)
-                if conn is not None:                   # else it gets the assignment with its hello
-                    self.conns[lr] = conn
-                    conn.send(self._assignment(lr))
+                    self._spawn(lr, rank_known=True)     # restores from the staged slot as it starts
+                elif w.rank is None:                      # warm: its assignment now, or with its hello
+                    w.rank = self._rank(lr)
+                    conn = self.waiting_hello.pop(lr, None)
+                    if conn is not None:
+                        self.conns[lr] = conn
+                        conn.send(self._assignment(lr))
+                elif lr in self.conns:
+                    self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step,
+                                         "store_prefix": self.store_prefix})
+
+    def _await_quiesced(self, live: set[int]) -> None:
+        """Wait until the live workers stopped touching their slots (the checkpoint is staged into them); one
+        that does not answer within QUIESCE_GRACE_S (blocked in a collective) is killed and respawned."""
+        deadline = time.time() + QUIESCE_GRACE_S
+        while time.time() < deadline:
+            with self.lock:
+                if not (self.pending_quiesce - {-1}):
+                    return
+            time.sleep(0.01)
+        with self.lock:
+            for lr in sorted(self.pending_quiesce - {-1}):
+                w = self.workers.get(lr)
+                self.reported_exit.add(lr)      # our doing, not a fault to report
+                self.conns.pop(lr, None)
+                if w is not None:
+                    w.kill_tree(grace=0.1)
+            self.pending_quiesce.clear()
 
     def warm_ready(self) -> bool:
         """A spare whose pre-started workers have all connected (torch imported): promoting it costs no
