@@ -409,9 +409,12 @@ class Agent:
             self.pending_quiesce.clear()
 
     def warm_ready(self) -> bool:
-        """A spare whose pre-started workers have all connected (torch imported): promoting it costs no
-        start-up. The master prefers such spares (a spare promoted before its workers were up made every
-        3-8 s recovery of a soak)."""
+        """A spare whose pre-started workers have all connected (torch imported) and whose checkpoint I/O process
+        is up: promoting it costs no start-up. The master prefers such spares (a spare promoted before its workers
+        were up made every 3-8 s recovery of a soak; one whose I/O process was still importing made its fallback
+        restart wait for it)."""
+        if self.persister is not None and not self.persister.ready.is_set():
+            return False
         with self.lock:
             return self._warm_workers() and len(self.waiting_hello) == self.cfg.nproc_per_node
 
