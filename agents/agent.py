@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from phoenixrun import netaddr
 from phoenixrun.control.client import ControlError
 from phoenixrun.control.messages import valid_fault
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
@@ -107,6 +108,9 @@ class Agent:
         self.token: str | None = None      # from the master's reply to our registration: our later calls carry it
         self._stop = threading.Event()
         self._flush_deadline = float("inf")
+        # gloo binds the workers' sockets to this node's address (left to itself, it resolves the hostname, which
+        # /etc/hosts often maps to 127.0.0.1: cross-node connects then fail)
+        self.gloo_ifname = netaddr.interface_for(cfg.host, netaddr.interfaces())
 
     # ------------------------------------------------------------------ startup
     def run(self) -> int:
@@ -231,6 +235,8 @@ class Agent:
                            "worker_pids": [w.pid for w in self.workers.values() if w.poll() is None],
                            "snapshots": self.slots.available(), "replicas": self.replicas.available(),
                            "protection": self.protection, "api": self.api}
+                if self.role == "spare":
+                    payload["warm_ready"] = self.warm_ready()
             try:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.cfg.heartbeat_interval * 4))
                 if reply.get("fenced"):    # replaced while it was away: never rejoin
@@ -300,9 +306,10 @@ class Agent:
             if "world" in d:
                 self.world = d["world"]
             self.restart_count = d.get("restart_count", self.restart_count)
-        if cmd in ("run", "restart") and self.persister is not None:
+        if (cmd == "run" or (cmd == "restart" and d.get("restore_step") is None)) and self.persister is not None:
             # before workers start (not under the lock: heartbeats go on): the first checkpoints
-            # must not be skipped because the I/O process is still importing
+            # must not be skipped because the I/O process is still importing. (A restart from a checkpoint
+            # needs the process to read it anyway: it waits for it there, with its workers starting meanwhile.)
             self.persister.ready.wait(timeout=60)
         if cmd == "wait":
             if d.get("warm") and not self.workers:
@@ -315,6 +322,8 @@ class Agent:
                     self.restore_step = None
                     self._kill_all()   # a spare's warm workers carry no rank: start real ones
                     self._spawn_all(rank_known=True)
+        elif cmd == "restart" and d.get("restore_step") is not None and (self.api or self._warm_workers()):
+            self._restart_from_disk(d["restore_step"])
         elif cmd == "restart":
             with self.lock:
                 self.role = "active"
@@ -342,6 +351,84 @@ class Agent:
                 self.exit_code = d.get("exit_code", 0)
                 self._stop.set()
 
+    def _warm_workers(self) -> bool:
+        """Pre-started workers with no rank yet (a warm spare's) are all alive."""
+        with self.lock:
+            return bool(self.workers) and all(w.rank is None and w.poll() is None for w in self.workers.values())
+
+    def _restart_from_disk(self, step: int) -> None:
+        """Fallback restart of a node whose workers use the phoenixrun API, without starting processes where it
+        can: live workers are quiesced and rebuilt from the staged checkpoint (a local reset from disk); a warm
+        spare's workers get their rank once it is staged; only dead ones are spawned, while it is read. Done
+        one after the other - I/O process ready, read, then kill, spawn and import torch - a restart took over
+        13 s on a loaded 2-core machine, and under a kill every 8-15 s no fallback finished."""
+        with self.lock:
+            self.role = "active"
+            live = {lr for lr, w in self.workers.items()
+                    if w.rank is not None and w.poll() is None and lr in self.conns}
+            if not live and not self._warm_workers():
+                self._kill_all()
+                self.slots.clear()
+                self._spawn_all(rank_known=False)     # they import torch and wait for their assignment
+            self.restore_step = None
+            if live:
+                self.slots.frozen = self.replicas.frozen = True
+                self.pending_quiesce = set(live)
+                for lr in live:
+                    self.conns[lr].send({"op": "quiesce", "generation": self.generation})
+        if live:
+            self._await_quiesced(live)
+        if not self._stage_from_disk(step):
+            return
+        with self.lock:
+            self.restore_step = step
+            self.slots.frozen = self.replicas.frozen = False
+            self.replicas.restore_point(step)
+            self.pending_resume = set(range(self.cfg.nproc_per_node))
+            self.resume_timings = {}
+            self.last_progress.clear()
+            for lr in range(self.cfg.nproc_per_node):
+                w = self.workers.get(lr)
+                if w is None or w.poll() is not None:
+                    self._spawn(lr, rank_known=True)     # restores from the staged slot as it starts
+                elif w.rank is None:                      # warm: its assignment now, or with its hello
+                    w.rank = self._rank(lr)
+                    conn = self.waiting_hello.pop(lr, None)
+                    if conn is not None:
+                        self.conns[lr] = conn
+                        conn.send(self._assignment(lr))
+                elif lr in self.conns:
+                    self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step,
+                                         "store_prefix": self.store_prefix})
+
+    def _await_quiesced(self, live: set[int]) -> None:
+        """Wait until the live workers stopped touching their slots (the checkpoint is staged into them); one
+        that does not answer within QUIESCE_GRACE_S (blocked in a collective) is killed and respawned."""
+        deadline = time.time() + QUIESCE_GRACE_S
+        while time.time() < deadline:
+            with self.lock:
+                if not (self.pending_quiesce - {-1}):
+                    return
+            time.sleep(0.01)
+        with self.lock:
+            for lr in sorted(self.pending_quiesce - {-1}):
+                w = self.workers.get(lr)
+                self.reported_exit.add(lr)      # our doing, not a fault to report
+                self.conns.pop(lr, None)
+                if w is not None:
+                    w.kill_tree(grace=0.1)
+            self.pending_quiesce.clear()
+
+    def warm_ready(self) -> bool:
+        """A spare whose pre-started workers have all connected (torch imported) and whose checkpoint I/O process
+        is up: promoting it costs no start-up. The master prefers such spares (a spare promoted before its workers
+        were up made every 3-8 s recovery of a soak; one whose I/O process was still importing made its fallback
+        restart wait for it)."""
+        if self.persister is not None and not self.persister.ready.is_set():
+            return False
+        with self.lock:
+            return self._warm_workers() and len(self.waiting_hello) == self.cfg.nproc_per_node
+
     def _rank(self, local_rank: int) -> int:
         return self.slot * self.cfg.nproc_per_node + local_rank
 
@@ -351,7 +438,7 @@ class Agent:
             slot=self.slot if rank_known else None, rank=self._rank(local_rank) if rank_known else None,
             master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=self.job["store_port"],
             run_id=self.job["run_id"], restart_count=self.restart_count, max_restarts=self.job["max_restarts"],
-            generation=self.generation, agent_sock=self.sock_path,
+            generation=self.generation, agent_sock=self.sock_path, gloo_ifname=self.gloo_ifname,
             error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{self.node_id}-{local_rank}.json"))
 
     def _spawn(self, local_rank: int, rank_known: bool) -> None:
@@ -409,6 +496,7 @@ class Agent:
         step = d["restore_step"]
         timings: dict[str, float] = {}
         try:
+            pause_point("restore", step)     # tests: a worker that dies while the others rebuild
             if d.get("fetch"):
                 pause_point("fetch", step)   # tests: a spare that dies while restoring
             for rank, src in d.get("fetch", {}).items():
@@ -457,6 +545,7 @@ class Agent:
         try:
             if self.persister is None:
                 raise PersistError("this job writes no persistent checkpoints")
+            self.persister.reset(step)     # queued writes of the abandoned timeline do not go before the read
             for lr in range(self.cfg.nproc_per_node):
                 self.slots.install_image(self._rank(lr), self.persister.read(step, self._rank(lr)))
         except (PersistError, SlotError, OSError) as e:

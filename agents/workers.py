@@ -50,6 +50,7 @@ class Placement:
     generation: int
     agent_sock: str
     error_file: str
+    gloo_ifname: str | None = None     # the interface holding the node's address: gloo binds there
 
 
 def worker_env(base: dict[str, str], p: Placement) -> dict[str, str]:
@@ -67,6 +68,8 @@ def worker_env(base: dict[str, str], p: Placement) -> dict[str, str]:
         "PHOENIXRUN_AGENT_SOCK": p.agent_sock, "PHOENIXRUN_GENERATION": str(p.generation),
         "PYTHONUNBUFFERED": "1",
     })
+    if p.gloo_ifname and "GLOO_SOCKET_IFNAME" not in base:
+        env["GLOO_SOCKET_IFNAME"] = p.gloo_ifname
     if "OMP_NUM_THREADS" not in base and p.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
     if p.rank is None:  # warm spare: the runtime waits for its assignment from the agent

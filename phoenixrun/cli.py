@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from phoenixrun import auth
+from phoenixrun import auth, netaddr
 from phoenixrun.control.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
 SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject")
@@ -66,14 +66,6 @@ def _parse_nproc(value: str) -> int:
     if n < 1:
         raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
     return n
-
-
-def _this_host() -> str:
-    import socket
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _tee(tee: str | None, redirects: str | None) -> bool:
@@ -159,7 +151,8 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_opt("--master-port", type=click.IntRange(0, 65535), default=29500, show_default=True, env="PET_MASTER_PORT",
       help="Master port when no --rdzv-endpoint is given.")
 @_opt("--local-addr", default=None, env="PET_LOCAL_ADDR",
-      help="Address other nodes use to reach this node's agent [default: this host's resolved name].")
+      help="Address other nodes use to reach this node's agent [default: the local address that routes to the "
+           "master].")
 @_opt("--log-dir", default=None, env="PET_LOG_DIR", help="Write each worker's output under this directory.")
 @_opt("--tee", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
 @_opt("--redirects", "-r", default=None, env="PET_REDIRECTS", help="With --log-dir, only write files (torchrun: 0-3).")
@@ -220,7 +213,7 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
     cfg = LaunchConfig(
         master=job, entry=list(entry), module=module, no_python=no_python, standalone=standalone, spares=spares,
         endpoint=None if standalone else endpoint, node_rank=node_rank,
-        local_addr="127.0.0.1" if standalone else (local_addr or _this_host()), fault_domain=fault_domain,
+        local_addr="127.0.0.1" if standalone else netaddr.node_addr(local_addr, endpoint), fault_domain=fault_domain,
         log_dir=log_dir, tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval,
         collective_timeout=collective_timeout, hang_timeout=hang_timeout)
     sys.exit(run(cfg))
@@ -236,7 +229,8 @@ def commands():
 @_opt("--nproc-per-node", type=click.IntRange(min=1), required=True)
 @_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
 @_opt("--rdzv-id", default="phoenixrun")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--host", default=netaddr.ALL_INTERFACES, show_default=True,
+              help="Address to listen on (the default: every interface, so that other machines' nodes reach it).")
 @click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True)
 @click.option("--store-port", type=click.IntRange(0, 65535), default=0, help="TCPStore port [default: any].")
 @_job_shape
@@ -268,7 +262,9 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
 @commands.command("agent")
 @_opt("--rdzv-endpoint", required=True, help="host:port of the master.")
 @_opt("--nproc-per-node", type=click.IntRange(min=1), required=True)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address peers use to reach this node.")
+@click.option("--host", default=None,
+              help="Address the master and peers use to reach this node [default: the local address that routes "
+                   "to the master].")
 @_opt("--fault-domain", default="")
 @_opt("--heartbeat-interval", type=click.FloatRange(min=0.01), default=0.5)
 @_opt("--log-dir", default=None)
@@ -296,7 +292,7 @@ def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_inter
         os.environ["PHOENIXRUN_COLLECTIVE_TIMEOUT"] = str(collective_timeout)
     spec = WorkerSpec(entry[0], tuple(entry[1:]), module=module, no_python=no_python)
     agent = Agent(AgentConfig(endpoint=rdzv_endpoint, secret=secret, spec=spec, nproc_per_node=nproc_per_node,
-                              host=host, fault_domain=fault_domain, heartbeat_interval=heartbeat_interval,
+                              host=netaddr.node_addr(host, rdzv_endpoint), fault_domain=fault_domain, heartbeat_interval=heartbeat_interval,
                               hang_timeout=hang_timeout,
                               log_dir=Path(log_dir) if log_dir else None, tee=not no_tee))
     sys.exit(agent.run())

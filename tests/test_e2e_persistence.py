@@ -73,3 +73,25 @@ def test_preempted_job_resumes_from_its_run_directory_skipping_a_damaged_checkpo
     fb = by_event(ev, "fallback_restart")
     assert [f["restore_step"] for f in fb][-2:] == [newest, older] and "resuming" in fb[-1]["reason"]
     assert_identical(again.out, ref3)            # never resumed from the damaged one
+
+
+def test_owner_and_replica_holder_killed_apart_fall_back_with_warm_workers(tmp_path, ref3):
+    """The second loss arrives while the first is being recovered (0.2 s apart): the cascade finds rank 0's
+    shard nowhere in memory and falls back to disk; the promoted spares keep their warm workers."""
+    # training holds at step 30 (one worker's snapshot copy pauses; the others wait for it in a collective):
+    # the kills land mid-job however fast or slow this machine is
+    job = launch(tmp_path, "apart", nnodes=3, nproc=1, spares=2, steps=STEPS, extra_flags=["--persist-every", "10"],
+                 PHOENIXRUN_TEST_PAUSE="d2h:30")
+    job.wait_file(tmp_path / "paused-d2h")
+    wait_checkpoint(job, 3, at_least=20)
+    state = job.wait_for(lambda s: sum(n["role"] == "spare" and n["warm_ready"] for n in s["nodes"]) == 2,
+                         what="warm spares ready")
+    kill_node(state, 0)
+    time.sleep(0.2)
+    kill_node(state, 1)
+    assert job.finish() == 0, job.log()[-3000:]
+    ev = job.events()
+    fb, done = by_event(ev, "fallback_restart"), by_event(ev, "fallback_done")
+    assert fb and done and fb[-1]["restore_step"] == 20, fb
+    assert len(by_event(ev, "spare_promoted")) == 2
+    assert_identical(job.out, ref3)

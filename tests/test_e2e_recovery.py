@@ -6,6 +6,7 @@ reference is torchrun on the same world size: a fault-free run of the unmodified
 import os
 import signal
 
+import psutil
 import pytest
 
 from tests.harness import assert_identical, by_event, kill_node, launch, torchrun
@@ -144,3 +145,22 @@ def test_no_spare_stops_with_reason(tmp_path):
     assert rc == 75 and fin["exit_code"] == 75, job.log()[-3000:]
     assert "no spare" in fin["reason"] and "--spare-wait" in fin["reason"]
     assert not by_event(job.events(), "recovery_done")
+
+
+def test_worker_dying_while_the_others_rebuild_starts_a_new_cycle_at_once(tmp_path, ref4):
+    """A worker killed mid-recovery: its node never acks, so the master must start a new cycle at once (it used
+    to drop the exit as "expected while quiescing" and wait out the whole --recovery-timeout)."""
+    job = launch(tmp_path, "rebuild", nnodes=2, steps=STEPS, extra_flags=["--recovery-timeout", "120"],
+                 PHOENIXRUN_TEST_PAUSE="restore")
+    state = job.wait_step(8)
+    os.kill(next(n for n in state["nodes"] if n["slot"] == 1)["worker_pids"][0], signal.SIGKILL)
+    paused = int(job.wait_file(tmp_path / "paused-restore"))     # one agent holds its restore: the cycle waits
+    other = next(n for n in job.state()["nodes"] if n["role"] == "active" and n["agent_pid"] != paused)
+    workers = [c for c in psutil.Process(other["agent_pid"]).children() if "train_gpt" in " ".join(c.cmdline())]
+    workers[0].kill()                                            # ... while the other node's workers rebuild
+    assert job.finish() == 0, job.log()[-3000:]
+    done = _recovered(job)
+    assert done[0]["attempts"] >= 2 and done[0]["duration_s"] < 60, done   # not the 120 s phase deadline
+    assert any(f.get("during_recovery") and f["signal"] == "worker_exit" for f in by_event(job.events(),
+                                                                                          "fault_detected"))
+    assert_identical(job.out, ref4)

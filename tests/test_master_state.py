@@ -30,6 +30,21 @@ def test_pick_spare_avoids_failed_domain():
     assert pick_spare({"x": node("x", Role.ACTIVE, 0)}) is None
 
 
+@pytest.mark.parametrize("spares,avoid,expected", [
+    ([("s1", "r1", False), ("s2", "r2", True)], [], "s2"),          # warm workers up beats joined first
+    ([("s1", "r1", True), ("s2", "r2", True)], [], "s1"),           # both ready: joined first
+    ([("s1", "r1", False), ("s2", "r2", False)], [], "s1"),         # none ready (no API yet): joined first
+    ([("s1", "r1", False), ("s2", "r1", True)], ["r1"], "s2"),
+    ([("s1", "r2", False), ("s2", "r1", True)], ["r1"], "s1"),      # the fault domain still comes first
+])
+def test_pick_spare_prefers_ready_warm_workers(spares, avoid, expected):
+    nodes = {}
+    for nid, domain, ready in spares:
+        nodes[nid] = node(nid, Role.SPARE, domain=domain)
+        nodes[nid].warm_ready = ready
+    assert pick_spare(nodes, avoid).node_id == expected
+
+
 @pytest.mark.parametrize("available,expected", [
     ({0: [4, 5], 1: [5, 6], 2: [5]}, 5),
     ({0: [4, 5], 1: [3, 4]}, 4),

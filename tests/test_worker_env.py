@@ -32,3 +32,9 @@ def test_warm_spare_has_no_rank_yet():
     e = worker_env({"RANK": "9"}, placement(rank=None, slot=None))
     assert e["PHOENIXRUN_WARM_SPARE"] == "1"
     assert "RANK" not in e and "WORLD_SIZE" not in e and "GROUP_RANK" not in e
+
+
+def test_gloo_binds_to_the_node_interface_unless_the_user_chose():
+    assert worker_env({}, placement(gloo_ifname="eth1"))["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert worker_env({"GLOO_SOCKET_IFNAME": "ib0"}, placement(gloo_ifname="eth1"))["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert "GLOO_SOCKET_IFNAME" not in worker_env({}, placement())

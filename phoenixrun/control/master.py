@@ -284,6 +284,7 @@ class Master(Recoveries):
             node.snapshots = msg.snapshots
             node.replicas = msg.replicas
             node.protection = msg.protection
+            node.warm_ready = msg.warm_ready
             self._node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
             if msg.api and not node.api:
                 node.api = True

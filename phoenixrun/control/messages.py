@@ -225,6 +225,7 @@ class Heartbeat:
     replicas: dict[int, list[int]]
     protection: dict[int, dict]
     api: bool
+    warm_ready: bool = False      # a spare whose pre-started workers (and checkpoint I/O process) are up
 
 
 @dataclass(slots=True)
@@ -324,7 +325,8 @@ def parse_heartbeat(p, job: Job) -> Heartbeat:
     return Heartbeat(node_id=_str(_get(p, "node_id"), "node_id", ident=True, empty=False), token=_token(p),
                      worker_pids=pids, snapshots=inventory(p.get("snapshots"), "snapshots", job),
                      replicas=inventory(p.get("replicas"), "replicas", job),
-                     protection=_protection(p.get("protection"), job), api=_bool(p.get("api"), "api"))
+                     protection=_protection(p.get("protection"), job), api=_bool(p.get("api"), "api"),
+                     warm_ready=_bool(p.get("warm_ready"), "warm_ready"))
 
 
 def parse_report(p, job: Job, now: float, max_skew: float = 3600.0) -> Report:

@@ -26,6 +26,13 @@ PROBE_AFTER_S = 0.3   # a recovery phase without a new ack this long: probe the 
 PROBE_MAX = 512       # ... this many at a time
 
 
+def fallback_attempts(used: int, limit: int, counted: bool) -> int:
+    """How many checkpoint restarts one fallback may try. Every try counts against --max-fallbacks, an
+    interrupted or rejected one too (a loop of 5 tries whatever the limit said used to run past it); a job
+    resuming from its run directory (`counted` False) gets its first try free."""
+    return max(0, limit - used) + (0 if counted else 1)
+
+
 class Cascade(Exception):
     """A new fault arrived while a recovery was in flight: start over at QUIESCE."""
 
@@ -123,10 +130,11 @@ class Recoveries:
         lost together, or a fault class that must not be hot-swapped around. A checkpoint that fails
         to load (checksum) is never resumed from: the next older one is tried. False: nothing to
         fall back to (no checkpoint, or --max-fallbacks used up)."""
-        if counted and self.fallbacks >= self.cfg.max_fallbacks:
+        tries = fallback_attempts(self.fallbacks, self.cfg.max_fallbacks, counted)
+        if tries == 0:
             return False
         t0 = time.time()
-        for _ in range(5):
+        for attempt in range(tries):
             step = self._newest_checkpoint()
             if step is None:
                 return False
@@ -135,7 +143,7 @@ class Recoveries:
             with self.cv:
                 self.generation += 1
                 g = self.generation
-                self.fallbacks += counted
+                self.fallbacks += counted or attempt > 0
                 self.restart_count += 1
                 self.phase = Phase.RESTORE
                 self.done_nodes.clear()
@@ -156,7 +164,8 @@ class Recoveries:
                 self.events.emit("fallback_done", g, restore_step=step, duration_s=round(time.time() - t0, 4))
             self._drain_stale()
             return True
-        raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason})")
+        raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason}); "
+                      f"{tries} tries, --max-fallbacks {self.cfg.max_fallbacks} used up")
 
     # ---------------------------------------------------------------- hot swap
     def _hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
@@ -324,7 +333,21 @@ class Recoveries:
                                      **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
             raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: {ev.get('detail') or kind}"
                           + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))
-        # worker exits and comm errors of the old generation are expected while quiescing
+        if kind in ("worker_exit", "worker_hang") and ev.get("generation") == self.generation:
+            # A worker of this recovery's generation died (or hung) while its group was being rebuilt: its
+            # node will never ack this phase. Dropping it as "expected" cost the whole --recovery-timeout
+            # (39.9 s and 127.8 s recoveries in a soak, two crash-worker 0.5 s apart). A new cycle quiesces
+            # the live workers and the restore respawns the dead one from the node's snapshot.
+            with self.cv:
+                self.fault_history.setdefault(node.slot, []).append(self._signal_of(ev, node.slot))
+                self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
+                                 signal=kind, rank=ev.get("rank"), returncode=ev.get("returncode"),
+                                 detail=(ev.get("detail") or ev.get("text") or "")[:300], action="local_reset",
+                                 during_recovery=True)
+            raise Cascade(f"rank {ev.get('rank')} on slot {node.slot} died during recovery: "
+                          f"{ev.get('detail') or kind}", ev)
+        # comm errors, and worker exits of an older generation (the restore respawns those), are expected
+        # while quiescing
 
     def _take_queued(self, which: Callable[[dict], bool]) -> list[dict]:
         """Remove and return the queued reports `which` picks; the others stay queued, in order."""

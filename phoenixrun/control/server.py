@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from phoenixrun import auth
+from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
 from phoenixrun.control.messages import MessageError
 
@@ -413,6 +413,13 @@ class ControlServer:
             payload = wire.loads(req.body or b"{}")
             if not isinstance(payload, dict):
                 raise ValueError("body must be a JSON object")
+            if req.path == "/v1/register":
+                why = netaddr.loopback_refusal([payload.get("host", ""), netaddr.split_host_port(
+                    str(payload.get("peer_addr", "")))[0]], conn.peer)
+                if why:
+                    log.warning("refused registration of %s: %s", payload.get("node_id"), why)
+                    conn.respond(400, wire.dumps({"error": why}))
+                    return
             if fn is None:
                 poll = self.master.poll_intake(payload)
                 self._answer_or_park([_Poll(conn, {"node_id": poll.node_id, "version": poll.version,

@@ -48,6 +48,7 @@ class NodeRecord:
     replicas: dict[int, list[int]] = field(default_factory=dict)
     protection: dict[int, dict] = field(default_factory=dict)  # rank -> figures for status
     api: bool = False          # its workers use the phoenixrun API (hot-swap capable)
+    warm_ready: bool = False   # a spare whose pre-started workers are all up (its agent says so)
 
     def to_json(self, now: float) -> dict:
         d = asdict(self)
@@ -84,12 +85,13 @@ def by_rank(inventory: Mapping[str, V] | None) -> dict[int, V]:
 
 
 def pick_spare(nodes: Mapping[str, NodeRecord], avoid_domains: Iterable[str] = ()) -> NodeRecord | None:
-    """The spare to promote: prefer one outside the failed node's fault domain, then earliest joined."""
+    """The spare to promote: prefer one outside the failed node's fault domain, then one whose warm workers
+    are up (one promoted before they were made a 3-8 s recovery instead of ~1 s), then earliest joined."""
     spares = [n for n in nodes.values() if n.role == Role.SPARE]
     if not spares:
         return None
     avoid = set(avoid_domains)
-    spares.sort(key=lambda n: (n.fault_domain in avoid, n.node_id))
+    spares.sort(key=lambda n: (n.fault_domain in avoid, not n.warm_ready, n.node_id))
     return spares[0]
 
 
