@@ -4,7 +4,7 @@
 The master records one `Attempt` per fault it acted on (one recovery, however soon after the previous one),
 keyed by the job's committed step when the fault was acted on. A later fault at the same committed step
 means nothing was gained since: whatever was tried did not help, so the next attempt must be a stronger
-remedy. The bound holds whatever the time between repeats (a deterministic fault replayed every 0.5 s looped
+remedy. The bound holds whatever the time between repeats (a deterministic fault replayed every 0.64 s looped
 forever when repeats were counted as incidents separated in time: issue 20).
 """
 from __future__ import annotations
