@@ -8,7 +8,7 @@ import pytest
 from phoenixrun import auth
 from tests.harness import assert_identical, launch, torchrun
 
-STEPS = 30
+STEPS = 16
 pytestmark = pytest.mark.e2e
 
 

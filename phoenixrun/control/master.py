@@ -199,7 +199,7 @@ class Master(Recoveries):
         same agent retrying (its reply was lost: same pid and peer address) gets the same answer; anyone
         else is refused (a second agent with the same --node-id, a buggy one) and the record stays as it was."""
         if (node.agent_pid, node.peer_addr, node.host) == (msg.agent_pid, msg.peer_addr, msg.host):
-            return self._job_json(node.role, node.slot, self._tokens[node.node_id])
+            return self._job_json(node.role, node.slot, self._tokens.get(node.node_id) or self._new_token(node.node_id))
         raise messages.MessageError(
             f"node id {node.node_id!r} is already registered (agent pid {node.agent_pid} at {node.peer_addr}): "
             "give each agent a unique --node-id", code=409, reason="node_id_in_use")
