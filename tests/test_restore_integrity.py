@@ -102,3 +102,28 @@ def test_pipeline_stage_is_never_restored_from_the_other_stage(tmp_path):
     assert code != 0 and by_event(ev, "job_finished")[-1]["exit_code"] == code
     assert "no restarts left" in by_event(ev, "job_finished")[-1]["reason"]
     assert not probe_results(job.out)   # no rank reported a result
+
+
+@pytest.mark.e2e
+def test_refused_restore_with_a_restart_left_ends_bit_identical_to_torchrun(tmp_path):
+    """The same refusal with --max-restarts 1: torchrun's semantics (every rank from step 0), then the final state of
+    both stages equals a fault-free torchrun run's, bit for bit."""
+    import json
+    import subprocess
+
+    from tests.harness import BIN, env
+    from tests.test_process_groups import launch_script
+    args = ["--steps", "20", "--same-init"]
+    subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(PP), *args, "--out",
+                    str(tmp_path / "ref")], check=True, env=env(), cwd=tmp_path, capture_output=True, timeout=300)
+    job = launch_script(tmp_path, "pp", PP, [*args, "--step-seconds", "0.1"], nnodes=2, nproc=1, spares=1,
+                        extra_flags=["--max-restarts", "1"])
+    kill_node(job.wait_step(4), slot=1)
+    assert job.finish() == 0, job.log()[-3000:]
+    ev = job.events()
+    assert "do not match the checksum" in by_event(ev, "recovery_failed")[0]["reason"]
+    assert by_event(ev, "restart") and not by_event(ev, "recovery_done")
+    for r in (0, 1):
+        ref = json.loads((tmp_path / "ref" / f"rank{r}.json").read_text())
+        got = json.loads((job.out / f"rank{r}.json").read_text())
+        assert (got["param_sha256"], got["losses"]) == (ref["param_sha256"], ref["losses"]), f"stage {r} differs"

@@ -168,9 +168,9 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
     own = layout_check.local_refusal(facts)
     if fresh_start:
         mine = torch.tensor([0 if own else layout_check.shared_checksum(model), 1 if own else 0], dtype=torch.int64)
-        every = torch.zeros(2 * ctx.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine)
-        pairs = every.view(ctx.world_size, 2).tolist()
+        gathered = torch.zeros(2 * ctx.world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(gathered, mine)
+        pairs = gathered.view(ctx.world_size, 2).tolist()
         reason = layout_check.verdict(own, [r for r, (_, bad) in enumerate(pairs) if bad and r != ctx.rank],
                                       [c for c, _ in pairs],
                                       layout_check.dp_groups(ctx.world_size, layout.dp_peers), flags)
@@ -251,6 +251,7 @@ class _Runtime:
         self.link.close()
         for gen in [*self._retired, self._gen]:
             if gen is not None:
+                gen.subgroups = []
                 gen.backend = None
                 gen.store = None
         self._retired, self._gen = [], None
