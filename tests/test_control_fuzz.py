@@ -99,6 +99,18 @@ def test_report_validation(payload, error):
             m.parse_report(p, JOB, now=100.0)
 
 
+def test_report_fields_the_controller_acts_on_pass_validation():
+    """A refused restore's integrity flag (the master then gives up the plan) and a health report's rank and
+    snapshot_space signal (an agent that cannot grow a slot) must reach the controller."""
+    r = m.parse_report({"node_id": "n", "kind": "restore_failed", "reason": "x", "integrity": True}, JOB, now=1.0)
+    assert r.event["integrity"] is True
+    with pytest.raises(m.MessageError, match="integrity"):
+        m.parse_report({"node_id": "n", "kind": "restore_failed", "integrity": "yes"}, JOB, now=1.0)
+    sig = {"kind": "snapshot_space", "node": 0, "rank": 1, "detail": "no room", "timestamp": 1.0}
+    r = m.parse_report({"node_id": "n", "kind": "health", "rank": 1, "signal": sig}, JOB, now=1.0)
+    assert r.event["rank"] == 1 and r.event["signal"]["kind"] == "snapshot_space"
+
+
 def test_report_time_far_from_the_masters_clock_is_replaced():
     assert m.parse_report({"node_id": "n", "kind": "left", "t": 1e15}, JOB, now=100.0).event["t"] == 100.0
     assert m.parse_report({"node_id": "n", "kind": "left", "t": 90.0}, JOB, now=100.0).event["t"] == 90.0

@@ -353,8 +353,11 @@ def parse_report(p, job: Job, now: float, max_skew: float = 3600.0) -> Report:
         ev["step"] = _int(p["step"], "step", 0, MAX_COUNT, none=True)
     if kind == "worker_exit":
         ev["returncode"] = _int(p.get("returncode"), "returncode", -255, 256)
-    elif kind == "restore_failed" and "persist_step" in p:
-        ev["persist_step"] = _int(p["persist_step"], "persist_step", 0, MAX_COUNT, none=True)
+    elif kind == "restore_failed":
+        if "persist_step" in p:
+            ev["persist_step"] = _int(p["persist_step"], "persist_step", 0, MAX_COUNT, none=True)
+        # the fetched state is not the lost rank's (checksum mismatch): the same plan cannot succeed
+        ev["integrity"] = _bool(p.get("integrity"), "integrity")
     elif kind == "resumed":
         timings = p.get("timings") or {}
         if not isinstance(timings, dict) or len(timings) > 64:
