@@ -84,6 +84,7 @@ class Agent:
         self.slot: int | None = None
         self.generation = 0
         self.store_prefix: str | None = None   # the generation's rendezvous prefix, from the master's directives
+        self.store_port: int | None = None     # a restart attempt's own TCPStore (None: the job's)
         self.restart_count = 0
         self.world: dict = {}
         self.job: dict = {}
@@ -307,6 +308,7 @@ class Agent:
         elif cmd == "restart":
             with self.lock:
                 self.role = "active"
+                self.store_port = d.get("store_port", self.store_port)
                 self._kill_all()
                 self.slots.clear()
             step = d.get("restore_step")
@@ -331,6 +333,9 @@ class Agent:
                 self.exit_code = d.get("exit_code", 0)
                 self._stop.set()
 
+    def _store_port(self) -> int:
+        return self.store_port or self.job["store_port"]
+
     def _rank(self, local_rank: int) -> int:
         return self.slot * self.cfg.nproc_per_node + local_rank
 
@@ -338,7 +343,7 @@ class Agent:
         return Placement(
             local_rank=local_rank, nproc_per_node=self.cfg.nproc_per_node, nnodes=self.job["nnodes"],
             slot=self.slot if rank_known else None, rank=self._rank(local_rank) if rank_known else None,
-            master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=self.job["store_port"],
+            master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=self._store_port(),
             run_id=self.job["run_id"], restart_count=self.restart_count, max_restarts=self.job["max_restarts"],
             generation=self.generation, agent_sock=self.sock_path,
             error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{self.node_id}-{local_rank}.json"))
@@ -369,7 +374,7 @@ class Agent:
                 "world_size": self.job["nnodes"] * self.cfg.nproc_per_node, "generation": self.generation,
                 "store_prefix": self.store_prefix,
                 "restart_count": self.restart_count, "restore_step": self.restore_step,
-                "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": self.job["store_port"],
+                "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": self._store_port(),
                 "tp": self.job["tp"], "pp": self.job["pp"], "run_id": self.job["run_id"]}
 
     def _quiesce(self) -> None:

@@ -81,3 +81,11 @@ def test_plan_refuses_when_owner_and_holders_lost():
     nodes["s2"] = node("s2", Role.SPARE)
     with pytest.raises(PlanError, match="replica holder"):
         plan_recovery(lay, nodes, slots, {1, 2}, placement, {1: "s", 2: "s2"})
+
+
+def test_attempt_ranks_reads_gloo_keys_of_the_default_group():
+    from phoenixrun.control.recovery import attempt_ranks
+    keys = ["default_pg/0//cpu//0/0", "default_pg/0//cpu//0/2", "/default_pg/0//cpu//0/1", "init/",
+            "default_pg/0//cpu//0/9", "other/3"]
+    assert attempt_ranks(keys, 4) == {0, 1, 2}
+    assert attempt_ranks([], 4) == set()

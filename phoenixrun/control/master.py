@@ -569,8 +569,13 @@ class Master(Recoveries):
             if all(nid in self.done_nodes for nid in self.slots.values()):
                 raise Stop(0, "all workers finished")
             return
+        if kind == "attempt_check":
+            self._check_attempt(ev)
+            return
         if not active or kind not in ROOT_CAUSES + ("comm_error",):
             return
+        if not self._api_mode() and ev.get("generation", self.generation) < self.generation:
+            return   # a worker of an attempt already restarted (reported after the restart's drain)
         incident = self._incident(ev)
         if incident is not None:
             node, ev, verdict, context = incident
@@ -671,6 +676,9 @@ class Master(Recoveries):
                              kind=verdict.fault_class.value, step=ev.get("step"), **(context or {}))
             api = self._api_mode()
         failing_code = _exit_code(ev)
+        if not api:
+            self._restart_plain(node, ev, verdict, failing_code)
+            return
         if verdict.action == Action.EXTERNAL_FALLBACK:
             what = f"{verdict.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") \
                 else verdict.reason
@@ -683,10 +691,39 @@ class Master(Recoveries):
             # the node is still up but must go: fence it (its agent kills its workers and exits)
             with self.cv:
                 self._direct([node.node_id], command="stop", exit_code=0, reason=f"fenced: {verdict.reason}")
-        if api:
-            self._hot_swap(lost, node, ev, verdict.action, failing_code)
-        else:
-            self._restart(lost, failing_code, f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')}")
+        self._hot_swap(lost, node, ev, verdict.action, failing_code)
+
+    def _restart_plain(self, node: NodeRecord, ev: dict, verdict: Classification, failing_code: int | None) -> None:
+        """A script without the API: torchrun's semantics, a full restart on any failure while --max-restarts
+        allows. A worker's failure may be the symptom of a node loss not yet detected (a survivor's gloo
+        error came 1.4 s before the lost node's heartbeat timeout): the agents are probed, and node losses
+        reported within the correlation window are taken too, so the lost nodes' slots get spares in the
+        same restart (one restart, not two)."""
+        lost = {node.slot} if verdict.action == Action.NODE_REPLACE else set()
+        if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
+            with self.cv:   # the node is still up but must go: fence it (its agent kills its workers and exits)
+                self._direct([node.node_id], command="stop", exit_code=0, reason=f"fenced: {verdict.reason}")
+        time.sleep(self.cfg.correlation_window)
+        losses = self._take_queued(lambda e: e.get("kind") in ("node_lost", "left"))
+        with self.cv:
+            actives = [n for n in self.nodes.values() if n.role == Role.ACTIVE and n.slot not in lost]
+            reported = {e.get("node_id") for e in losses}
+        gone = [n for n in actives if n.node_id in reported]
+        gone += [n for n in self._unreachable([n for n in actives if n.node_id not in reported])]
+        why = f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')} ({verdict.reason})"
+        if gone:
+            with self.cv:
+                for n in gone:
+                    lost.add(n.slot)
+                    self.events.emit("fault_detected", self.generation, node=n.node_id, slot=n.slot, signal="node_lost",
+                                     detail="node lost with the failure", action="node_replace",
+                                     **{"class": "host_pcie"}, kind="host_pcie", symptom_of_loss=True)
+            why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.get('rank')}'s "
+                   f"{ev.get('kind')} was its symptom)")
+        for e in losses:   # losses of spares and of nodes already handled: the usual bookkeeping
+            if e.get("node_id") not in {n.node_id for n in gone}:
+                self._absorb(e)
+        self._restart(lost, failing_code, why)
 
     def _finish(self, exit_code: int, reason: str) -> None:
         with self.cv:
