@@ -57,6 +57,7 @@ class AgentConfig:
     tee: bool = True
     node_id: str = ""
     hang_timeout: float = 30.0     # a worker with no progress this long (outside recovery) is hung
+    node_rank: int | None = None   # the slot this node asks for (torchrun's --node-rank); None: any
 
 
 class Agent:
@@ -121,6 +122,10 @@ class Agent:
             log.error("%s", e)
             self._cleanup()
             return 2
+        if reg.get("role") == "failed":     # the job has no place for this node: the master says why
+            print(f"phoenixrun agent: {reg.get('reason', 'refused by the master')}", file=sys.stderr, flush=True)
+            self._cleanup()
+            return int(reg.get("exit_code", 2))
         self.job = reg
         self.role, self.slot = reg["role"], reg["slot"]
         persist_cfg = PersistConfig.from_json(reg.get("persist"))
@@ -153,6 +158,8 @@ class Agent:
         payload = {"node_id": self.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
                    "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
                    "nproc_per_node": self.cfg.nproc_per_node, "rejoin": rejoin}
+        if self.cfg.node_rank is not None and rejoin is None:
+            payload["node_rank"] = self.cfg.node_rank
         while True:
             try:
                 return self.client.post("/v1/register", payload)

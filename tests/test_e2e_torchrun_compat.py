@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.harness import BIN, Job, by_event, env
@@ -114,3 +115,93 @@ def test_restart_that_cannot_come_up_fails_within_bounded_time(tmp_path):
     restart, fin = by_event(ev, "restart")[0], by_event(ev, "job_finished")[-1]
     assert "rank(s) [1] never reached init_process_group" in fin["reason"], fin
     assert fin["t"] - restart["t"] < 30, fin["t"] - restart["t"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(tmp: Path, name: str, args: list[str], **extra_env: str) -> subprocess.Popen:
+    """One node's `phoenixrun` (its own working directory, as on its own host), output to name.log."""
+    cwd = tmp / name
+    cwd.mkdir()
+    e = env(PHOENIXRUN_SECRET="shared-by-the-scheduler", **extra_env)
+    return subprocess.Popen([str(BIN / "phoenixrun"), *args], env=e, cwd=cwd, stdout=open(tmp / f"{name}.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def test_node_ranks_given_are_the_slots_whatever_the_join_order(tmp_path):
+    """nanoGPT's documented command: node rank 1 started first still gets ranks 2-3."""
+    port, out = _free_port(), tmp_path / "out"
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--local-addr", "127.0.0.1"]
+    script = [str(PLAIN), "--out", str(out), "--steps", "3"]
+    one = _node(tmp_path, "n1", [*common, "--node-rank", "1", *script], NODE_TAG="1")
+    deadline = time.time() + 60      # node 1's agent is up and polling for the master before node 0 starts
+    while not any("agent" in c.cmdline() for c in psutil.Process(one.pid).children()):
+        assert time.time() < deadline and one.poll() is None
+        time.sleep(0.1)
+    time.sleep(1.0)                  # its registration retries every 0.2 s: it registers first (not asserted)
+    zero = _node(tmp_path, "n0", [*common, "--node-rank", "0", *script], NODE_TAG="0")
+    assert [p.wait(timeout=240) for p in (zero, one)] == [0, 0], (tmp_path / "n0.log").read_text()[-3000:]
+    res = ranks(out)
+    assert sorted(res) == [0, 1, 2, 3]
+    for r, rec in res.items():
+        assert rec["node_tag"] == rec["group_rank"] == str(r // 2), (r, rec)
+
+
+def test_cluster_command_with_spares_on_every_node(tmp_path):
+    """`phoenixrun --nnodes 2 --spares 1 --rdzv-endpoint HOST:PORT train.py` on 4 nodes: the rendezvous host
+    runs the master, two nodes train, one is a spare, the fourth is told it is not needed and exits 0."""
+    port, out = _free_port(), tmp_path / "out"
+    cmd = ["--nnodes", "2", "--nproc-per-node", "1", "--spares", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--local-addr", "127.0.0.1", str(PLAIN), "--out", str(out), "--steps", "4"]
+    nodes = [_node(tmp_path, f"n{i}", cmd) for i in range(4)]
+    codes = [p.wait(timeout=240) for p in nodes]
+    logs = "\n".join((tmp_path / f"n{i}.log").read_text() for i in range(4))
+    assert codes == [0, 0, 0, 0], logs[-4000:]
+    assert sorted(ranks(out)) == [0, 1]
+    masters = [i for i in range(4) if (tmp_path / f"n{i}" / ".phoenixrun" / "phoenixrun" / "master.json").exists()]
+    assert len(masters) == 1, masters
+    ev = [json.loads(x) for x in (tmp_path / f"n{masters[0]}" / ".phoenixrun" / "phoenixrun" / "events.jsonl")
+          .read_text().splitlines()]
+    roles = sorted(e["role"] for e in by_event(ev, "node_joined"))
+    assert roles == ["active", "active", "spare"], roles
+    refused = by_event(ev, "node_refused")
+    assert len(refused) == 1 and "not needed" in refused[0]["reason"]
+    assert "this node is not needed" in logs
+
+
+def test_agents_that_cannot_start_end_the_launcher_with_the_cause(tmp_path):
+    """An agent that dies before registering (here: it cannot listen on its --local-addr) -> the launcher
+    exits non-zero within seconds naming it, instead of waiting for the node forever."""
+    port = _free_port()
+    t0 = time.time()
+    p = _node(tmp_path, "bad", ["--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                "--local-addr", "192.0.2.1", str(PLAIN), "--out", str(tmp_path / "out")])
+    rc = p.wait(timeout=120)
+    took = time.time() - t0
+    log = (tmp_path / "bad.log").read_text()
+    assert rc != 0 and took < 30, (rc, took, log[-2000:])
+    assert "the agent of node 0 exited with code 1 before the job started" in log
+    assert "Cannot assign requested address" in log, log[-2000:]
+
+
+def test_non_editable_install_runs_from_the_repo_root(tmp_path):
+    """`pip install .` (a wheel, not editable) and `phoenixrun` run from the checkout's root, where
+    ./phoenixrun (without the agents subpackage) would shadow the installed package."""
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "site"
+    subprocess.run([str(BIN / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(root)], check=True, capture_output=True, timeout=300, cwd=tmp_path)
+    assert (target / "phoenixrun" / "agents" / "agent.py").exists()
+    out = tmp_path / "out"
+    r = subprocess.run([str(BIN / "python"), str(target / "bin" / "phoenixrun"), "--standalone", "--nnodes", "1",
+                        "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), str(PLAIN), "--out", str(out),
+                        "--steps", "2"], env=env(PYTHONPATH=str(target)), cwd=root, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(ranks(out)) == [0, 1]
+    assert "No module named" not in r.stderr

@@ -63,6 +63,7 @@ class MasterConfig:
     persist_every: int = 0
     persist_keep: int = 2
     max_fallbacks: int = 3             # restarts from a persistent checkpoint before giving up
+    spares: int | None = None          # spare nodes admitted at a time (None: any number)
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
@@ -166,7 +167,15 @@ class Master(Recoveries):
                 return fenced
             if p.get("rejoin"):
                 return self._readmit(p, p["rejoin"])
-            role, slot = admit(self.phase != Phase.WAITING or bool(self.resumed_at), self._free_slots, self.slots)
+            node_rank = p.get("node_rank")
+            node_rank = None if node_rank is None else int(node_rank)
+            role, slot = admit(self.phase != Phase.WAITING or bool(self.resumed_at), self._free_slots, self.slots,
+                               node_rank, self.cfg.nnodes)
+            refused = self._refusal(role, node_rank)
+            if refused is not None:
+                self.events.emit("node_refused", self.generation, node=p["node_id"], host=p["host"],
+                                 node_rank=node_rank, reason=refused["reason"])
+                return refused
             node = NodeRecord(node_id=p["node_id"], host=p["host"], agent_pid=int(p["agent_pid"]),
                               peer_addr=p["peer_addr"], fault_domain=p.get("fault_domain") or p["node_id"],
                               role=role, slot=slot)
@@ -181,6 +190,19 @@ class Master(Recoveries):
                 self._direct([node.node_id], command="wait", warm=self._api_mode())
             self._inbox.put({"kind": "joined", "node_id": node.node_id})
             return self._job_json(role, slot)
+
+    def _refusal(self, role: Role, node_rank: int | None) -> dict | None:
+        """The answer to a registration the job has no place for (call with the lock held), else None."""
+        if role == Role.FAILED:
+            return {"role": Role.FAILED.value, "slot": None, "exit_code": 2,
+                    "reason": f"node rank {node_rank} is already taken by node {self.slots.get(node_rank)}: "
+                              "give every node its own --node-rank"}
+        if role == Role.SPARE and self.cfg.spares is not None and \
+                sum(1 for n in self.nodes.values() if n.role == Role.SPARE) >= self.cfg.spares:
+            return {"role": Role.FAILED.value, "slot": None, "exit_code": 0,
+                    "reason": f"the job has its {self.cfg.nnodes} nodes and {self.cfg.spares} spare(s) "
+                              "(--nnodes, --spares): this node is not needed"}
+        return None
 
     def _readmit(self, p: dict, r: dict) -> dict:
         """An agent of a job already running when this master started (it restarted): rebuild the

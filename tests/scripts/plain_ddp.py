@@ -56,5 +56,5 @@ params = torch.cat([p.detach().flatten() for p in model.parameters()])
 (out / f"rank{rank}.json").write_text(json.dumps({
     "rank": rank, "world": world, "attempt": attempt, "losses": losses,
     "param_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
-    "slot": os.environ.get("GROUP_RANK")}))
+    "group_rank": os.environ.get("GROUP_RANK"), "node_tag": os.environ.get("NODE_TAG")}))
 dist.destroy_process_group()
