@@ -58,6 +58,8 @@ class AgentConfig:
     node_id: str = ""
     hang_timeout: float = 30.0     # a worker with no progress this long (outside recovery) is hung
     node_rank: int | None = None   # the slot this node asks for (torchrun's --node-rank); None: any
+    local_ranks_filter: frozenset[int] | None = None   # local ranks whose output reaches the console (None: all)
+    shutdown_timeout: float = 2.0  # SIGTERM -> SIGKILL grace when workers are stopped
 
 
 class Agent:
@@ -197,7 +199,7 @@ class Agent:
 
     def _cleanup(self) -> None:
         for w in list(self.workers.values()):
-            w.kill_tree()
+            w.kill_tree(grace=self.cfg.shutdown_timeout)
         self._flush_deadline = time.time() + 1.0     # last reports (why we left) get a moment to go out
         self.outbox.put(None)
         if getattr(self, "_sender", None) is not None:
@@ -359,7 +361,9 @@ class Agent:
         p = self._placement(local_rank, rank_known)
         env = worker_env(dict(os.environ), p)
         env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.job["tp"]), str(self.job["pp"])
-        self.workers[local_rank] = Worker(self.cfg.spec, p, env, sys.stdout, self.cfg.log_dir, self.cfg.tee)
+        show = self.cfg.local_ranks_filter is None or local_rank in self.cfg.local_ranks_filter
+        self.workers[local_rank] = Worker(self.cfg.spec, p, env, sys.stdout, self.cfg.log_dir, self.cfg.tee, show=show,
+                                          err=sys.stderr)
         self.done.discard(local_rank)
         self.reported_exit.discard(local_rank)
 
@@ -370,7 +374,7 @@ class Agent:
 
     def _kill_all(self) -> None:
         for w in list(self.workers.values()):
-            w.kill_tree()
+            w.kill_tree(grace=self.cfg.shutdown_timeout)
         self.workers.clear()
         self.conns.clear()
         self.waiting_hello.clear()

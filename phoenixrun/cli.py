@@ -46,6 +46,20 @@ def _parse_nnodes(value: str) -> tuple[int, int]:
     return lo_n, hi_n - lo_n
 
 
+def _parse_ranks_filter(value: str | None) -> str:
+    """torchrun's --local-ranks-filter: comma-separated local ranks (empty: all). Normalised, validated."""
+    if not value:
+        return ""
+    try:
+        ranks = sorted({int(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of local ranks",
+                                 param_hint="--local-ranks-filter") from None
+    if any(r < 0 for r in ranks):
+        raise click.BadParameter("local ranks are >= 0", param_hint="--local-ranks-filter")
+    return ",".join(map(str, ranks))
+
+
 def _parse_nproc(value: str) -> int:
     if value == "cpu":
         return os.cpu_count() or 1
@@ -186,10 +200,16 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_opt("--local-addr", default=None, env="PET_LOCAL_ADDR",
       help="Address other nodes use to reach this node's agent [default: this host's resolved name].")
 @_opt("--log-dir", default=None, env="PET_LOG_DIR", help="Write each worker's output under this directory.")
-@_opt("--tee", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
+@_opt("--tee", "-t", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
 @_opt("--redirects", "-r", default=None, env="PET_REDIRECTS", help="With --log-dir, only write files (torchrun: 0-3).")
 @_opt("--monitor-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
       env="PET_MONITOR_INTERVAL", help="Accepted for compatibility (agents watch workers every 50 ms).")
+@_opt("--local-ranks-filter", default="", env="PET_LOCAL_RANKS_FILTER",
+      help="Only these local ranks' output reaches the console, e.g. 0 or 0,1 (log files get all).")
+@_opt("--start-method", type=click.Choice(["spawn", "fork", "forkserver"]), default="spawn", show_default=True,
+      env="PET_START_METHOD", help="Accepted for compatibility: workers are always fresh processes.")
+@_opt("--shutdown-timeout", type=click.FloatRange(min=0), default=None, env="PET_SHUTDOWN_TIMEOUT",
+      help="Seconds from SIGTERM to SIGKILL when workers are stopped [default: 2].")
 @click.option("-m", "--module", is_flag=True, help="Run the entry point as a Python module (python -m).")
 @_opt("--no-python", is_flag=True, help="Run the entry point as an executable, not with python.")
 @_opt("--spares", type=click.IntRange(min=0), default=0, show_default=True,
@@ -206,7 +226,8 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_persistence
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf, max_restarts,
-           node_rank, master_addr, master_port, local_addr, log_dir, tee, redirects, monitor_interval, module, no_python,
+           node_rank, master_addr, master_port, local_addr, log_dir, tee, redirects, monitor_interval,
+           local_ranks_filter, start_method, shutdown_timeout, module, no_python,
            spares, run_dir, replicas, tp, pp, fault_domain, collective_timeout, heartbeat_interval, node_timeout,
            hang_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
            max_fallbacks, entry):
@@ -216,6 +237,7 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
     from phoenixrun.topology import Layout
 
     n, elastic_extra = _parse_nnodes(nnodes)
+    ranks_filter = _parse_ranks_filter(local_ranks_filter)
     spares = spares or elastic_extra
     nproc = _parse_nproc(nproc_per_node)
     if rdzv_backend not in ("c10d", "static"):
@@ -256,7 +278,8 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
         endpoint=None if standalone else endpoint, node_rank=node_rank, host_master=host_master,
         local_addr="127.0.0.1" if standalone else (local_addr or _this_host()), fault_domain=fault_domain,
         log_dir=log_dir, tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval,
-        collective_timeout=collective_timeout, hang_timeout=hang_timeout)
+        collective_timeout=collective_timeout, hang_timeout=hang_timeout, local_ranks_filter=ranks_filter,
+        shutdown_timeout=shutdown_timeout)
     sys.exit(run(cfg))
 
 
@@ -318,11 +341,15 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
 @_opt("--node-rank", type=click.IntRange(min=0), default=None,
       help="Slot this node asks for (as torchrun's --node-rank); a rank >= nnodes joins as a spare [default: the "
            "lowest free slot, in order of registration].")
+@_opt("--local-ranks-filter", default="", help="Only these local ranks' output reaches the console (e.g. 0,1).")
+@_opt("--shutdown-timeout", type=click.FloatRange(min=0), default=2.0, show_default=True,
+      help="Seconds from SIGTERM to SIGKILL when workers are stopped.")
 @click.option("-m", "--module", is_flag=True)
 @_opt("--no-python", is_flag=True)
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_interval, log_dir, no_tee, secret_file,
-              collective_timeout, hang_timeout, node_rank, module, no_python, entry):
+              collective_timeout, hang_timeout, node_rank, local_ranks_filter, shutdown_timeout, module, no_python,
+              entry):
     """Run one node's agent: it joins the master as an active node or a spare."""
     from phoenixrun.agents.agent import Agent, AgentConfig
     from phoenixrun.agents.workers import WorkerSpec
@@ -334,9 +361,11 @@ def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_inter
     if collective_timeout is not None:   # the workers' runtime reads it
         os.environ["PHOENIXRUN_COLLECTIVE_TIMEOUT"] = str(collective_timeout)
     spec = WorkerSpec(entry[0], tuple(entry[1:]), module=module, no_python=no_python)
+    ranks = _parse_ranks_filter(local_ranks_filter)
     agent = Agent(AgentConfig(endpoint=rdzv_endpoint, secret=secret, spec=spec, nproc_per_node=nproc_per_node,
                               host=host, fault_domain=fault_domain, heartbeat_interval=heartbeat_interval,
-                              hang_timeout=hang_timeout, node_rank=node_rank,
+                              hang_timeout=hang_timeout, node_rank=node_rank, shutdown_timeout=shutdown_timeout,
+                              local_ranks_filter=frozenset(map(int, ranks.split(","))) if ranks else None,
                               log_dir=Path(log_dir) if log_dir else None, tee=not no_tee))
     sys.exit(agent.run())
 

@@ -37,6 +37,8 @@ class LaunchConfig:
     heartbeat_interval: float = 0.5
     collective_timeout: float = 60.0
     hang_timeout: float = 20.0
+    local_ranks_filter: str = ""       # comma-separated local ranks shown on the console ("": all)
+    shutdown_timeout: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -76,6 +78,10 @@ def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
         argv += ["--fault-domain", domain]
     if c.log_dir:
         argv += ["--log-dir", c.log_dir] + ([] if c.tee else ["--no-tee"])
+    if c.local_ranks_filter:
+        argv += ["--local-ranks-filter", c.local_ranks_filter]
+    if c.shutdown_timeout is not None:
+        argv += ["--shutdown-timeout", str(c.shutdown_timeout)]
     if c.node_rank is not None and not c.standalone:
         argv += ["--node-rank", str(c.node_rank)]
     if c.module:

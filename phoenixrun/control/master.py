@@ -343,10 +343,14 @@ class Master(Recoveries):
                 "protect_every": self.protect_every,
                 "nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
                 "world_size": self.layout.world_size, "replicas": self.cfg.replicas,
-                "nodes": sorted((n.to_json(now) for n in self.nodes.values()),
+                "nodes": sorted(({**n.to_json(now), "ranks": self._ranks_json(n.slot)} for n in self.nodes.values()),
                                 key=lambda d: (d["slot"] is None, d["slot"] or 0, d["node_id"])),
                 "events": list(self.events.recent)[-15:],
             }
+
+    def _ranks_json(self, slot: int | None) -> list[int]:
+        """The global ranks a node's workers hold (none for a spare): where rank 0 runs, for status."""
+        return [] if slot is None else list(self.layout.ranks_of_slot(slot))
 
     # ---------------------------------------------------------------- helpers (call with self.cv held)
     def _fence(self, node_id: str, via: str) -> dict | None:
