@@ -735,7 +735,10 @@ class Master(Recoveries):
             actives = [n for n in self.nodes.values() if n.role == Role.ACTIVE and n.slot not in lost]
             reported = {e.get("node_id") for e in losses}
         gone = [n for n in actives if n.node_id in reported]
-        gone += [n for n in self._unreachable([n for n in actives if n.node_id not in reported])]
+        # refusals only: a killed node's agent refuses at once, and on a loaded machine a live agent answering
+        # late must not be taken for lost (with no spare that would end the job); silence is the heartbeats'
+        gone += self._unreachable([n for n in actives if n.node_id not in reported], timeout=1.0,
+                                  silent_is_dead=False)
         why = f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')} ({verdict.reason})"
         if gone:
             with self.cv:
