@@ -63,6 +63,9 @@ class AgentConfig:
     tee: bool = True
     node_id: str = ""
     hang_timeout: float = 30.0     # a worker with no progress this long (outside recovery) is hung
+    node_rank: int | None = None   # the slot this node asks for (torchrun's --node-rank); None: any
+    local_ranks_filter: frozenset[int] | None = None   # local ranks whose output reaches the console (None: all)
+    shutdown_timeout: float = 2.0  # SIGTERM -> SIGKILL grace when workers are stopped
 
 
 class Agent:
@@ -90,6 +93,7 @@ class Agent:
         self.slot: int | None = None
         self.generation = 0
         self.store_prefix: str | None = None   # the generation's rendezvous prefix, from the master's directives
+        self.store_port: int | None = None     # a restart attempt's own TCPStore (None: the job's)
         self.restart_count = 0
         self.world: dict = {}
         self.job: dict = {}
@@ -130,6 +134,10 @@ class Agent:
             log.error("%s", e)
             self._cleanup()
             return 2
+        if reg.get("role") == "failed":     # the job has no place for this node: the master says why
+            print(f"phoenixrun agent: {reg.get('reason', 'refused by the master')}", file=sys.stderr, flush=True)
+            self._cleanup()
+            return int(reg.get("exit_code", 2))
         self.job = reg
         self.role, self.slot = reg["role"], reg["slot"]
         self.token = reg.get("token")
@@ -163,6 +171,8 @@ class Agent:
         payload = {"node_id": self.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
                    "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
                    "nproc_per_node": self.cfg.nproc_per_node, "rejoin": rejoin}
+        if self.cfg.node_rank is not None and rejoin is None:
+            payload["node_rank"] = self.cfg.node_rank
         while True:
             try:
                 return self.client.post("/v1/register", payload)
@@ -201,7 +211,7 @@ class Agent:
 
     def _cleanup(self) -> None:
         for w in list(self.workers.values()):
-            w.kill_tree()
+            w.kill_tree(grace=self.cfg.shutdown_timeout)
         self._flush_deadline = time.time() + 1.0     # last reports (why we left) get a moment to go out
         self.outbox.put(None)
         if getattr(self, "_sender", None) is not None:
@@ -331,6 +341,7 @@ class Agent:
         elif cmd == "restart":
             with self.lock:
                 self.role = "active"
+                self.store_port = d.get("store_port", self.store_port)
                 self._kill_all()
                 self.slots.clear()
             step = d.get("restore_step")
@@ -432,6 +443,8 @@ class Agent:
             return False
         with self.lock:
             return self._warm_workers() and len(self.waiting_hello) == self.cfg.nproc_per_node
+    def _store_port(self) -> int:
+        return self.store_port or self.job["store_port"]
 
     def _rank(self, local_rank: int) -> int:
         return self.slot * self.cfg.nproc_per_node + local_rank
@@ -440,7 +453,7 @@ class Agent:
         return Placement(
             local_rank=local_rank, nproc_per_node=self.cfg.nproc_per_node, nnodes=self.job["nnodes"],
             slot=self.slot if rank_known else None, rank=self._rank(local_rank) if rank_known else None,
-            master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=self.job["store_port"],
+            master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=self._store_port(),
             run_id=self.job["run_id"], restart_count=self.restart_count, max_restarts=self.job["max_restarts"],
             generation=self.generation, agent_sock=self.sock_path, gloo_ifname=self.gloo_ifname,
             error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{self.node_id}-{local_rank}.json"))
@@ -449,7 +462,9 @@ class Agent:
         p = self._placement(local_rank, rank_known)
         env = worker_env(dict(os.environ), p)
         env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.job["tp"]), str(self.job["pp"])
-        self.workers[local_rank] = Worker(self.cfg.spec, p, env, sys.stdout, self.cfg.log_dir, self.cfg.tee)
+        show = self.cfg.local_ranks_filter is None or local_rank in self.cfg.local_ranks_filter
+        self.workers[local_rank] = Worker(self.cfg.spec, p, env, sys.stdout, self.cfg.log_dir, self.cfg.tee, show=show,
+                                          err=sys.stderr)
         self.done.discard(local_rank)
         self.reported_exit.discard(local_rank)
 
@@ -460,7 +475,7 @@ class Agent:
 
     def _kill_all(self) -> None:
         for w in list(self.workers.values()):
-            w.kill_tree()
+            w.kill_tree(grace=self.cfg.shutdown_timeout)
         self.workers.clear()
         self.conns.clear()
         self.waiting_hello.clear()
@@ -471,7 +486,7 @@ class Agent:
                 "world_size": self.job["nnodes"] * self.cfg.nproc_per_node, "generation": self.generation,
                 "store_prefix": self.store_prefix,
                 "restart_count": self.restart_count, "restore_step": self.restore_step,
-                "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": self.job["store_port"],
+                "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": self._store_port(),
                 "tp": self.job["tp"], "pp": self.job["pp"], "run_id": self.job["run_id"]}
 
     def _quiesce(self) -> None:

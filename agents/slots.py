@@ -39,6 +39,13 @@ class IntegrityError(SlotError):
 
 class SlotSpaceError(SlotError):
     """Snapshot memory cannot be created or grown on this host (shared memory full, a file-size limit)."""
+def _alive(pid: int) -> bool:
+    """A zombie is dead: an agent SIGKILLed under a parent that has not reaped it yet (its slot files
+    stayed, 23 MB after 20 kills, when pid_exists counted zombies as alive)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def remove_orphans(host: str) -> list[Path]:
@@ -48,7 +55,7 @@ def remove_orphans(host: str) -> list[Path]:
     pattern = re.compile(rf"^phoenixrun-{re.escape(host)}-(\d+)-[0-9a-f]+-")
     for path in SHM_DIR.glob(f"phoenixrun-{host}-*"):
         m = pattern.match(path.name)
-        if m and not psutil.pid_exists(int(m.group(1))):
+        if m and not _alive(int(m.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

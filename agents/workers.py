@@ -6,6 +6,7 @@ nothing is orphaned on any exit path.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -84,33 +85,77 @@ def worker_env(base: dict[str, str], p: Placement) -> dict[str, str]:
     return env
 
 
+class Prefixer:
+    """Puts `prefix` at the start of each line of a byte stream that arrives in arbitrary chunks. Partial
+    lines pass through at once (a `\r` progress bar shows as it is drawn); a line that already starts with
+    the prefix (torch's excepthook writes `[rankN]: ` before each traceback line) gets it only once. Pure."""
+
+    def __init__(self, prefix: bytes):
+        self.prefix, self.at_start = prefix, True
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = bytearray()
+        for piece in chunk.splitlines(keepends=True):
+            if self.at_start and not piece.startswith(self.prefix):
+                out += self.prefix
+            out += piece
+            self.at_start = piece.endswith((b"\n", b"\r"))
+        return bytes(out)
+
+
+_console_lock = threading.Lock()   # one chunk of one worker at a time on the agent's stdout/stderr
+
+
 class Worker:
-    def __init__(self, spec: WorkerSpec, placement: Placement, env: dict[str, str], out: IO[str],
-                 log_dir: Path | None, tee: bool):
+    def __init__(self, spec: WorkerSpec, placement: Placement, env: dict[str, str], out: IO[str] | None,
+                 log_dir: Path | None, tee: bool, show: bool = True, err: IO[str] | None = None):
+        """out/err: where the worker's stdout/stderr go, prefixed (the agent's own by default); show: False
+        keeps this worker off the console (torchrun's --local-ranks-filter); stdin is inherited, as under
+        torchrun (breakpoint() and input() work)."""
         self.placement = placement
         self.rank = placement.rank
         self.local_rank = placement.local_rank
-        log_file = None
+        files = None
         if log_dir is not None:
             d = Path(log_dir) / f"attempt_{placement.restart_count}" / f"gen{placement.generation}" / str(placement.local_rank)
             d.mkdir(parents=True, exist_ok=True)
-            log_file = open(d / "stdout.log", "a", buffering=1)
-        self.proc = subprocess.Popen(spec.argv(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+            files = (open(d / "stdout.log", "ab", buffering=0), open(d / "stderr.log", "ab", buffering=0))
+        self.proc = subprocess.Popen(spec.argv(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         self.pid = self.proc.pid
         self.started = time.time()
-        threading.Thread(target=self._pump, args=(out, log_file, tee or log_file is None), daemon=True).start()
+        console = show and (tee or files is None)
+        streams = ((self.proc.stdout, out or sys.stdout), (self.proc.stderr, err or sys.stderr))
+        for i, (pipe, dest) in enumerate(streams):
+            threading.Thread(target=self._pump, args=(pipe, dest if console else None, files[i] if files else None),
+                             daemon=True).start()
 
     def _prefix(self) -> str:
         return f"[rank{self.rank}]:" if self.rank is not None else f"[spare{self.local_rank}]:"
 
-    def _pump(self, out: IO[str], log_file, to_console: bool) -> None:
-        for line in self.proc.stdout:
+    def _pump(self, pipe, dest: IO[str] | None, log_file) -> None:
+        prefixer = Prefixer(self._prefix().encode())
+        fd = pipe.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
             if log_file:
-                log_file.write(line)
-            if to_console:
-                out.write(f"{self._prefix()}{line}")
-                out.flush()
+                log_file.write(chunk)
+            if dest is not None:
+                if self.rank is not None and prefixer.prefix.startswith(b"[spare"):
+                    prefixer.prefix = self._prefix().encode()   # a warm spare got its rank
+                data = prefixer.feed(chunk)
+                with _console_lock:
+                    target = getattr(dest, "buffer", None)
+                    if target is not None:
+                        dest.flush()
+                        target.write(data)
+                        target.flush()
+                    else:
+                        dest.write(data.decode(errors="replace"))
+                        dest.flush()
+        pipe.close()
         if log_file:
             log_file.close()
 

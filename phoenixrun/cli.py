@@ -33,19 +33,32 @@ def _opt(*names, env: str | None = None, **kw):
     return click.option(*decls, **kw)
 
 
-def _parse_nnodes(value: str) -> int:
+def _parse_nnodes(value: str) -> tuple[int, int]:
+    """`N` or torchrun's `MIN:MAX` -> (active nodes, extra nodes admitted as spares)."""
     lo, _, hi = value.partition(":")
     try:
         lo_n, hi_n = int(lo), int(hi or lo)
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a node count (N or N:N)", param_hint="--nnodes") from None
-    if lo_n != hi_n:
-        raise click.BadParameter(
-            f"elastic ranges ({value}) are not supported: phoenixrun keeps the world size fixed and replaces "
-            "failed nodes from a spare pool; use --nnodes N --spares S", param_hint="--nnodes")
+        raise click.BadParameter(f"{value!r} is not a node count (N or MIN:MAX)", param_hint="--nnodes") from None
     if lo_n < 1:
         raise click.BadParameter("must be >= 1", param_hint="--nnodes")
-    return lo_n
+    if hi_n < lo_n:
+        raise click.BadParameter(f"{value!r}: MAX is below MIN", param_hint="--nnodes")
+    return lo_n, hi_n - lo_n
+
+
+def _parse_ranks_filter(value: str | None) -> str:
+    """torchrun's --local-ranks-filter: comma-separated local ranks (empty: all). Normalised, validated."""
+    if not value:
+        return ""
+    try:
+        ranks = sorted({int(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of local ranks",
+                                 param_hint="--local-ranks-filter") from None
+    if any(r < 0 for r in ranks):
+        raise click.BadParameter("local ranks are >= 0", param_hint="--local-ranks-filter")
+    return ",".join(map(str, ranks))
 
 
 def _parse_nproc(value: str) -> int:
@@ -66,6 +79,32 @@ def _parse_nproc(value: str) -> int:
     if n < 1:
         raise click.BadParameter("must be >= 1", param_hint="--nproc-per-node")
     return n
+
+
+def _is_this_host(host: str) -> bool:
+    """Does `host` name this machine (torchrun's test for the rendezvous host)?"""
+    import socket
+
+    import psutil
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    local = {a.address.split("%")[0] for nic in psutil.net_if_addrs().values() for a in nic}
+    return bool(addrs & local)
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _tee(tee: str | None, redirects: str | None) -> bool:
@@ -144,8 +183,9 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_opt("--rdzv-backend", default="c10d", show_default=True, env="PET_RDZV_BACKEND",
       help="c10d or static; both mean phoenixrun's own master.")
 @_opt("--rdzv-conf", default="", env="PET_RDZV_CONF", help="Accepted for compatibility; ignored.")
-@_opt("--node-rank", type=int, default=0, show_default=True, env="PET_NODE_RANK",
-      help="Rank of this node; node 0 also runs the master.")
+@_opt("--node-rank", type=click.IntRange(min=0), default=None, env="PET_NODE_RANK",
+      help="Rank of this node: its slot, whatever the order nodes join in; node 0 also runs the master "
+           "[default: slots in order of joining; the rendezvous host runs the master].")
 @_opt("--master-addr", default="127.0.0.1", show_default=True, env="PET_MASTER_ADDR",
       help="Master address when no --rdzv-endpoint is given.")
 @_opt("--master-port", type=click.IntRange(0, 65535), default=29500, show_default=True, env="PET_MASTER_PORT",
@@ -154,13 +194,21 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
       help="Address other nodes use to reach this node's agent [default: the local address that routes to the "
            "master].")
 @_opt("--log-dir", default=None, env="PET_LOG_DIR", help="Write each worker's output under this directory.")
-@_opt("--tee", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
+@_opt("--tee", "-t", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
 @_opt("--redirects", "-r", default=None, env="PET_REDIRECTS", help="With --log-dir, only write files (torchrun: 0-3).")
 @_opt("--monitor-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
       env="PET_MONITOR_INTERVAL", help="Accepted for compatibility (agents watch workers every 50 ms).")
+@_opt("--local-ranks-filter", default="", env="PET_LOCAL_RANKS_FILTER",
+      help="Only these local ranks' output reaches the console, e.g. 0 or 0,1 (log files get all).")
+@_opt("--start-method", type=click.Choice(["spawn", "fork", "forkserver"]), default="spawn", show_default=True,
+      env="PET_START_METHOD", help="Accepted for compatibility: workers are always fresh processes.")
+@_opt("--shutdown-timeout", type=click.FloatRange(min=0), default=None, env="PET_SHUTDOWN_TIMEOUT",
+      help="Seconds from SIGTERM to SIGKILL when workers are stopped [default: 2].")
 @click.option("-m", "--module", is_flag=True, help="Run the entry point as a Python module (python -m).")
 @_opt("--no-python", is_flag=True, help="Run the entry point as an executable, not with python.")
-@_opt("--spares", type=click.IntRange(min=0), default=0, show_default=True, help="Warm spare nodes (standalone).")
+@_opt("--spares", type=click.IntRange(min=0), default=0, show_default=True,
+      help="Warm spare nodes: with --standalone started here; on a cluster, the nodes beyond --nnodes that join "
+           "(more are told they are not needed and exit 0).")
 @_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
       help="Events, master.json and the job secret go here [default: .phoenixrun/RUN_ID].")
 @_opt("--fault-domain", default="", help="Fault-domain label of this node (replicas avoid sharing one).")
@@ -172,7 +220,8 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_persistence
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_backend, rdzv_conf, max_restarts,
-           node_rank, master_addr, master_port, local_addr, log_dir, tee, redirects, monitor_interval, module, no_python,
+           node_rank, master_addr, master_port, local_addr, log_dir, tee, redirects, monitor_interval,
+           local_ranks_filter, start_method, shutdown_timeout, module, no_python,
            spares, run_dir, replicas, tp, pp, fault_domain, collective_timeout, heartbeat_interval, node_timeout,
            hang_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
            max_fallbacks, entry):
@@ -181,7 +230,9 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
     from phoenixrun.launcher import LaunchConfig, run
     from phoenixrun.topology import Layout
 
-    n = _parse_nnodes(nnodes)
+    n, elastic_extra = _parse_nnodes(nnodes)
+    ranks_filter = _parse_ranks_filter(local_ranks_filter)
+    spares = spares or elastic_extra
     nproc = _parse_nproc(nproc_per_node)
     if rdzv_backend not in ("c10d", "static"):
         raise click.BadParameter(f"{rdzv_backend!r} is not supported: phoenixrun runs its own rendezvous master; "
@@ -190,9 +241,6 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
         raise click.UsageError("-m/--module and --no-python cannot be combined")
     if not module and not no_python and not Path(entry[0]).is_file():
         raise click.UsageError(f"training script {entry[0]!r} not found")
-    if spares and not standalone:
-        raise click.UsageError("--spares starts local spare agents and needs --standalone; on a cluster start "
-                               "extra nodes with `phoenixrun agent` (they join as spares)")
     try:
         Layout(n, nproc, tp, pp)
     except ValueError as e:
@@ -204,18 +252,28 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
     run_dir = run_dir or Path(".phoenixrun") / run_id
     endpoint = rdzv_endpoint or f"{master_addr}:{master_port}"
     host, _, port = ("127.0.0.1:0" if standalone else endpoint).rpartition(":")
+    if not port.isdigit():
+        raise click.BadParameter(f"{endpoint!r} is not host:port", param_hint="--rdzv-endpoint")
+    if standalone:
+        host_master = True
+    elif node_rank is not None:
+        host_master = node_rank == 0
+    else:   # every node runs the same command: the rendezvous host runs the master (the first there, if several)
+        host_master = _is_this_host(host) and _port_free(host, int(port))
     job = MasterConfig(
         run_dir=run_dir, nnodes=n, nproc_per_node=nproc, run_id=run_id, tp=tp, pp=pp,
         replicas=min(replicas, max(0, n - 1)), max_restarts=max_restarts, host=host, port=int(port),
         node_timeout=node_timeout, spare_wait=spare_wait, recovery_timeout=recovery_timeout,
         max_local_resets=max_local_resets, persist_dir=_persist_dir(persist_dir, persist_every, run_dir),
-        persist_every=persist_every, persist_keep=persist_keep, max_fallbacks=max_fallbacks)
+        persist_every=persist_every, persist_keep=persist_keep, max_fallbacks=max_fallbacks,
+        spares=None if standalone else spares)   # standalone: spares started by hand may join too
     cfg = LaunchConfig(
         master=job, entry=list(entry), module=module, no_python=no_python, standalone=standalone, spares=spares,
-        endpoint=None if standalone else endpoint, node_rank=node_rank,
+        endpoint=None if standalone else endpoint, node_rank=node_rank, host_master=host_master,
         local_addr="127.0.0.1" if standalone else netaddr.node_addr(local_addr, endpoint), fault_domain=fault_domain,
         log_dir=log_dir, tee=_tee(tee, redirects), heartbeat_interval=heartbeat_interval,
-        collective_timeout=collective_timeout, hang_timeout=hang_timeout)
+        collective_timeout=collective_timeout, hang_timeout=hang_timeout, local_ranks_filter=ranks_filter,
+        shutdown_timeout=shutdown_timeout)
     sys.exit(run(cfg))
 
 
@@ -233,10 +291,12 @@ def commands():
               help="Address to listen on (the default: every interface, so that other machines' nodes reach it).")
 @click.option("--port", type=click.IntRange(0, 65535), default=29500, show_default=True)
 @click.option("--store-port", type=click.IntRange(0, 65535), default=0, help="TCPStore port [default: any].")
+@click.option("--spares", type=click.IntRange(min=0), default=None,
+              help="Spare nodes admitted at a time; more are told they are not needed [default: any number].")
 @_job_shape
 @_recovery_policy
 @_persistence
-def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port, replicas, tp, pp, max_restarts,
+def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port, spares, replicas, tp, pp, max_restarts,
                node_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
                max_fallbacks):
     """Run the rendezvous master (control plane) in the foreground."""
@@ -251,7 +311,7 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
                            store_port=store_port, node_timeout=node_timeout, spare_wait=spare_wait,
                            recovery_timeout=recovery_timeout, max_local_resets=max_local_resets,
                            persist_dir=_persist_dir(persist_dir, persist_every, run_dir), persist_every=persist_every,
-                           persist_keep=persist_keep, max_fallbacks=max_fallbacks)
+                           persist_keep=persist_keep, max_fallbacks=max_fallbacks, spares=spares)
         m = Master(cfg, secret)
         m.start()
     except (ValueError, OSError) as e:
@@ -275,11 +335,18 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
       help="Timeout of the workers' process groups, seconds [default: 60].")
 @_opt("--hang-timeout", type=click.FloatRange(min=0.1), default=20.0, show_default=True,
       help="Kill (and report) a worker that makes no progress this long outside a recovery.")
+@_opt("--node-rank", type=click.IntRange(min=0), default=None,
+      help="Slot this node asks for (as torchrun's --node-rank); a rank >= nnodes joins as a spare [default: the "
+           "lowest free slot, in order of registration].")
+@_opt("--local-ranks-filter", default="", help="Only these local ranks' output reaches the console (e.g. 0,1).")
+@_opt("--shutdown-timeout", type=click.FloatRange(min=0), default=2.0, show_default=True,
+      help="Seconds from SIGTERM to SIGKILL when workers are stopped.")
 @click.option("-m", "--module", is_flag=True)
 @_opt("--no-python", is_flag=True)
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
 def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_interval, log_dir, no_tee, secret_file,
-              collective_timeout, hang_timeout, module, no_python, entry):
+              collective_timeout, hang_timeout, node_rank, local_ranks_filter, shutdown_timeout, module, no_python,
+              entry):
     """Run one node's agent: it joins the master as an active node or a spare."""
     from phoenixrun.agents.agent import Agent, AgentConfig
     from phoenixrun.agents.workers import WorkerSpec
@@ -291,9 +358,12 @@ def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_inter
     if collective_timeout is not None:   # the workers' runtime reads it
         os.environ["PHOENIXRUN_COLLECTIVE_TIMEOUT"] = str(collective_timeout)
     spec = WorkerSpec(entry[0], tuple(entry[1:]), module=module, no_python=no_python)
+    ranks = _parse_ranks_filter(local_ranks_filter)
     agent = Agent(AgentConfig(endpoint=rdzv_endpoint, secret=secret, spec=spec, nproc_per_node=nproc_per_node,
-                              host=netaddr.node_addr(host, rdzv_endpoint), fault_domain=fault_domain, heartbeat_interval=heartbeat_interval,
-                              hang_timeout=hang_timeout,
+                              host=netaddr.node_addr(host, rdzv_endpoint), fault_domain=fault_domain,
+                              heartbeat_interval=heartbeat_interval, hang_timeout=hang_timeout, node_rank=node_rank,
+                              shutdown_timeout=shutdown_timeout,
+                              local_ranks_filter=frozenset(map(int, ranks.split(","))) if ranks else None,
                               log_dir=Path(log_dir) if log_dir else None, tee=not no_tee))
     sys.exit(agent.run())
 

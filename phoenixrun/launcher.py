@@ -28,7 +28,8 @@ class LaunchConfig:
     standalone: bool = False
     spares: int = 0
     endpoint: str | None = None        # host:port of the master (non-standalone)
-    node_rank: int = 0
+    node_rank: int | None = None       # given: this node's slot (torchrun's --node-rank); node 0 runs the master
+    host_master: bool = False          # run the master here (standalone, node rank 0, or the rendezvous host)
     local_addr: str = "127.0.0.1"      # how peers reach this node's agent
     fault_domain: str = ""
     log_dir: str | None = None
@@ -36,14 +37,24 @@ class LaunchConfig:
     heartbeat_interval: float = 0.5
     collective_timeout: float = 60.0
     hang_timeout: float = 20.0
+    local_ranks_filter: str = ""       # comma-separated local ranks shown on the console ("": all)
+    shutdown_timeout: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
 MAX_MASTER_RESTARTS = 10
 
 
+# The master and the agents import phoenixrun as installed, never from the working directory: `python -m`
+# puts the cwd first on sys.path, and from a checkout's root `./phoenixrun` (which has no `agents` subpackage:
+# that maps from agents/ only when installed) shadowed a non-editable install - every agent died with
+# ModuleNotFoundError and the launcher waited forever.
+_BOOT = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+         "from phoenixrun.cli import main; main()")
+
+
 def _py() -> list[str]:
-    return [sys.executable, "-m", "phoenixrun.cli"]
+    return [sys.executable, "-c", _BOOT]
 
 
 def master_argv(m: MasterConfig) -> list[str]:
@@ -55,6 +66,7 @@ def master_argv(m: MasterConfig) -> list[str]:
                     "--spare-wait", str(m.spare_wait), "--recovery-timeout", str(m.recovery_timeout),
                     "--max-local-resets", str(m.max_local_resets), "--persist-every", str(m.persist_every),
                     "--persist-keep", str(m.persist_keep), "--max-fallbacks", str(m.max_fallbacks)]
+    argv += ["--spares", str(m.spares)] if m.spares is not None else []
     return argv + (["--persist-dir", str(m.persist_dir)] if m.persist_dir else [])
 
 
@@ -66,6 +78,12 @@ def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
         argv += ["--fault-domain", domain]
     if c.log_dir:
         argv += ["--log-dir", c.log_dir] + ([] if c.tee else ["--no-tee"])
+    if c.local_ranks_filter:
+        argv += ["--local-ranks-filter", c.local_ranks_filter]
+    if c.shutdown_timeout is not None:
+        argv += ["--shutdown-timeout", str(c.shutdown_timeout)]
+    if c.node_rank is not None and not c.standalone:
+        argv += ["--node-rank", str(c.node_rank)]
     if c.module:
         argv.append("-m")
     if c.no_python:
@@ -85,6 +103,31 @@ def wait_for_master(run_dir: Path, proc: subprocess.Popen, timeout: float = 60.0
                 return info
         time.sleep(0.05)
     raise RuntimeError(f"the master did not start within {timeout:.0f}s")
+
+
+def started(run_dir: Path) -> bool:
+    """Has the master started the job (every slot filled)? From its event log."""
+    try:
+        with open(Path(run_dir) / "events.jsonl", "rb") as f:
+            return any(b'"job_started"' in line for line in f)
+    except OSError:
+        return False
+
+
+def failed_agents(agents: list[subprocess.Popen]) -> list[tuple[int, int]]:
+    """(index, exit code) of the agents that exited with an error - not killed by a signal, as a fault drill
+    does. Polling also reaps the agents that were killed (a zombie's slot files would stay)."""
+    return [(i, a.returncode) for i, a in enumerate(agents) if a.poll() is not None and a.returncode > 0]
+
+
+def _listening(endpoint: str | None) -> bool:
+    import socket
+    host, _, port = (endpoint or "").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 class ProcessSet:
@@ -128,9 +171,16 @@ def run(c: LaunchConfig) -> int:
         stop["sig"] = signum
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if c.standalone or c.node_rank == 0:
+        if c.host_master:
             master = procs.start(master_argv(c.master), env)
-            info = wait_for_master(run_dir, master)
+            try:
+                info = wait_for_master(run_dir, master)
+            except RuntimeError:
+                if c.standalone or c.node_rank is not None or not _listening(c.endpoint):
+                    raise
+                # every node runs the same command and another one on this host got the port first
+                master = None
+        if master is not None:
             endpoint = info["endpoint"]
             print(f"phoenixrun: run {c.master.run_id}: master {endpoint}, run dir {run_dir} "
                   f"(watch with: phoenixrun status --run-dir {run_dir} --watch)", file=sys.stderr, flush=True)
@@ -143,8 +193,17 @@ def run(c: LaunchConfig) -> int:
             agents.append(procs.start(agent_argv(c, endpoint, domain), env))
         watched = master if master is not None else agents[0]
         master_restarts = 0
+        job_started = False
         while True:
             while watched.poll() is None and stop["sig"] is None:
+                failed = failed_agents(agents)
+                if failed and master is not None and not job_started:
+                    # no job starts without them: say so now, not never
+                    job_started = started(run_dir)
+                    if not job_started:
+                        i, code = failed[0]
+                        raise RuntimeError(f"the agent of node {i} exited with code {code} before the job started "
+                                           f"(its error is printed above); {len(failed)} of {len(agents)} failed")
                 time.sleep(0.1)
             if stop["sig"] is not None:
                 return 128 + stop["sig"]

@@ -28,6 +28,15 @@ def client_for(run_dir: Path | None, endpoint: str | None, secret_file: Path | N
     return ControlClient(endpoint, secret, timeout=3.0)
 
 
+def ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 3] -> "0-3", [0, 2] -> "0,2", [] -> "-". Pure."""
+    if not ranks:
+        return "-"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
 def render(state: dict) -> Group:
     job = Table(title=f"phoenixrun job {state['run_id']}", show_header=True)
     for col in ("phase", "generation", "step", "steps/s", "world", "restarts", "recoveries", "refused requests",
@@ -38,7 +47,7 @@ def render(state: dict) -> Group:
                 str((state.get("rejected_requests") or {}).get("total", 0)),
                 f"{state['endpoint']} pid {state['master_pid']}")
     nodes = Table(title="nodes")
-    for col in ("slot", "role", "node", "agent pid", "worker pids", "heartbeat age", "committed step",
+    for col in ("slot", "ranks", "role", "node", "agent pid", "worker pids", "heartbeat age", "committed step",
                 "replica lag", "d2h ms", "h2h ms", "stall ms", "every", "last fault"):
         nodes.add_column(col)
     for n in state["nodes"]:
@@ -49,7 +58,7 @@ def render(state: dict) -> Group:
         def ms(key, prot=prot):
             vals = [p.get(key) for p in prot.values() if p.get(key) is not None]
             return f"{1000 * max(vals):.1f}" if vals else "-"
-        nodes.add_row(str(n["slot"] if n["slot"] is not None else "-"), n["role"], n["node_id"], str(n["agent_pid"]),
+        nodes.add_row(str(n["slot"] if n["slot"] is not None else "-"), ranks_text(n.get("ranks") or []), n["role"], n["node_id"], str(n["agent_pid"]),
                       ",".join(map(str, n["worker_pids"])) or "-", f"{n['heartbeat_age_s']:.1f}s",
                       str(min(committed)) if committed else "-", str(max(lag)) if lag else "-",
                       ms("d2h_s"), ms("h2h_s"), ms("stall_s"),

@@ -96,3 +96,21 @@ def test_plan_refuses_when_owner_and_holders_lost():
     nodes["s2"] = node("s2", Role.SPARE)
     with pytest.raises(PlanError, match="replica holder"):
         plan_recovery(lay, nodes, slots, {1, 2}, placement, {1: "s", 2: "s2"})
+
+
+def test_attempt_ranks_reads_gloo_keys_of_the_default_group():
+    from phoenixrun.control.recovery import attempt_ranks
+    keys = ["default_pg/0//cpu//0/0", "default_pg/0//cpu//0/2", "/default_pg/0//cpu//0/1", "init/",
+            "default_pg/0//cpu//0/9", "other/3"]
+    assert attempt_ranks(keys, 4) == {0, 1, 2}
+    assert attempt_ranks([], 4) == set()
+
+
+def test_admit_gives_a_node_its_node_rank_whatever_the_order():
+    free, taken = FreeSlots(2), {}
+    assert admit(False, free, taken, node_rank=1, nnodes=2) == (Role.ACTIVE, 1)
+    taken[1] = "b"
+    assert admit(False, free, taken, node_rank=1, nnodes=2) == (Role.FAILED, None)   # rank taken: refused
+    assert admit(False, free, taken) == (Role.ACTIVE, 0)           # no rank given: the lowest free slot
+    assert admit(False, free, taken, node_rank=2, nnodes=2) == (Role.SPARE, None)   # beyond nnodes: a spare
+    assert admit(True, FreeSlots(2), {}, node_rank=0, nnodes=2) == (Role.SPARE, None)   # after the start

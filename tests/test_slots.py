@@ -1,5 +1,6 @@
 """Agent-owned snapshot memory: commit protocol and replica store invariants (no processes)."""
 import os
+import time
 
 import pytest
 
@@ -90,3 +91,29 @@ def test_orphaned_files_of_dead_agents_are_removed():
     finally:
         orphan.unlink(missing_ok=True)
         alive.unlink(missing_ok=True)
+
+
+def test_files_of_a_zombie_agent_are_orphans():
+    """An agent SIGKILLed under a parent that has not reaped it yet is a zombie: its files go too."""
+    import signal
+    import socket
+    import subprocess
+
+    import psutil
+
+    from phoenixrun.agents.slots import SHM_DIR, remove_orphans
+    host = socket.gethostname()
+    child = subprocess.Popen(["sleep", "60"])
+    os.kill(child.pid, signal.SIGKILL)
+    deadline = time.time() + 30
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:   # dead, not reaped: we do not wait()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    orphan = SHM_DIR / f"phoenixrun-{host}-{child.pid}-beef-r0-s0"
+    orphan.write_bytes(b"x")
+    try:
+        assert psutil.pid_exists(child.pid)              # what the old check asked: "alive"
+        assert orphan in remove_orphans(host) and not orphan.exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        child.wait()

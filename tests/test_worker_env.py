@@ -38,3 +38,16 @@ def test_gloo_binds_to_the_node_interface_unless_the_user_chose():
     assert worker_env({}, placement(gloo_ifname="eth1"))["GLOO_SOCKET_IFNAME"] == "eth1"
     assert worker_env({"GLOO_SOCKET_IFNAME": "ib0"}, placement(gloo_ifname="eth1"))["GLOO_SOCKET_IFNAME"] == "ib0"
     assert "GLOO_SOCKET_IFNAME" not in worker_env({}, placement())
+def test_prefixer_marks_each_line_once_and_passes_partial_lines():
+    from phoenixrun.agents.workers import Prefixer
+    p = Prefixer(b"[rank3]:")
+    assert p.feed(b"a\nb") == b"[rank3]:a\n[rank3]:b"        # a partial line goes out at once
+    assert p.feed(b" still b\n") == b" still b\n"             # ... and is not prefixed again when it ends
+    assert p.feed(b"10%\r20%\r") == b"[rank3]:10%\r[rank3]:20%\r"
+    assert p.feed(b"[rank3]: Traceback\n") == b"[rank3]: Traceback\n"   # torch's excepthook prefixed it
+    assert p.feed(b"") == b""
+
+
+def test_ranks_text_for_status():
+    from phoenixrun.status import ranks_text
+    assert [ranks_text(r) for r in ([0, 1, 2, 3], [4, 5], [], [0, 2, 3])] == ["0-3", "4,5", "-", "0,2,3"]

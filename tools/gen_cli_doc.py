@@ -28,14 +28,16 @@ TORCHRUN_FLAGS = {
     "--rdzv-conf", "--max-restarts", "--node-rank", "--master-addr", "--master-port", "--log-dir", "--tee",
     "--redirects", "--module", "--no-python", "--monitor-interval", "--start-method", "--role", "--run-path",
     "--local-addr", "--logs-specs", "--local-ranks-filter", "--event-log-handler", "--numa-binding",
-    "--signals-to-handle", "--virtual-local-rank",
+    "--signals-to-handle", "--virtual-local-rank", "--shutdown-timeout", "--duplicate-stdout-filters",
+    "--duplicate-stderr-filters",
 }
 
 # What each torchrun flag means under phoenixrun (falls back to the option's help text when absent).
 TORCHRUN_NOTES = {
-    "--nnodes": "Active (training) nodes: `N`, or `N:N`. An elastic range `MIN:MAX` with MIN != MAX is refused "
-                "with a one-line error: phoenixrun keeps the world size fixed and replaces failed nodes from "
-                "warm spares instead (`--spares` with `--standalone`; `phoenixrun agent` on a cluster).",
+    "--nnodes": "Active (training) nodes: `N`, or torchrun's `MIN:MAX`, which means MIN active nodes and up to "
+                "MAX-MIN warm spares (unless `--spares` is given): phoenixrun keeps the world size fixed and "
+                "replaces a failed node with a spare instead of shrinking the job. The job starts once MIN nodes "
+                "joined; spares may join later.",
     "--nproc-per-node": "Workers per node: a number, `gpu` (visible CUDA devices; an error without one), or "
                         "`auto`/`cpu` (the CPU count; note torchrun's `auto` picks the GPU count when CUDA "
                         "is present).",
@@ -51,14 +53,22 @@ TORCHRUN_NOTES = {
     "--max-restarts": "Full torchrun-style restarts (every worker restarted) allowed when in-memory recovery "
                       "is impossible, and on any failure of a script that does not use the phoenixrun API. "
                       "Exported as `TORCHELASTIC_MAX_RESTARTS`.",
-    "--node-rank": "Rank of this node. Node 0 also runs the master, listening on the `--rdzv-endpoint` port "
-                   "(or `--master-port`); other nodes only run an agent.",
+    "--node-rank": "This node's slot (its workers get ranks `node_rank * nproc .. + nproc - 1`), whatever the "
+                   "order nodes join in, as under torchrun; node 0 also runs the master. A rank >= nnodes joins "
+                   "as a spare; two nodes with one rank: the second is refused. Without it, nodes get slots in "
+                   "the order they join and the node the `--rdzv-endpoint` host names runs the master.",
     "--master-addr": "Master address when no `--rdzv-endpoint` is given (the phoenixrun master, not a "
                      "TCPStore).",
     "--master-port": "Master port when no `--rdzv-endpoint` is given.",
     "--log-dir": "Write each worker's stdout/stderr to files under this directory.",
-    "--tee": "With `--log-dir`: output goes to the files and the console (the default). torchrun's 0-3 "
-             "stream selector is accepted but not applied per stream.",
+    "--tee": "With `--log-dir`: output goes to the files (`stdout.log`, `stderr.log`) and the console (the "
+             "default). torchrun's 0-3 stream selector is accepted but not applied per stream.",
+    "--local-ranks-filter": "Only these local ranks' output reaches the console (e.g. `0` or `0,1`); log files "
+                            "get every rank's, as under torchrun.",
+    "--start-method": "Accepted (`spawn`, `fork`, `forkserver`) for compatibility: workers are always fresh "
+                      "`python SCRIPT` processes, as torchrun runs a script entry point.",
+    "--shutdown-timeout": "Seconds from SIGTERM to SIGKILL when workers are stopped (torchrun: 30; phoenixrun's "
+                          "default 2 s, since every restart and recovery waits for it).",
     "--redirects": "With `--log-dir` and without `--tee`: output goes only to the files. torchrun's 0-3 "
                    "stream selector is accepted but not applied per stream.",
     "--module": "Run SCRIPT as a module (`python -m SCRIPT`).",
@@ -160,7 +170,8 @@ def _tables(launch: click.Command, ctx: click.Context) -> str:
     missing = ", ".join(f"`{n}`" for n in sorted(TORCHRUN_FLAGS - present))
     return ("## torchrun flags\n\n"
             "The torchrun flags phoenixrun accepts, and what each means here. The other torchrun flags ("
-            + missing + ") are rejected with `No such option`.\n\n"
+            + missing + ") are rejected with `No such option`; why each is left out, and every other difference "
+            "from torchrun: [torchrun-compat.md](torchrun-compat.md).\n\n"
             + head + "".join(torchrun)
             + "\n## phoenixrun flags\n\n"
             "Flags torchrun does not have (the multi-word ones also accept underscores).\n\n"

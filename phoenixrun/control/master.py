@@ -65,6 +65,7 @@ class MasterConfig:
     persist_every: int = 0
     persist_keep: int = 2
     max_fallbacks: int = 3             # restarts from a persistent checkpoint before giving up
+    spares: int | None = None          # spare nodes admitted at a time (None: any number)
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
@@ -179,7 +180,13 @@ class Master(Recoveries):
                 return self._reregister(known, msg)
             if msg.rejoin is not None:
                 return self._readmit(msg, msg.rejoin)
-            role, slot = admit(self.phase != Phase.WAITING or bool(self.resumed_at), self._free_slots, self.slots)
+            role, slot = admit(self.phase != Phase.WAITING or bool(self.resumed_at), self._free_slots, self.slots,
+                               msg.node_rank, self.cfg.nnodes)
+            refused = self._refusal(role, msg.node_rank)
+            if refused is not None:
+                self.events.emit("node_refused", self.generation, node=msg.node_id, host=msg.host,
+                                 node_rank=msg.node_rank, reason=refused["reason"])
+                return refused
             node = NodeRecord(node_id=msg.node_id, host=msg.host, agent_pid=msg.agent_pid,
                               peer_addr=msg.peer_addr, fault_domain=msg.fault_domain, role=role, slot=slot)
             self.nodes[node.node_id] = node
@@ -203,6 +210,19 @@ class Master(Recoveries):
         raise messages.MessageError(
             f"node id {node.node_id!r} is already registered (agent pid {node.agent_pid} at {node.peer_addr}): "
             "give each agent a unique --node-id", code=409, reason="node_id_in_use")
+
+    def _refusal(self, role: Role, node_rank: int | None) -> dict | None:
+        """The answer to a registration the job has no place for (call with the lock held), else None."""
+        if role == Role.FAILED:
+            return {"role": Role.FAILED.value, "slot": None, "exit_code": 2,
+                    "reason": f"node rank {node_rank} is already taken by node {self.slots.get(node_rank)}: "
+                              "give every node its own --node-rank"}
+        if role == Role.SPARE and self.cfg.spares is not None and \
+                sum(1 for n in self.nodes.values() if n.role == Role.SPARE) >= self.cfg.spares:
+            return {"role": Role.FAILED.value, "slot": None, "exit_code": 0,
+                    "reason": f"the job has its {self.cfg.nnodes} nodes and {self.cfg.spares} spare(s) "
+                              "(--nnodes, --spares): this node is not needed"}
+        return None
 
     def _readmit(self, msg: messages.Register, r: messages.Rejoin) -> dict:
         """An agent of a job already running when this master started (it restarted): rebuild the
@@ -396,11 +416,15 @@ class Master(Recoveries):
                 "protect_every": self.protect_every,
                 "nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
                 "world_size": self.layout.world_size, "replicas": self.cfg.replicas,
-                "nodes": sorted((n.to_json(now) for n in self.nodes.values()),
+                "nodes": sorted(({**n.to_json(now), "ranks": self._ranks_json(n.slot)} for n in self.nodes.values()),
                                 key=lambda d: (d["slot"] is None, d["slot"] or 0, d["node_id"])),
                 "events": list(self.events.recent)[-15:],
                 "rejected_requests": self.rejections.snapshot(),
             }
+
+    def _ranks_json(self, slot: int | None) -> list[int]:
+        """The global ranks a node's workers hold (none for a spare): where rank 0 runs, for status."""
+        return [] if slot is None else list(self.layout.ranks_of_slot(slot))
 
     # ---------------------------------------------------------------- helpers (call with self.cv held)
     def _fence(self, node_id: str, via: str) -> dict | None:
@@ -645,8 +669,13 @@ class Master(Recoveries):
             if all(nid in self.done_nodes for nid in self.slots.values()):
                 raise Stop(0, "all workers finished")
             return
+        if kind == "attempt_check":
+            self._check_attempt(ev)
+            return
         if not active or kind not in ROOT_CAUSES + ("comm_error",):
             return
+        if not self._api_mode() and ev.get("generation", self.generation) < self.generation:
+            return   # a worker of an attempt already restarted (reported after the restart's drain)
         incident = self._incident(ev)
         if incident is not None:
             node, ev, verdict, context = incident
@@ -772,6 +801,9 @@ class Master(Recoveries):
                              kind=verdict.fault_class.value, step=ev.get("step"), **(context or {}))
             api = self._api_mode()
         failing_code = _exit_code(ev)
+        if not api:
+            self._restart_plain(node, ev, verdict, failing_code)
+            return
         if verdict.action == Action.EXTERNAL_FALLBACK:
             what = f"{verdict.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") \
                 else verdict.reason
@@ -784,10 +816,42 @@ class Master(Recoveries):
             # the node is still up but must go: fence it (its agent kills its workers and exits)
             with self.cv:
                 self._direct([node.node_id], command="stop", exit_code=0, reason=f"fenced: {verdict.reason}")
-        if api:
-            self._hot_swap(lost, node, ev, verdict.action, failing_code)
-        else:
-            self._restart(lost, failing_code, f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')}")
+        self._hot_swap(lost, node, ev, verdict.action, failing_code)
+
+    def _restart_plain(self, node: NodeRecord, ev: dict, verdict: Classification, failing_code: int | None) -> None:
+        """A script without the API: torchrun's semantics, a full restart on any failure while --max-restarts
+        allows. A worker's failure may be the symptom of a node loss not yet detected (a survivor's gloo
+        error came 1.4 s before the lost node's heartbeat timeout): the agents are probed, and node losses
+        reported within the correlation window are taken too, so the lost nodes' slots get spares in the
+        same restart (one restart, not two)."""
+        lost = {node.slot} if verdict.action == Action.NODE_REPLACE else set()
+        if lost and ev.get("kind") in ("health", "worker_hang", "worker_exit", "comm_error"):
+            with self.cv:   # the node is still up but must go: fence it (its agent kills its workers and exits)
+                self._direct([node.node_id], command="stop", exit_code=0, reason=f"fenced: {verdict.reason}")
+        time.sleep(self.cfg.correlation_window)
+        losses = self._take_queued(lambda e: e.get("kind") in ("node_lost", "left"))
+        with self.cv:
+            actives = [n for n in self.nodes.values() if n.role == Role.ACTIVE and n.slot not in lost]
+            reported = {e.get("node_id") for e in losses}
+        gone = [n for n in actives if n.node_id in reported]
+        # refusals only: a killed node's agent refuses at once, and on a loaded machine a live agent answering
+        # late must not be taken for lost (with no spare that would end the job); silence is the heartbeats'
+        gone += self._unreachable([n for n in actives if n.node_id not in reported], timeout=1.0,
+                                  silent_is_dead=False)
+        why = f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')} ({verdict.reason})"
+        if gone:
+            with self.cv:
+                for n in gone:
+                    lost.add(n.slot)
+                    self.events.emit("fault_detected", self.generation, node=n.node_id, slot=n.slot, signal="node_lost",
+                                     detail="node lost with the failure", action="node_replace",
+                                     **{"class": "host_pcie"}, kind="host_pcie", symptom_of_loss=True)
+            why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.get('rank')}'s "
+                   f"{ev.get('kind')} was its symptom)")
+        for e in losses:   # losses of spares and of nodes already handled: the usual bookkeeping
+            if e.get("node_id") not in {n.node_id for n in gone}:
+                self._absorb(e)
+        self._restart(lost, failing_code, why)
 
     def _finish(self, exit_code: int, reason: str) -> None:
         with self.cv:

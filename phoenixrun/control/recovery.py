@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import re
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -62,6 +64,19 @@ class Acks:
         return not self.pending
 
 
+_GLOO_RANK_KEY = re.compile(r"^/?default_pg/.*/(\d+)$")
+
+
+def attempt_ranks(keys: Iterable[str], world_size: int) -> set[int]:
+    """The ranks whose gloo default group has registered in an attempt's store, from its keys. Pure."""
+    out = set()
+    for k in keys:
+        m = _GLOO_RANK_KEY.match(k)
+        if m and int(m.group(1)) < world_size:
+            out.add(int(m.group(1)))
+    return out
+
+
 class Stop(Exception):
     """The job ends: exit_code and the reason the master gives."""
 
@@ -75,6 +90,13 @@ class Recoveries:
 
     # ---------------------------------------------------------------- torchrun-style restart
     def _restart(self, lost: set[int], failing_code: int | None, why: str) -> None:
+        """torchrun's restart: every worker restarted from scratch (spares fill `lost`), counted once.
+
+        Each attempt rendezvouses on a TCPStore of its own (a fresh port in the directive): scripts
+        without the API join with TORCHELASTIC_USE_AGENT_STORE=True and no key prefix, so on a shared
+        store the second attempt read the first attempt's gloo addresses (measured: 3 of 3 restarts failed
+        in connectFullMesh, one hung for 10 minutes). An attempt that does not come up is stopped with
+        the ranks that never arrived (`_check_attempt`)."""
         if self.restart_count >= self.cfg.max_restarts:
             raise Stop(failing_code or 1, f"{why}; no restarts left (--max-restarts {self.cfg.max_restarts})")
         self._replace_slots(lost)
@@ -82,10 +104,46 @@ class Recoveries:
             self.restart_count += 1
             self.generation += 1
             self.done_nodes.clear()
-            self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why)
-            self._direct_slots("restart", restart_count=self.restart_count, restore_step=None)
+            port = self._attempt_store(self.generation)
+            self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why,
+                             store_port=port)
+            self._direct_slots("restart", restart_count=self.restart_count, restore_step=None, store_port=port)
             self.phase = Phase.RUNNING
         self._drain_stale()
+        self._arm_attempt_check(self.generation, None)
+
+    def _attempt_store(self, generation: int) -> int:
+        """A TCPStore for one restart attempt; the previous attempt's (its workers are gone) is closed."""
+        from torch.distributed import TCPStore
+        store = TCPStore(self.cfg.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        self._attempt_stores = {generation: store}
+        return store.port
+
+    def _arm_attempt_check(self, generation: int, joined: int | None) -> None:
+        timer = threading.Timer(self.cfg.recovery_timeout, self._inbox.put,
+                                args=({"kind": "attempt_check", "generation": generation, "joined": joined},))
+        timer.daemon = True
+        timer.start()
+
+    def _check_attempt(self, ev: dict) -> None:
+        """Did restart attempt `generation` come up? Its gloo ranks each set one key in the attempt's store
+        (`default_pg/0//cpu//0/<rank>`): none yet -> the script is still before init_process_group (or uses
+        no store): look again later; all -> up; some, and no more than --recovery-timeout ago -> the
+        attempt hangs (the others wait for ranks that never come): stop with the ranks that are missing."""
+        g = ev.get("generation")
+        store = getattr(self, "_attempt_stores", {}).get(g)
+        if store is None or g != self.generation or self.phase != Phase.RUNNING:
+            return
+        world = self.layout.world_size
+        joined = attempt_ranks(store.list_keys(), world)
+        if len(joined) == world:
+            return
+        if joined and ev.get("joined") == len(joined):
+            missing = sorted(set(range(world)) - joined)
+            raise Stop(1, f"restart {self.restart_count} did not come up: rank(s) {missing} never reached "
+                          f"init_process_group within --recovery-timeout {self.cfg.recovery_timeout:g}s "
+                          f"while {len(joined)} of {world} ranks waited for them")
+        self._arm_attempt_check(g, len(joined))
 
     def _drain_stale(self) -> None:
         """Drop reports about the generation that was just torn down."""

@@ -72,9 +72,16 @@ class FreeSlots:
         return self._heap[0] if self._heap else None
 
 
-def admit(started: bool, free: FreeSlots, taken: Container[int]) -> tuple[Role, int | None]:
+def admit(started: bool, free: FreeSlots, taken: Container[int], node_rank: int | None = None,
+          nnodes: int | None = None) -> tuple[Role, int | None]:
     """Role and slot of a newly registered agent: fill free slots (lowest first) before the start,
-    spares after (and once every slot is taken)."""
+    spares after (and once every slot is taken). A node that gives its node rank gets that slot, as
+    under torchrun, whatever the order of registration; a rank >= nnodes is a spare; a rank another
+    node holds already: (FAILED, None), the registration is refused."""
+    if node_rank is not None and nnodes is not None:
+        if node_rank >= nnodes or started:
+            return Role.SPARE, None
+        return (Role.FAILED, None) if node_rank in taken else (Role.ACTIVE, node_rank)
     slot = None if started else free.lowest(taken)
     return (Role.SPARE, None) if slot is None else (Role.ACTIVE, slot)
 
