@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from phoenixrun.control.client import ControlError
 from phoenixrun import netaddr
+from phoenixrun.control.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
