@@ -707,7 +707,17 @@ class Agent:
         self._maybe_quiesced()
 
     def _on_worker_close(self, conn: WorkerConn) -> None:
-        pass  # process exit is what counts; _watch_workers sees it
+        """A worker closed its link: it crashed (its exit is what counts: _watch_workers sees it) or it left
+        the protected loop and is exiting. Either way the hang watchdog stops watching it: a worker past its
+        last step still writes its results and tears down its groups, seconds on a loaded machine, and
+        pinging its closed link took it for hung (fault-matrix runs killed every rank at the final step)."""
+        lr = conn.local_rank
+        if lr is None:
+            return
+        with self.lock:
+            if self.conns.get(lr) is conn:   # (the conn stays: a quiesce still counts a live one that never acks)
+                self.last_progress.pop(lr, None)
+                self.pinged.pop(lr, None)
 
     def _on_worker_message(self, conn: WorkerConn, msg: dict) -> None:
         op = msg.get("op")
