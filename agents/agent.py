@@ -402,19 +402,25 @@ class Agent:
             self.pending_resume = set(range(self.cfg.nproc_per_node))
             self.resume_timings = {}
             self.last_progress.clear()
-            for lr in range(self.cfg.nproc_per_node):
-                w = self.workers.get(lr)
-                if w is None or w.poll() is not None:
-                    self._spawn(lr, rank_known=True)     # restores from the staged slot as it starts
-                elif w.rank is None:                      # warm: its assignment now, or with its hello
-                    w.rank = self._rank(lr)
-                    conn = self.waiting_hello.pop(lr, None)
-                    if conn is not None:
-                        self.conns[lr] = conn
-                        conn.send(self._assignment(lr))
-                elif lr in self.conns:
-                    self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step,
-                                         "store_prefix": self.store_prefix})
+            self._resume_workers(step)
+
+    def _resume_workers(self, step: int) -> None:
+        """Every local rank carries on from `step`, whose snapshot is in its slot (call with the lock held): a
+        dead worker is respawned (it restores from the slot as it starts), a warm spare's worker gets its
+        assignment (now, or with its hello), a live one rebuilds its groups in place."""
+        for lr in range(self.cfg.nproc_per_node):
+            w = self.workers.get(lr)
+            if w is None or w.poll() is not None:
+                self._spawn(lr, rank_known=True)
+            elif w.rank is None:
+                w.rank = self._rank(lr)
+                conn = self.waiting_hello.pop(lr, None)
+                if conn is not None:
+                    self.conns[lr] = conn
+                    conn.send(self._assignment(lr))
+            elif lr in self.conns:
+                self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step,
+                                     "store_prefix": self.store_prefix})
 
     def _await_quiesced(self, live: set[int]) -> None:
         """Wait until the live workers stopped touching their slots (the checkpoint is staged into them); one
@@ -540,19 +546,7 @@ class Agent:
                 self.pending_resume = set(range(self.cfg.nproc_per_node))
                 self.last_progress.clear()
                 self.resume_timings = timings
-                for lr in range(self.cfg.nproc_per_node):
-                    w = self.workers.get(lr)
-                    if w is None or w.poll() is not None:
-                        self._spawn(lr, rank_known=True)       # local reset: a fresh process restores locally
-                    elif w.rank is None:                        # warm spare worker: assign it now or on hello
-                        w.rank = self._rank(lr)
-                        conn = self.waiting_hello.pop(lr, None)
-                        if conn is not None:
-                            self.conns[lr] = conn
-                            conn.send(self._assignment(lr))
-                    elif lr in self.conns:
-                        self.conns[lr].send({"op": "rebuild", "generation": self.generation, "restore_step": step,
-                                             "store_prefix": self.store_prefix})
+                self._resume_workers(step)
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
             # integrity: the fetched state is not this rank's; retrying the same plan cannot help
