@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phoenixrun.faults.escalate import LADDER, Attempt, Limits, escalate, rung
+from phoenixrun.faults.escalate import LADDER, Attempt, Limits, committed_step, escalate, rung
 from phoenixrun.faults.taxonomy import Action, Classification, FaultClass
 
 LR, NR, XF = Action.LOCAL_RESET, Action.NODE_REPLACE, Action.EXTERNAL_FALLBACK
@@ -92,3 +92,15 @@ def test_a_fault_repeating_at_one_step_stops_within_the_bound(first, lim, later)
         history.append(Attempt(7, e.action))
     assert e.stop
     assert len(history) == lim.attempts
+
+
+@pytest.mark.parametrize("newest, restored, expected", [
+    ({0: 7, 1: 6, 2: 7, 3: 7}, None, 6),     # every rank reported: the oldest newest snapshot
+    ({0: 7, 1: 6, 2: 7}, None, None),        # a rank never reported, no recovery yet: unknown
+    ({1: 6, 2: 6, 3: 6}, 5, 5),              # a fresh replacement not heard from yet is at the restored step
+    ({0: 9, 1: 9, 2: 9, 3: 9}, 5, 9),        # progress since the recovery counts
+    ({0: 3, 1: 9, 2: 9, 3: 9}, 5, 5),        # a report from before the restore is not older than it
+    ({}, 5, 5),
+])
+def test_committed_step(newest, restored, expected):
+    assert committed_step(newest, 4, restored) == expected

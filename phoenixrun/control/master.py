@@ -36,7 +36,7 @@ from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.server import ControlServer
 from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role, admit, fence_reply
 from phoenixrun.faults import Action, Classification, Signal, classify, correlate
-from phoenixrun.faults.escalate import Attempt, Limits, escalate
+from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate
 from phoenixrun.topology import Layout, place_replicas
 
 log = logging.getLogger("phoenixrun.master")
@@ -109,6 +109,7 @@ class Master(Recoveries):
         self.done_nodes: set[str] = set()
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
         self.attempts: list[Attempt] = []   # every fault acted on, with the committed step then (no loop)
+        self.restored_step: int | None = None   # the step the last recovery put every rank at (None: a fresh start)
         # directive versions only grow, across master restarts too: agents ignore what is not newer
         self.directives = DirectiveBoard(on_sent=self._directive_sent)
         self._injections: dict[str, list[str]] = {}
@@ -768,8 +769,9 @@ class Master(Recoveries):
         with self.cv:
             if not self._api_mode():
                 return c
-            newest = [max(s) for n in self.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
-            step = min(newest) if len(newest) == self.layout.world_size else None
+            newest = {r: max(s) for n in self.nodes.values() if n.role == Role.ACTIVE
+                      for r, s in n.snapshots.items() if s}
+            step = committed_step(newest, self.layout.world_size, self.restored_step)
             e = escalate(c, step, self.attempts, Limits(local_resets=self.cfg.max_local_resets))
             self.attempts = [*self.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:

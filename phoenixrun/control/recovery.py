@@ -104,6 +104,7 @@ class Recoveries:
             self.restart_count += 1
             self.generation += 1
             self.done_nodes.clear()
+            self.restored_step = None        # every worker starts from scratch
             port = self._attempt_store(self.generation)
             self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why,
                              store_port=port)
@@ -205,6 +206,7 @@ class Recoveries:
                 self.restart_count += 1
                 self.phase = Phase.RESTORE
                 self.done_nodes.clear()
+                self.restored_step = step
                 self.events.emit("fallback_restart", g, restore_step=step, reason=reason, fallbacks=self.fallbacks,
                                  checkpoint=str(persist.step_dir(self.cfg.persist_dir, step)))
                 self._direct_slots("restart", restart_count=self.restart_count, restore_step=step)
@@ -291,6 +293,7 @@ class Recoveries:
         with self.cv:
             plan = plan_recovery(self.layout, dict(self.nodes), self.slots, set(fresh), self.placement, fresh)
             self.phase = Phase.RESTORE
+            self.restored_step = plan.restore_step
             phases["plan_s"] = round(time.time() - t, 4)
             self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
                              fetch={r: vars(s) for r, s in plan.fetch.items()})

@@ -10,7 +10,7 @@ forever when repeats were counted as incidents separated in time: issue 20).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from .taxonomy import Action, Classification
 
@@ -72,6 +72,23 @@ def _summary(attempts: list[Attempt]) -> str:
     for a in attempts:
         counts[a.action] = counts.get(a.action, 0) + 1
     return ", ".join(f"{a.value} x{counts[a]}" for a in LADDER if a in counts)
+
+
+def committed_step(newest: Mapping[int, int], world_size: int, restored: int | None) -> int | None:
+    """The job's committed step: the oldest of every rank's newest snapshot (`newest`: rank -> step, as the
+    nodes last reported). A rank the master has no report from since the last recovery is at the step that
+    recovery restored (`restored`): a replacement node that fails again before its first heartbeat must not
+    make the step unknown - unknown matched no earlier attempt, so a fault repeating on a freshly promoted
+    spare was replaced again instead of escalated (seen in tests/test_e2e_escalation.py on a loaded machine)."""
+    steps = []
+    for r in range(world_size):
+        s = newest.get(r)
+        if s is None or (restored is not None and s < restored):
+            s = restored
+        if s is None:
+            return None
+        steps.append(s)
+    return min(steps) if steps else None
 
 
 def escalate(c: Classification, step: int | None, history: Iterable[Attempt],
