@@ -10,8 +10,10 @@ with `phoenixrun agent` processes.
     nice python benchmarks/soak.py [--faults 15] [--nodes 3] [--spares 2] [--steps 1100] [--gap 8 15]
                                    [--seed 1] [--json out.json]
 
---steps stays below ~1,280: past that the example's growing `state` outgrows its snapshot metadata slot and the
-job livelocks in local resets (issue 20 item 1; seen in a 3000-step soak at step 1283).
+The default --steps (1,100) dates from before snapshots could grow: past ~1,280 steps the example's growing `state`
+outgrew its snapshot metadata slot and the job livelocked in local resets (seen in a 3000-step soak at step 1283).
+Slots now grow at the step boundary (docs/api.md), so longer soaks are possible; the published figures are from
+1,100-step runs.
 
 Reports recoveries, cascades (extra cycles of a recovery, fallback retries), the duration of each recovery and
 fallback (min/median/max) and whether the final parameters and optimizer state equal a fault-free torchrun run's.
