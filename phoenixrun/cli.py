@@ -81,32 +81,6 @@ def _parse_nproc(value: str) -> int:
     return n
 
 
-def _is_this_host(host: str) -> bool:
-    """Does `host` name this machine (torchrun's test for the rendezvous host)?"""
-    import socket
-
-    import psutil
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        addrs = {a[4][0] for a in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    local = {a.address.split("%")[0] for nic in psutil.net_if_addrs().values() for a in nic}
-    return bool(addrs & local)
-
-
-def _port_free(host: str, port: int) -> bool:
-    import socket
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def _tee(tee: str | None, redirects: str | None) -> bool:
     """Print worker output too? torchrun's --redirects/--tee take 0 (none), 1 (stdout), 2 (stderr), 3 (both)."""
     if tee not in (None, "0"):
@@ -259,7 +233,7 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
     elif node_rank is not None:
         host_master = node_rank == 0
     else:   # every node runs the same command: the rendezvous host runs the master (the first there, if several)
-        host_master = _is_this_host(host) and _port_free(host, int(port))
+        host_master = netaddr.is_this_host(host) and netaddr.port_free(host, int(port))
     job = MasterConfig(
         run_dir=run_dir, nnodes=n, nproc_per_node=nproc, run_id=run_id, tp=tp, pp=pp,
         replicas=min(replicas, max(0, n - 1)), max_restarts=max_restarts, host=host, port=int(port),

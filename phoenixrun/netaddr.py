@@ -107,3 +107,26 @@ def node_addr(explicit: str | None, endpoint: str) -> str:
     """choose_node_addr with this machine's route to the endpoint."""
     host, port = split_host_port(endpoint)
     return choose_node_addr(explicit, host, None if explicit or is_loopback(host) else route_source(host, port))
+
+
+def is_this_host(host: str) -> bool:
+    """Does `host` name this machine (torchrun's test for the rendezvous host: the node that runs the master)?"""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addrs & {a for nic in interfaces().values() for a in nic})
+
+
+def port_free(host: str, port: int) -> bool:
+    """Can this process listen on host:port now? (On a cluster several processes on the rendezvous host may
+    try to run the master: the first to take the port does.)"""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -62,3 +62,13 @@ def test_route_source_of_this_machine():
     assert netaddr.route_source("127.0.0.1") == "127.0.0.1"
     assert netaddr.route_source("no-such-host.invalid") is None
     assert "lo" in netaddr.interfaces() and "127.0.0.1" in netaddr.interfaces()["lo"]
+
+
+def test_this_host_and_a_free_port_are_told_apart():
+    import socket
+    assert netaddr.is_this_host("127.0.0.1") and netaddr.is_this_host("localhost")
+    assert not netaddr.is_this_host("192.0.2.1")          # TEST-NET-1: never an address of this machine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert not netaddr.port_free("127.0.0.1", s.getsockname()[1])
