@@ -48,6 +48,16 @@ QUIESCE_GRACE_S = 5.0
 # broadcast only once its re-poll is read: at 16K agents, 10 s meant ~2,200 re-polls a second and a tail of
 # late agents on every broadcast. A dead master connection fails the poll at once; a silent one at +5 s.
 DIRECTIVE_POLL_S = 30.0
+# The main loop's wake-up: directives wake it at once (a blocking queue get); the timeout paces the worker
+# watch (exits, hangs, health). A spare whose workers are only warm has no rank to watch for hangs, so it
+# wakes 4x less often (benchmarks/idle_spare.py, docs/benchmarks.md: the idle spare agent's CPU).
+WATCH_INTERVAL_S = 0.05
+IDLE_SPARE_WATCH_INTERVAL_S = 0.2
+
+
+def watch_interval(role: str | None, warm_only: bool) -> float:
+    """How long the agent's main loop waits for a directive before it looks at its workers again. Pure."""
+    return IDLE_SPARE_WATCH_INTERVAL_S if role == "spare" and warm_only else WATCH_INTERVAL_S
 
 
 @dataclass
@@ -157,7 +167,7 @@ class Agent:
         try:
             while not self._stop.is_set():
                 try:
-                    d = self.directives.get(timeout=0.05)
+                    d = self.directives.get(timeout=watch_interval(self.role, self._warm_workers()))
                     self._apply(d)
                 except queue.Empty:
                     pass

@@ -20,9 +20,9 @@ import logging
 import socket
 import struct
 import threading
-import zlib
 from typing import Callable
 
+from phoenixrun.slot_format import checksum
 from phoenixrun.testing import pause_point
 
 log = logging.getLogger("phoenixrun.agent.peer")
@@ -195,7 +195,7 @@ class PeerServer:
                     if fn is None:
                         raise PeerError(f"unknown op {header.get('op')!r}")
                     reply, out = fn(header, payload)
-                    reply = {"ok": True, **reply, "nbytes": len(out), "crc": zlib.crc32(out)}
+                    reply = {"ok": True, **reply, "nbytes": len(out), "crc32c": checksum(out, "crc32c")}
                 except Exception as e:  # report to the caller, keep serving
                     reply, out = {"ok": False, "error": str(e)}, b""
                 try:
@@ -237,7 +237,7 @@ class PeerClient:
                 raise PeerError(f"peer {addr}: {e}") from None
         if not reply.get("ok"):
             raise PeerError(f"peer {addr} refused {header.get('op')}: {reply.get('error')}")
-        if zlib.crc32(data) != reply.get("crc", 0):
+        if checksum(data, "crc32c") != reply.get("crc32c"):   # (a peer that sent none is refused too)
             raise PeerError(f"peer {addr}: payload checksum mismatch")
         return reply, data
 

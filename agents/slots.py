@@ -18,13 +18,12 @@ import mmap
 import os
 import re
 import threading
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from phoenixrun.slot_format import SlotHeader, crc_private, crc_shared
+from phoenixrun.slot_format import SlotHeader, checksum, crc_private, crc_shared
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
@@ -217,7 +216,7 @@ class LocalSlots:
             if h.step != step:
                 raise SlotError(f"rank {rank}: slot {idx} holds step {h.step}, worker said {step}")
         h = SlotHeader(h.step, h.meta_cap, h.meta_len, h.private_len, h.shared_len,
-                       crc_private(mm, h), crc_shared(mm, h))
+                       crc_private(mm, h), crc_shared(mm, h), h.checksum)
         mm[:64] = h.pack()
         return h
 
@@ -306,11 +305,11 @@ class LocalSlots:
         # The replica's header carries the checksum the lost rank itself sealed over its shared region: the peer's
         # bytes must be exactly those. Equal length is no evidence (a pipeline stage or an FSDP shard of another
         # rank has the same size and different bytes): a mismatch is a refusal, never a restore.
-        got = zlib.crc32(shared)
+        got = checksum(shared, h.checksum)
         if got != h.crc_shared:
             raise IntegrityError(
                 f"rank {rank} step {step}: the parameters fetched from its DP peer do not match the checksum rank "
-                f"{rank} recorded (crc32 {got:#010x}, recorded {h.crc_shared:#010x}): that peer does not hold the "
+                f"{rank} recorded ({h.checksum} {got:#010x}, recorded {h.crc_shared:#010x}): that peer does not hold the "
                 "same replicated state (not a plain DDP replica of this rank); refusing to restore from it")
         self.allocate(rank, h.total_len)
         with self._lock:

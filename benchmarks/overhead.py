@@ -1,7 +1,9 @@
 """Fault-free overhead of in-memory protection, protection on vs off, alternated in one run.
 
 The same job (examples/train_gpt.py, 2 nodes x 2 ranks, standalone, CPU) runs with
-PHOENIXRUN_PROTECT=1 and =0 in alternating pairs. Per-iteration times come from the ranks'
+PHOENIXRUN_PROTECT=0 (off), =1 (on), and =1 with a warm spare (--spares 1; on this one machine the
+spare's agent and pre-started workers share the CPUs with the job), arms rotated within each round.
+Both ratios are against the same unprotected arm. Per-iteration times come from the ranks'
 result files; the first --warmup steps are dropped and the slowest 5% trimmed (as the paper
 does). It reports the median step-time ratio, the D2H and H2H times against the compute window
 (the paper's Fig. 9 breakdown), bytes replicated per step and host memory per rank, then grows
@@ -10,7 +12,7 @@ the model to find the knee where the transfer no longer hides behind compute.
 With --persist-every N a third arm runs protection plus the agents' persistent checkpoints every
 N steps, so both ratios come from the same run.
 
-    python benchmarks/overhead.py [--pairs 3] [--steps 40] [--sizes 256,512,1024] [--persist-every 10]
+    python benchmarks/overhead.py [--pairs 3] [--steps 40] [--sizes 256,512,768] [--persist-every 10]
 """
 from __future__ import annotations
 
@@ -27,13 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def run_job(tmp: Path, name: str, protect: bool, steps: int, model: list[str], persist: list[str]) -> dict:
+def run_job(tmp: Path, name: str, protect: bool, steps: int, model: list[str], persist: list[str],
+            spares: int = 0) -> dict:
     out, stats = tmp / f"{name}-out", tmp / f"{name}-stats"
     stats.mkdir(parents=True)
     env = {**os.environ, "PHOENIXRUN_PROTECT": "1" if protect else "0", "PHOENIXRUN_STATS_DIR": str(stats),
            "PHOENIXRUN_LOG_LEVEL": "WARNING"}
     cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", "2", "--nproc-per-node", "2",
-           "--run-dir", str(tmp / f"{name}-run"), *persist, str(ROOT / "examples" / "train_gpt.py"),
+           "--spares", str(spares), "--run-dir", str(tmp / f"{name}-run"), *persist, str(ROOT / "examples" / "train_gpt.py"),
            "--steps", str(steps), "--out", str(out), *model]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -43,20 +46,33 @@ def run_job(tmp: Path, name: str, protect: bool, steps: int, model: list[str], p
     return {"steps": per_step, "stats": lines}
 
 
+def _spread(xs: list[float], runs: int) -> float:
+    """(max - min) / min of the per-run medians, the run's samples being consecutive chunks of xs."""
+    if runs < 2:
+        return 0.0
+    n = len(xs) // runs
+    meds = [statistics.median(xs[k * n:(k + 1) * n]) for k in range(runs)]
+    return (max(meds) - min(meds)) / min(meds)
+
+
 def trimmed(xs: list[float], warmup: int) -> list[float]:
     xs = sorted(xs[warmup:])
     return xs[: max(1, int(len(xs) * 0.95))]
 
 
 def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: list[str], persist: list[str]) -> dict:
-    """Arms: protection off, on, and (with --persist-every) on + persistent checkpoints, rotated per round."""
-    arms = [("off", False, []), ("on", True, [])] + ([("persist", True, persist)] if persist else [])
-    times: dict[str, list[float]] = {tag: [] for tag, _, _ in arms}
+    """Arms: protection off, on, on + a warm spare, and (with --persist-every) on + persistent checkpoints,
+    rotated per round."""
+    arms = [("off", False, [], 0), ("on", True, [], 0), ("spare", True, [], 1)] + \
+        ([("persist", True, persist, 0)] if persist else [])
+    times: dict[str, list[float]] = {tag: [] for tag, *_ in arms}
     stats = []
+    load = [os.getloadavg()[0]]
     for i in range(pairs):
         # rotate which goes first so drift in machine load hits every arm alike
-        for tag, protect, flags in arms[i % len(arms):] + arms[:i % len(arms)]:
-            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps, model, flags)
+        for tag, protect, flags, spares in arms[i % len(arms):] + arms[:i % len(arms)]:
+            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps, model, flags, spares)
+            load.append(os.getloadavg()[0])
             times[tag].extend(trimmed(r["steps"], warmup))
             if tag == "on":
                 stats.extend(s for s in r["stats"] if s["step"] > warmup)
@@ -64,6 +80,9 @@ def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: l
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     return {
         "model": label, "step_on_s": on, "step_off_s": off, "ratio": on / off,
+        "step_spare_s": statistics.median(times["spare"]), "ratio_spare": statistics.median(times["spare"]) / off,
+        # the spread of the off arm's per-run medians: how much the same job moves between runs right now
+        "off_spread": _spread(times["off"], pairs), "load_avg_1m": [min(load), max(load)],
         "persist_every": int(persist[1]) if persist else 0,
         "step_persist_s": statistics.median(times["persist"]) if persist else None,
         "ratio_persist": statistics.median(times["persist"]) / off if persist else None,
@@ -79,9 +98,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--sizes", default="256,512,768", help="d_model values: the first is the default config")
-    p.add_argument("--knee-pairs", type=int, default=1)
+    p.add_argument("--knee-pairs", type=int, default=None, help="rounds for the larger sizes (default: --pairs)")
     p.add_argument("--persist-every", type=int, default=0,
                    help="add a third arm: protection on + persistent checkpoints every N steps")
     p.add_argument("--json", default=None)
@@ -91,14 +110,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="phoenixrun-overhead-") as tmp:
         for i, d in enumerate(int(x) for x in args.sizes.split(",")):
             model = ["--d-model", str(d), "--layers", "2"]
-            rows.append(measure(Path(tmp), f"d{d}", args.pairs if i == 0 else args.knee_pairs, args.steps,
+            rows.append(measure(Path(tmp), f"d{d}", args.pairs if i == 0 or args.knee_pairs is None else args.knee_pairs, args.steps,
                                 args.warmup, model, persist))
             print(_fmt(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     # the knee: the first size whose D2H + H2H no longer fits in the compute window
     knee = next((r["model"] for r in rows if r["d2h_s"] + r["h2h_s"] > r["window_s"]), None)
-    print(f"default config ratio {rows[0]['ratio']:.3f} (goal <= 1.02); transfer stops hiding behind compute at: "
+    print(f"default config ratio {rows[0]['ratio']:.3f} without a spare, {rows[0]['ratio_spare']:.3f} with a warm "
+          f"spare (goal <= 1.02); transfer stops hiding behind compute at: "
           f"{knee or 'not reached up to d_model ' + args.sizes.split(',')[-1]}")
     if args.persist_every:
         print(f"with --persist-every {args.persist_every}: ratio {rows[0]['ratio_persist']:.3f} "
@@ -110,7 +130,9 @@ def _fmt(r: dict) -> str:
     persist = (f" (+ persist every {r['persist_every']}: {1000 * r['step_persist_s']:.1f} ms = ratio "
                f"{r['ratio_persist']:.3f})" if r["persist_every"] else "")
     return (f"{r['model']}: step on {1000 * r['step_on_s']:.1f} ms / off {1000 * r['step_off_s']:.1f} ms = "
-            f"ratio {r['ratio']:.3f}{persist}; d2h {1000 * r['d2h_s']:.2f} ms, h2h {1000 * r['h2h_s']:.2f} ms vs compute "
+            f"ratio {r['ratio']:.3f}; with a warm spare {1000 * r['step_spare_s']:.1f} ms = ratio "
+            f"{r['ratio_spare']:.3f}{persist}; off arm run-to-run spread {100 * r['off_spread']:.1f}%, load average "
+            f"{r['load_avg_1m'][0]:.1f}-{r['load_avg_1m'][1]:.1f}; d2h {1000 * r['d2h_s']:.2f} ms, h2h {1000 * r['h2h_s']:.2f} ms vs compute "
             f"window {1000 * r['window_s']:.1f} ms (exposed stall {1000 * r['stall_s']:.2f} ms); replicated "
             f"{r['replicated_bytes_per_rank'] / 1e6:.2f} MB/rank/step; host memory {r['host_bytes_per_rank'] / 1e6:.1f}"
             f" MB/rank for {r['state_bytes_per_rank'] / 1e6:.1f} MB of state")

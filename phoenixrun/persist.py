@@ -112,7 +112,18 @@ def _state_dict(image: bytearray, h: SlotHeader, meta: dict) -> dict:
 
 
 def _header_fields(h: SlotHeader) -> tuple:
-    return (h.step, h.meta_cap, h.meta_len, h.private_len, h.shared_len, h.crc_private, h.crc_shared)
+    return (h.step, h.meta_cap, h.meta_len, h.private_len, h.shared_len, h.crc_private, h.crc_shared, h.checksum)
+
+
+def header_from_fields(fields: list) -> SlotHeader:
+    """The slot header a checkpoint recorded. Checkpoints written before the header named its checksum
+    (7 fields) carry zlib CRC32 and are verified with it. Pure."""
+    if len(fields) == 7:
+        return SlotHeader(*fields, checksum="crc32")
+    if len(fields) == 8:
+        return SlotHeader(*fields)
+    raise CheckpointError(f"checkpoint header has {len(fields)} fields (expected 7 or 8): written by another "
+                          "phoenixrun version; restore it with that version")
 
 
 def parse_image(image) -> tuple[SlotHeader, dict]:
@@ -162,7 +173,7 @@ def read_rank(root: Path, step: int, rank: int) -> bytearray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(head, checkpoint_id=str(path), no_dist=True)
-            h = SlotHeader(*json.loads(head["phoenixrun"]["header"]))
+            h = header_from_fields(json.loads(head["phoenixrun"]["header"]))
             meta_bytes = head["phoenixrun"]["meta"].encode()
             meta = json.loads(meta_bytes)
             image = bytearray(h.total_len)

@@ -15,6 +15,10 @@ grows: when the state no longer fits, the writer picks a larger layout (`grown_c
 headroom, so growing state re-lays out O(log size) times, not every step), and the agent enlarges the
 slot it hands out for writing - never the committed one, which stays restorable until a snapshot in the
 new layout is committed (docs/api.md, "Snapshots that grow").
+
+The magic names the checksum algorithm: PHXSNAP2 slots carry CRC32C (hardware, `crc32c` package:
+0.6 ms per 13 MB here against zlib CRC32's 3.2 ms, docs/benchmarks.md), PHXSNAP1 slots (written before)
+carry zlib CRC32 and are still verified with it. A slot is never checked with the other algorithm.
 """
 from __future__ import annotations
 
@@ -22,7 +26,14 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-MAGIC = b"PHXSNAP1"
+import crc32c as _crc32c
+
+# checksum name -> incremental function f(data, value) -> int
+CHECKSUMS = {"crc32": zlib.crc32, "crc32c": _crc32c.crc32c}
+CHECKSUM = "crc32c"                           # what new slots carry
+MAGICS = {b"PHXSNAP1": "crc32", b"PHXSNAP2": "crc32c"}
+MAGIC_OF = {name: magic for magic, name in MAGICS.items()}
+MAGIC = MAGIC_OF[CHECKSUM]
 HEADER = struct.Struct("<8s7q")  # magic, step, meta_cap, meta_len, private_len, shared_len, crc_private, crc_shared
 HEADER_SIZE = 64
 ALIGN = 64
@@ -58,6 +69,13 @@ class SlotHeader:
     shared_len: int
     crc_private: int = 0
     crc_shared: int = 0
+    checksum: str = CHECKSUM       # the algorithm of crc_private / crc_shared (the magic records it)
+
+    def __post_init__(self):
+        if self.checksum not in CHECKSUMS:
+            raise ValueError(f"unknown snapshot checksum {self.checksum!r} (this phoenixrun knows "
+                             f"{', '.join(sorted(CHECKSUMS))}): the snapshot was written by another phoenixrun "
+                             "version; restore it with that version")
 
     @property
     def private_off(self) -> int:
@@ -76,24 +94,33 @@ class SlotHeader:
         return self.shared_off + _align(self.shared_len)
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, self.step, self.meta_cap, self.meta_len, self.private_len,
+        return HEADER.pack(MAGIC_OF[self.checksum], self.step, self.meta_cap, self.meta_len, self.private_len,
                            self.shared_len, self.crc_private, self.crc_shared)
 
     @classmethod
     def unpack(cls, buf) -> "SlotHeader":
         magic, *fields = HEADER.unpack_from(buf, 0)
-        if magic != MAGIC:
+        if magic not in MAGICS:
+            if bytes(magic[:7]) == b"PHXSNAP":
+                raise ValueError(f"snapshot slot format {bytes(magic)!r} is not one this phoenixrun reads "
+                                 f"({', '.join(m.decode() for m in MAGICS)}): it was written by another phoenixrun "
+                                 "version; restore it with that version")
             raise ValueError("not a phoenixrun snapshot slot (bad magic)")
-        return cls(*fields)
+        return cls(*fields, checksum=MAGICS[magic])
+
+
+def checksum(data, algorithm: str = CHECKSUM, value: int = 0) -> int:
+    """`algorithm` (a CHECKSUMS name) over `data` (any buffer), continuing from `value`."""
+    return CHECKSUMS[algorithm](data, value)
 
 
 def crc_private(buf, h: SlotHeader) -> int:
-    """Checksum over metadata + private state (what replication must carry intact)."""
+    """Checksum over metadata + private state (what replication must carry intact), in the header's algorithm."""
     mv = memoryview(buf)
-    c = zlib.crc32(mv[HEADER_SIZE:HEADER_SIZE + h.meta_len])
-    return zlib.crc32(mv[h.private_off:h.private_off + h.private_len], c)
+    c = checksum(mv[HEADER_SIZE:HEADER_SIZE + h.meta_len], h.checksum)
+    return checksum(mv[h.private_off:h.private_off + h.private_len], h.checksum, c)
 
 
 def crc_shared(buf, h: SlotHeader) -> int:
     mv = memoryview(buf)
-    return zlib.crc32(mv[h.shared_off:h.shared_off + h.shared_len])
+    return checksum(mv[h.shared_off:h.shared_off + h.shared_len], h.checksum)
