@@ -6,7 +6,7 @@ temporary directory. Each fake node claims CPUs, memory and GPUs the machine doe
 (SlurmdParameters=config_overrides; the GPUs are mknod copies of /dev/null) and has its own
 loopback address (nid001 -> 127.0.0.11, nid002 -> 127.0.0.12, ...) as Slurm's NodeAddr. The node
 names do not resolve, exactly the case the templates' `node_addr` function handles with
-`scontrol show node`. Modelled on ../shared/reference/slurm/start-slurm.sh and stop-slurm.sh.
+`scontrol show node`.
 
     from slurm_harness import SlurmCluster, unavailable_reason
     reason = unavailable_reason()          # None, or why this machine cannot run it

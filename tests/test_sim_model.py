@@ -1,4 +1,4 @@
-"""The closed-form cost model pinned to hand-computed values (DESIGN.md section 1)."""
+"""The closed-form cost model pinned to hand-computed values (docs/simulate.md, "The model")."""
 
 import dataclasses
 import math

@@ -1,4 +1,4 @@
-"""Append-only JSON-lines event log: the contract tools and tests read (DESIGN.md section 7)."""
+"""Append-only JSON-lines event log: the contract tools and tests read (docs/operations.md and docs/recovery.md name the events)."""
 from __future__ import annotations
 
 import json

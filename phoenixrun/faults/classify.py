@@ -142,7 +142,7 @@ def _base(sig: Signal) -> Classification:
     if k is SignalKind.NODE_HEARTBEAT_LOST:
         return _c(FaultClass.HOST_PCIE, Action.NODE_REPLACE, "agent heartbeat lost")
     if k is SignalKind.NODE_UNREACHABLE:
-        # DESIGN.md section 5 files "partition from the master" under network/storage.
+        # a partition from the master is a network/storage fault (docs/fault-model.md, "The table").
         return _c(FaultClass.NETWORK_STORAGE, Action.NODE_REPLACE, "node unreachable")
     if k is SignalKind.XID:
         x = sig.code

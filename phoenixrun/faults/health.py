@@ -1,4 +1,4 @@
-"""Health sources: where hardware signals enter (DESIGN.md sections 5 and 9).
+"""Health sources: where hardware signals enter (docs/fault-model.md, "Signals").
 
 The agent polls every enabled source and forwards the Signals. ``NvmlHealthSource`` reads the real GPU;
 ``InjectedHealthSource`` lets tests and ``phoenixrun inject`` feed the same Signals on a CPU-only box, so the path

@@ -1,4 +1,4 @@
-"""Fault vocabulary shared by agents, the master and the classifier (DESIGN.md section 5).
+"""Fault vocabulary shared by agents, the master and the classifier (docs/fault-model.md).
 
 Everything here is plain data: enums with stable string values (they appear in events.jsonl and on the wire)
 and a frozen ``Signal`` that says what was observed, where and when. Deciding what it means is classify.py's job.
@@ -54,7 +54,7 @@ _NEEDS_CODE = frozenset({SignalKind.WORKER_EXIT, SignalKind.XID, SignalKind.GPU_
 class Signal:
     """One observation that something may be wrong.
 
-    ``node`` is the logical node slot (DESIGN.md section 3), not a hostname, so signals survive a hot-swap.
+    ``node`` is the logical node slot (docs/architecture.md), not a hostname, so signals survive a hot-swap.
     A clean exit (code 0) and recovery action NONE (0) are not faults and are rejected here, so every
     valid Signal has exactly one classification.
     """

@@ -1,4 +1,4 @@
-"""Closed-form cost model of checkpoint-restart vs PHOENIX hot swap (DESIGN.md section 1).
+"""Closed-form cost model of checkpoint-restart vs PHOENIX hot swap (docs/simulate.md, "The model").
 
 Two families of formulas live here, both pure functions of plain numbers:
 

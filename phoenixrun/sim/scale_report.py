@@ -12,7 +12,7 @@ from rich.table import Table
 from phoenixrun.sim.recovery_fit import DEFAULT_TOTAL, PowerLaw, fit_phases, load_samples, scale_table
 
 SIZES = [8, 64, 512, 4096, 10_000, 16_384, 32_768, 65_536, 100_000]
-# one failure every ~18 min at 100K GPUs (DESIGN.md section 1) -> per-GPU MTTF
+# one failure every ~18 min at 100K GPUs (docs/simulate.md, "Recovery time vs scale") -> per-GPU MTTF
 DEFAULT_GPU_MTTF_S = 18 * 60 * 100_000
 
 
