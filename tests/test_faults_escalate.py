@@ -30,14 +30,19 @@ TABLE = [
     (HARDWARE, 10, at(10, NR, NR, NR, NR), XF),
     (HARDWARE, 10, at(10, NR, NR, NR, NR, XF), None),
     (USER, 10, at(10, XF, XF, XF, XF, XF), None),
-    # attempts at other steps: the job progressed in between, they do not count
-    (TRANSIENT, 11, at(10, LR, LR, LR, NR, XF), LR),
-    (TRANSIENT, 10, at(9, LR, LR) + at(11, LR, LR) + at(10, LR), LR),
+    # attempts more than one step away: the job progressed in between, they do not count
+    (TRANSIENT, 12, at(10, LR, LR, LR, NR, XF), LR),
+    (TRANSIENT, 10, at(8, LR, LR) + at(12, LR, LR) + at(10, LR), LR),
+    # one step either side is the snapshot race (the crash came before or after the last commit): a repeat
+    (TRANSIENT, 11, at(10, LR, LR, LR), NR),
+    (TRANSIENT, 10, at(9, LR) + at(11, LR) + at(10, LR), NR),
+    (TRANSIENT, 5, at(5, LR, LR, LR) + at(4, NR) + at(6, XF), None),
     # a fallback went back to an older checkpoint and the job failed again at the same step: still a repeat
     (TRANSIENT, 10, at(10, LR, LR, LR, NR) + at(5, LR) + at(10, XF), None),
     # nothing committed yet is a step like any other
     (TRANSIENT, None, at(None, LR, LR, LR), NR),
-    (TRANSIENT, None, at(0, LR, LR, LR), LR),
+    (TRANSIENT, None, at(1, LR, LR, LR), LR),
+    (TRANSIENT, 0, at(None, LR, LR, LR), NR),     # None is step -1: one step before step 0
 ]
 
 
@@ -71,7 +76,7 @@ faults = st.sampled_from([TRANSIENT, HARDWARE, USER])
 limits = st.builds(Limits, st.integers(0, 4), st.integers(0, 3), st.integers(0, 3))
 
 
-@given(faults, st.lists(st.tuples(st.sampled_from([None, 1, 2, 3]), actions), max_size=30), limits)
+@given(faults, st.lists(st.tuples(st.sampled_from([None, 0, 1, 2, 3, 4, 5]), actions), max_size=30), limits)
 def test_never_weaker_than_the_fault_and_never_weaker_for_more_repeats(fault, hist, lim):
     history = [Attempt(s, a) for s, a in hist]
     e = escalate(fault, 2, history, lim)
@@ -81,15 +86,16 @@ def test_never_weaker_than_the_fault_and_never_weaker_for_more_repeats(fault, hi
         assert more.stop or LADDER.index(more.action) >= LADDER.index(e.action)
 
 
-@given(faults, limits, st.lists(faults, max_size=40))
-def test_a_fault_repeating_at_one_step_stops_within_the_bound(first, lim, later):
-    """Feed the decisions back as the master does: the job ends after at most limits.attempts attempts."""
+@given(faults, limits, st.lists(faults, max_size=40), st.lists(st.sampled_from([6, 7]), min_size=60, max_size=60))
+def test_a_fault_repeating_at_one_step_stops_within_the_bound(first, lim, later, steps):
+    """Feed the decisions back as the master does: the job ends after at most limits.attempts attempts, also
+    when the committed step the repeats are seen at flips between two neighbours (the snapshot race)."""
     history: list[Attempt] = []
-    for fault in [first, *later, *[TRANSIENT] * (lim.attempts + 1)]:
-        e = escalate(fault, 7, history, lim)
+    for fault, step in zip([first, *later, *[TRANSIENT] * (lim.attempts + 1)], steps):
+        e = escalate(fault, step, history, lim)
         if e.stop:
             break
-        history.append(Attempt(7, e.action))
+        history.append(Attempt(step, e.action))
     assert e.stop
     assert len(history) == lim.attempts
 

@@ -769,8 +769,7 @@ class Master(Recoveries):
         with self.cv:
             if not self._api_mode():
                 return c
-            newest = {r: max(s) for n in self.nodes.values() if n.role == Role.ACTIVE
-                      for r, s in n.snapshots.items() if s}
+            newest = self._newest_snapshots()
             step = committed_step(newest, self.layout.world_size, self.restored_step)
             e = escalate(c, step, self.attempts, Limits(local_resets=self.cfg.max_local_resets))
             self.attempts = [*self.attempts[-63:], Attempt(step, e.action or c.action)]
@@ -783,6 +782,17 @@ class Master(Recoveries):
         if e.action is c.action:
             return c
         return Classification(c.fault_class, e.action, c.root_cause, e.reason, c.ambiguous)
+
+    def _newest_snapshots(self) -> dict[int, int]:
+        """rank -> the newest step any active node holds a snapshot of it at (its own or a replica). Caller
+        holds cv."""
+        newest: dict[int, int] = {}
+        for n in self.nodes.values():
+            if n.role == Role.ACTIVE:
+                for r, steps in n.snapshots.items():
+                    if steps:
+                        newest[r] = max(newest.get(r, steps[0]), max(steps))
+        return newest
 
     def _definite(self, ev: dict) -> bool:
         with self.cv:
@@ -862,8 +872,7 @@ class Master(Recoveries):
             self.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED
             # what an external restart could resume from: the newest step every rank has committed, and the
             # newest any rank has (a non-finite step must never appear here)
-            newest = {r: max(s) for n in self.nodes.values() if n.role == Role.ACTIVE
-                      for r, s in n.snapshots.items() if s}
+            newest = self._newest_snapshots()
             complete = len(newest) == self.layout.world_size
             self.events.emit("job_finished", self.generation, exit_code=exit_code, reason=reason,
                              restarts=self.restart_count, recoveries=self.recoveries,
