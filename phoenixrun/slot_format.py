@@ -109,6 +109,25 @@ class SlotHeader:
         return cls(*fields, checksum=MAGICS[magic])
 
 
+@dataclass(frozen=True)
+class Entry:
+    """Where one tensor lies in a slot: its bytes at `offset` within its region (private or shared), in the
+    metadata as a JSON list. `dtype` is the torch dtype's name (str(torch.float32) == "torch.float32");
+    runtime/snapshot.py maps it back to the dtype, so this record stays torch-free."""
+    name: str            # "model/<state_dict name>", "optim/<param idx>/<key>", "rng/cpu", "rng/cuda<i>"
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int          # within its region
+    nbytes: int
+
+    def to_json(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
+
+    @classmethod
+    def from_json(cls, j: list) -> "Entry":
+        return cls(j[0], j[1], tuple(j[2]), j[3], j[4])
+
+
 def checksum(data, algorithm: str = CHECKSUM, value: int = 0) -> int:
     """`algorithm` (a CHECKSUMS name) over `data` (any buffer), continuing from `value`."""
     return CHECKSUMS[algorithm](data, value)

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from phoenixrun import persist
+from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
 from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, by_rank, pick_spare,
                                       plan_recovery)
 from phoenixrun.faults import Action

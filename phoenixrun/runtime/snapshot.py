@@ -12,32 +12,23 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from phoenixrun.testing import pause_point
-from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_private, crc_shared, grown_capacity, slot_bytes
+from phoenixrun.slot_format import (HEADER_SIZE, Entry, SlotHeader, crc_private, crc_shared, grown_capacity,
+                                    slot_bytes)
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+# the dtype names slot metadata records (`Entry.dtype`, str(torch.dtype)) -> the dtype
+DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int          # within its region
-    nbytes: int
-
-    def to_json(self) -> list:
-        return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
-
-    @classmethod
-    def from_json(cls, j: list) -> "Entry":
-        return cls(j[0], j[1], tuple(j[2]), j[3], j[4])
+def entry_view(buf: torch.Tensor, region_off: int, e: Entry) -> torch.Tensor:
+    """The tensor `e` describes, as a view of `buf` (a slot image as uint8) whose region starts at `region_off`."""
+    start = region_off + e.offset
+    return buf[start:start + e.nbytes].view(DTYPES[e.dtype]).view(e.shape)
 
 
 def _is_zero(optimizer) -> bool:
@@ -136,8 +127,7 @@ class SlotMap:
         return (ctypes.c_uint8 * self.nbytes).from_address(self.buf.data_ptr())
 
     def view(self, region_off: int, e: Entry) -> torch.Tensor:
-        start = region_off + e.offset
-        return self.buf[start:start + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
+        return entry_view(self.buf, region_off, e)
 
 
 class SnapshotWriter:
