@@ -41,24 +41,24 @@ def main() -> int:
         m._wake = srv.wake
         srv.start()
         ids = [f"n{i}" for i in range(args.nodes)]
-        for nid in ids:
-            m.register({"node_id": nid, "host": "127.0.0.1", "agent_pid": 0, "peer_addr": "127.0.0.1:1"})
+        tokens = {nid: m.register({"node_id": nid, "host": "127.0.0.1", "agent_pid": 0,
+                                   "peer_addr": "127.0.0.1:1"})["token"] for nid in ids}
         clients = []
         for nid in ids:
             c = socket.create_connection(srv.server_address)
-            body = json.dumps({"node_id": nid, "version": 0, "timeout": 30}).encode()
+            body = json.dumps({"node_id": nid, "token": tokens[nid], "version": 0, "timeout": 30}).encode()
             c.sendall(b"POST /v1/directive HTTP/1.1\r\nHost: m\r\nAuthorization: Bearer secret\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             clients.append(c)
         deadline = time.time() + 60
-        while sum(len(v) for v in srv._polls.values()) < args.nodes:
+        while srv.parked_polls() < args.nodes:
             if time.time() > deadline:
                 print("error: the polls did not all park within 60 s", file=sys.stderr)
                 return 1
             time.sleep(0.01)
 
         lookup, write = [0.0], [0.0]      # time in the master's lookup and in the response write
-        answer_polls, send_response = m.answer_polls, control_server._Connection.send_response
+        answer_polls, send_response = m.answer_polls, control_server.Connection.send_response
 
         def timed_answer(payloads):
             t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def main() -> int:
             finally:
                 write[0] += time.perf_counter() - t0
         m.answer_polls = timed_answer
-        control_server._Connection.send_response = timed_send
+        control_server.Connection.send_response = timed_send
 
         sent = threading.Event()
         m.directives.on_sent = lambda rollout, t: sent.set()   # the broadcast reached every connection
@@ -85,7 +85,7 @@ def main() -> int:
             print("error: the broadcast was not sent to every poll within 60 s", file=sys.stderr)
             return 1
         took = time.perf_counter() - t0
-        control_server._Connection.send_response = send_response
+        control_server.Connection.send_response = send_response
         srv.shutdown()
         m.events.close()
         for c in clients:

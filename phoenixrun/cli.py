@@ -382,7 +382,9 @@ def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
     click.echo(f"injected {fault} into slot {slot} (node {reply['node']})")
 
 
-def _register_simulate() -> None:
+def register_simulate() -> None:
+    """Add the `simulate` subcommand to `commands`: its module is imported only when a subcommand runs (and by
+    tools/gen_cli_doc.py, which documents every subcommand)."""
     from phoenixrun.sim.cli import simulate
     commands.add_command(simulate)
 
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = launch
     if argv and argv[0] in SUBCOMMANDS:
-        _register_simulate()
+        register_simulate()
         cmd = commands
     try:
         cmd.main(args=argv, prog_name="phoenixrun", standalone_mode=False)

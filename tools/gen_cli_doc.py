@@ -103,8 +103,8 @@ an Xid/ECC event through the node's health source, see [fault-model.md](fault-mo
 
 def _registered() -> list[tuple[str, click.Command, click.Context]]:
     """(title, command, context) for the launcher and each subcommand, at a fixed width."""
-    from phoenixrun.cli import _register_simulate, commands, launch
-    _register_simulate()
+    from phoenixrun.cli import register_simulate, commands, launch
+    register_simulate()
     kw = {"terminal_width": WIDTH, "max_content_width": WIDTH}
 
     def context(cmd: click.Command, name: str, parent: click.Context | None = None) -> click.Context:

@@ -122,7 +122,7 @@ def render_response(code: int, body: bytes, ctype: str = JSON, close: bool = Fal
     return head.encode("latin-1") + body
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One client connection: requests are handled one at a time, in order (no pipelining overlap).
     A request's head is authenticated as soon as it is in; its body is read only after that."""
 
@@ -240,7 +240,7 @@ class _Connection(asyncio.Protocol):
 @dataclass
 class _Poll:
     """A parked directive long-poll."""
-    conn: _Connection
+    conn: Connection
     payload: dict
     known: int
     timer: asyncio.TimerHandle | None = None
@@ -255,8 +255,8 @@ class ControlServer:
         self.sock = socket.create_server((host, port), backlog=BACKLOG, reuse_port=False)
         self.server_address = self.sock.getsockname()
         self.loop = new_event_loop()
-        self.connections: set[_Connection] = set()
-        self.unauthenticated: set[_Connection] = set()
+        self.connections: set[Connection] = set()
+        self.unauthenticated: set[Connection] = set()
         self._polls: dict[str, list[_Poll]] = {}
         self._to_wake: set[str] = set()
         self._wake_lock = threading.Lock()
@@ -273,7 +273,7 @@ class ControlServer:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.server = self.loop.run_until_complete(
-            self.loop.create_server(lambda: _Connection(self), sock=self.sock, backlog=BACKLOG))
+            self.loop.create_server(lambda: Connection(self), sock=self.sock, backlog=BACKLOG))
         self._started.set()
         self.loop.call_later(READ_TIMEOUT_S / 4, self._sweep)
         self.loop.run_forever()
@@ -307,6 +307,10 @@ class ControlServer:
         self._thread.join(timeout=5)
 
     # ------------------------------------------------------------------ directive long-polls
+    def parked_polls(self) -> int:
+        """How many directive long-polls are parked now (a read from any thread: a snapshot, not a lock)."""
+        return sum(len(v) for v in list(self._polls.values()))
+
     def wake(self, node_ids: list[str]) -> None:
         """The master set new directives for node_ids: answer their parked polls. Batched: one loop
         callback however many directives a broadcast sets."""
@@ -368,7 +372,7 @@ class ControlServer:
             waiting.remove(poll)
             poll.conn.respond(200, wire.dumps({"version": poll.known, "command": "noop"}))
 
-    def forget(self, conn: _Connection) -> None:
+    def forget(self, conn: Connection) -> None:
         """A connection closed: drop its parked poll, if any."""
         poll = conn.poll
         if poll is None:
@@ -380,7 +384,7 @@ class ControlServer:
             waiting.remove(poll)
 
     # ------------------------------------------------------------------ requests
-    def dispatch(self, conn: _Connection, req: Request) -> None:
+    def dispatch(self, conn: Connection, req: Request) -> None:
         if self._to_wake:
             # Directives first: a loaded loop reads a whole batch of sockets (thousands of requests)
             # before it gets to a scheduled callback; a broadcast must not wait behind heartbeats.
@@ -392,7 +396,7 @@ class ControlServer:
         else:
             conn.respond(405, b'{"error": "use GET or POST"}')
 
-    def _get(self, conn: _Connection, path: str) -> None:
+    def _get(self, conn: Connection, path: str) -> None:
         if path == "/v1/state":
             render, ctype = (lambda: wire.dumps(self.master.state())), JSON
         elif path == "/metrics":
@@ -404,7 +408,7 @@ class ControlServer:
         fut.add_done_callback(lambda f: conn.respond(200, f.result(), ctype) if not f.exception()
                               else conn.respond(500, wire.dumps({"error": str(f.exception())})))
 
-    def _post(self, conn: _Connection, req: Request) -> None:
+    def _post(self, conn: Connection, req: Request) -> None:
         fn = self._routes.get(req.path)
         if fn is None and req.path != "/v1/directive":
             conn.respond(404, b'{"error": "no such endpoint"}')

@@ -39,7 +39,7 @@ from phoenixrun.faults.classify import is_collective_error_text
 from phoenixrun.runtime import layout_check
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
-from phoenixrun.runtime.process_group import (GROUPS, Generation, ReconfigurableProcessGroup, _socket_inodes,
+from phoenixrun.runtime.process_group import (GROUPS, Generation, ReconfigurableProcessGroup, socket_inodes,
                                               abort_sockets_since, install_default_group)
 from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
                                          restore_into)
@@ -210,7 +210,7 @@ class _Runtime:
         self.link.on_quiesce = self._on_quiesce
         self.link.on_abort = self.abort   # `phoenixrun inject --fault comm-timeout`: fail our collectives now
         self.link.send({"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "api": True})
-        assign = self._next_order({"assign"})
+        assign = self.next_order({"assign"})
         self.rank, self.world_size = assign["rank"], assign["world_size"]
         self.local_rank = local_rank
         self.master_addr, self.master_port = assign["master_addr"], int(assign["master_port"])
@@ -222,7 +222,7 @@ class _Runtime:
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
                            "GROUP_RANK": str(assign["slot"]), "ROLE_RANK": str(self.rank),
                            "ROLE_WORLD_SIZE": str(self.world_size), "PHOENIXRUN_SLOT": str(assign["slot"])})
-        self._baseline: set[str] = set(_socket_inodes())
+        self._baseline: set[str] = set(socket_inodes())
         self._gen: Generation | None = None
         self._retired: list[Generation] = []
         self.pg: ReconfigurableProcessGroup = install_default_group(self.rank, self.world_size)
@@ -237,7 +237,7 @@ class _Runtime:
     def _gen_stale(self) -> bool:
         return self._gen is None or self._gen.generation < self.link.quiesce_generation
 
-    def _next_order(self, ops: set[str]) -> dict:
+    def next_order(self, ops: set[str]) -> dict:
         while True:
             msg = self.link.orders.get()
             if msg.get("op") == "agent_gone":
@@ -273,7 +273,7 @@ class _Runtime:
             # mid-collective is not a path torch makes safe. Their sockets are already shut down.
             self._retired.append(self._gen)
         self._gen = None
-        self._baseline = set(_socket_inodes())
+        self._baseline = set(socket_inodes())
         self.store_prefix = store_prefix or self.store_prefix
         gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout,
                          self.store_prefix)
@@ -484,7 +484,7 @@ class Job:
             if g > self.rt.generation and g > reported:
                 self.link.send({"op": "quiesced", "generation": g, "next_step": self.next_step})
                 reported = g
-            order = self.rt._next_order({"rebuild", "quiesce"})
+            order = self.rt.next_order({"rebuild", "quiesce"})
             if order["op"] == "quiesce" or order["generation"] < self.link.quiesce_generation:
                 continue
             log.warning("rank %d: rejoining as generation %d, restoring step %d", self.rt.rank,

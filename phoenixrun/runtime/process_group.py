@@ -27,7 +27,7 @@ from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, _create_w
 BACKEND_NAME = "phoenixrun"
 
 
-def _socket_inodes() -> dict[str, int]:
+def socket_inodes() -> dict[str, int]:
     out: dict[str, int] = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -62,7 +62,7 @@ class Generation:
 
 def abort_sockets_since(baseline: set[str]) -> int:
     n = 0
-    for inode, fd in _socket_inodes().items():
+    for inode, fd in socket_inodes().items():
         if inode in baseline:
             continue
         try:
