@@ -3,7 +3,7 @@
 Each frame: 4-byte big-endian length + JSON header, then `nbytes` raw payload bytes.
 Every request carries the job secret. Sockets have connect and I/O deadlines plus TCP
 keepalive / TCP_USER_TIMEOUT so a dead or hung peer becomes an error in seconds, never a hang
-(FINDINGS: a killed peer fails fast; a crashed host sends no reset).
+(a killed peer fails fast; a crashed host sends no reset: docs/api.md, "Replication transport").
 
 The server checks the secret in a frame's header before it reads (or allocates) the payload the header
 announces: measured on main at 73f19fc, three unauthenticated connections announcing 1 GiB took an agent

@@ -97,7 +97,8 @@ def torchrun_trial(tmp: Path, world: int, steps: int, kill: int, every: int, mod
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world), "--max-restarts", "1",
            str(EXAMPLE), "--steps", str(steps), "--out", str(tmp / "tr-out"), "--progress-dir", str(prog),
            "--ckpt-dir", str(ckpt), "--ckpt-every", str(every), *model]
-    # FINDINGS: stock torchrun's restarted workers read stale addresses from the shared store without this
+    # without this, stock torchrun's restarted workers read the previous attempt's gloo addresses from the shared
+    # store and never connect ("Gloo connectFullMesh failed"; pytorch#135712, #167288)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     wait_all_reached(prog, world, kill - 1, 0, proc)

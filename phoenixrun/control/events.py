@@ -1,4 +1,5 @@
-"""Append-only JSON-lines event log: the contract tools and tests read (docs/operations.md and docs/recovery.md name the events)."""
+"""Append-only JSON-lines event log: the contract tools and tests read (docs/design.md, "Event contract", names
+every event and its fields)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
-"""Signal -> (fault class, action): the paper's Table II as a pure, table-tested function.
+"""Signal -> (fault class, action): the PHOENIX paper's Table II as a pure, table-tested function.
 
-See docs/fault-model.md for the table and the reasoning behind each row.
+The classes and actions: docs/design.md, "Faults: classes and the three actions"; every row and the reasoning
+behind it: docs/fault-model.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Fault vocabulary shared by agents, the master and the classifier (docs/fault-model.md).
+"""Fault vocabulary shared by agents, the master and the classifier (docs/design.md, "Faults: classes and the
+three actions"; every signal: docs/fault-model.md).
 
 Everything here is plain data: enums with stable string values (they appear in events.jsonl and on the wire)
 and a frozen ``Signal`` that says what was observed, where and when. Deciding what it means is classify.py's job.
@@ -12,7 +13,7 @@ from typing import Any, Mapping
 
 
 class FaultClass(str, Enum):
-    """The rows of the paper's Table II."""
+    """The rows of the PHOENIX paper's Table II (docs/design.md)."""
 
     TRANSIENT_COMM = "transient_comm"  # cause does not outlive the processes: a local reset clears it
     GPU_MEMORY = "gpu_memory"
@@ -54,7 +55,7 @@ _NEEDS_CODE = frozenset({SignalKind.WORKER_EXIT, SignalKind.XID, SignalKind.GPU_
 class Signal:
     """One observation that something may be wrong.
 
-    ``node`` is the logical node slot (docs/architecture.md), not a hostname, so signals survive a hot-swap.
+    ``node`` is the logical node slot (docs/design.md, "Identity"), not a hostname, so signals survive a hot-swap.
     A clean exit (code 0) and recovery action NONE (0) are not faults and are rejected here, so every
     valid Signal has exactly one classification.
     """
