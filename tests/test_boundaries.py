@@ -21,6 +21,8 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # directory -> dotted package it installs as (setup.cfg: agents/ installs as phoenixrun.agents)
 SCANNED = {"phoenixrun": "phoenixrun", "agents": "phoenixrun.agents", "tools": "tools", "benchmarks": "benchmarks"}
@@ -311,8 +313,7 @@ def test_cycle_finder_sees_a_cycle(tmp_path):
 
 # ---------------------------------------------------------------------------------------- (c)
 def _loads_torch(module: str) -> list[str]:
-    """Import `module` in a fresh interpreter; the torch modules it left loaded, and which of the project's
-    modules were loaded (to name the culprit)."""
+    """Import `module` in a fresh interpreter; the first few torch modules it left loaded (none: torch-free)."""
     code = (f"import sys, {module}\n"
             "print(' '.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:5]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -320,11 +321,15 @@ def _loads_torch(module: str) -> list[str]:
     return out.stdout.split()
 
 
-def test_master_imports_no_torch():
-    loaded = _loads_torch("phoenixrun.control.master")
-    assert not loaded, f"importing phoenixrun.control.master loads torch ({loaded[:3]}...); find the import with " \
-        "`python -X importtime -c 'import phoenixrun.control.master' 2>&1 | grep -B5 torch`"
-    # the detector itself: a module that does import torch is seen
+# the master, and what it shares with the agents and tools without needing torch
+@pytest.mark.parametrize("module", ["phoenixrun.control.master", "phoenixrun.protocol", "phoenixrun.persist_layout"])
+def test_imports_no_torch(module):
+    loaded = _loads_torch(module)
+    assert not loaded, f"importing {module} loads torch ({loaded[:3]}...); find the import with " \
+        f"`python -X importtime -c 'import {module}' 2>&1 | grep -B5 torch`"
+
+
+def test_torch_detector_sees_torch():
     assert "torch" in _loads_torch("phoenixrun.runtime.snapshot")
 
 
