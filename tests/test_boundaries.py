@@ -9,7 +9,7 @@
     persistent-checkpoint layout it reads is torch-free `persist_layout`, the DCP writer is not).
 
 Packages are directories: phoenixrun, phoenixrun.control, phoenixrun.runtime, ..., phoenixrun.agents
-(agents/), tools, benchmarks. Each check is also run against a small planted tree, so a scanner
+(agents/), tools, benchmarks, examples. Each check is also run against a small planted tree, so a scanner
 that stopped seeing violations would fail here rather than pass quietly.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # directory -> dotted package it installs as (setup.cfg: agents/ installs as phoenixrun.agents)
-SCANNED = {"phoenixrun": "phoenixrun", "agents": "phoenixrun.agents", "tools": "tools", "benchmarks": "benchmarks"}
+SCANNED = {"phoenixrun": "phoenixrun", "agents": "phoenixrun.agents", "tools": "tools", "benchmarks": "benchmarks",
+           "examples": "examples"}     # examples show users the public API: they must not need more
 KNOWN_ONLY = {"tests": "tests"}     # resolvable import targets, not scanned (tests may look inside)
 
 # Reach-ins still left, each needing a public name in a file being split right now (master.py,
