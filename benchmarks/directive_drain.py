@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from phoenixrun.control import server as control_server
-from phoenixrun.control.master import Master, MasterConfig
+from phoenixrun.config import MasterConfig
+from phoenixrun.control.master import Master
 from phoenixrun.control.server import ControlServer
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import psutil
 from phoenixrun import auth
 from phoenixrun.agents.peer import PeerServer
-from phoenixrun.control.master import Master, MasterConfig
+from phoenixrun.config import MasterConfig
+from phoenixrun.control.master import Master
 
 def rss(): return psutil.Process().memory_info().rss >> 20
 def send(s, d):

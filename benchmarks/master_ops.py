@@ -18,7 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from phoenixrun.control.master import Master, MasterConfig
+from phoenixrun.config import MasterConfig
+from phoenixrun.control.master import Master
 from phoenixrun.control.state import NodeRecord, Role, plan_recovery
 from phoenixrun.topology import Layout, place_replicas
 
