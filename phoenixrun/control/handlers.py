@@ -11,7 +11,8 @@ import os
 import secrets
 import time
 
-from phoenixrun.control import messages, wire
+from phoenixrun.control import wire
+from phoenixrun.protocol import messages
 from phoenixrun.control.decide import RUNS_WORKERS
 from phoenixrun.control.directives import Directive
 from phoenixrun.control.events import EventLog
@@ -30,7 +31,7 @@ class Handlers:
         self._msg_job = messages.Job(self.cfg.nnodes, self.cfg.nproc_per_node, job.layout.world_size)
 
     # ---------------------------------------------------------------- API handlers (transport thread)
-    # Every message is parsed by control/messages.py before anything of it is applied; a MessageError
+    # Every message is parsed by protocol/messages.py before anything of it is applied; a MessageError
     # (a ValueError) is answered with its 4xx code by the transport. Then the rules that need the master's
     # state: the node's registration token, the generation, the directive version (docs/architecture.md).
     def register(self, p: dict) -> dict:

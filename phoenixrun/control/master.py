@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from phoenixrun.control import messages
 from phoenixrun.control.coordinator import Coordinator
 from phoenixrun.control.directives import Directive, DirectiveBoard
 from phoenixrun.control.events import EventLog
@@ -37,6 +36,7 @@ from phoenixrun.control.recovery import Acks, Recoveries
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.server import ControlServer
 from phoenixrun.control.state import NodeRecord, Phase, Role
+from phoenixrun.protocol import messages
 
 log = logging.getLogger("phoenixrun.master")
 
