@@ -21,6 +21,7 @@ from phoenixrun.control.recovery import Probe, Recoveries, Stop, unreachable_nod
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.faults import Classification, correlate
 from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate
+from phoenixrun.protocol.names import Command, Event, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -81,11 +82,11 @@ class Coordinator:
             return None
         with job.cv:
             job.phase = Phase.RUNNING
-            self.events.emit("job_started", job.generation, world_size=job.layout.world_size,
+            self.events.emit(Event.JOB_STARTED, job.generation, world_size=job.layout.world_size,
                              slots={s: n for s, n in job.slots.items()})
             resume = self.recovery.newest_checkpoint()
             if resume is None:
-                self.orders.direct_slots("run", restart_count=0, restore_step=None)
+                self.orders.direct_slots(Command.RUN, restart_count=0, restore_step=None)
                 return None
         # a run directory with checkpoints: resume the job from the newest complete one
         if not self.recovery.fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
@@ -107,14 +108,14 @@ class Coordinator:
                 if api:
                     job.api_nodes.add(nid)
                 job.slots[s] = nid
-            self.events.emit("master_recovered", job.generation, nodes=len(job.nodes) - len(missing),
+            self.events.emit(Event.MASTER_RECOVERED, job.generation, nodes=len(job.nodes) - len(missing),
                              missing_slots=missing, restart_count=job.restart_count)
         for s in missing:
-            self.inbox.put({"kind": "node_lost", "node_id": f"lost-slot{s}", "t": time.time(),
+            self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": f"lost-slot{s}", "t": time.time(),
                             "detail": "did not rejoin the restarted master"})
         for ev in held:
             if ev.get("interrupted"):   # it was mid-recovery when the master died: recover again
-                ev = {"kind": "comm_error", "node_id": ev["node_id"], "t": time.time(),
+                ev = {"kind": ReportKind.COMM_ERROR, "node_id": ev["node_id"], "t": time.time(),
                       "text": "recovery interrupted by a master restart"}
             self.inbox.put(ev)
 
@@ -126,12 +127,12 @@ class Coordinator:
         with job.cv:
             node = job.nodes.get(ev.get("node_id", ""))
             active = node is not None and node.role == Role.ACTIVE and node.slot is not None
-        if kind == "workers_done" and active and ev.get("generation") == job.generation:
+        if kind == ReportKind.WORKERS_DONE and active and ev.get("generation") == job.generation:
             job.done_nodes.add(node.node_id)
             if all(nid in job.done_nodes for nid in job.slots.values()):
                 return JobEnd(0, "all workers finished")
             return None
-        if kind == "attempt_check":
+        if kind == ReportKind.ATTEMPT_CHECK:
             self.recovery.check_attempt(ev)
             return None
         if not active or kind not in FAULT_REPORTS:
@@ -163,7 +164,7 @@ class Coordinator:
         definite = is_definite(ev, self._slot_of(ev), resets)
         if not definite:
             for n in unreachable_nodes(self.probe, actives):
-                events.append({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
+                events.append({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": time.time(),
                                "detail": "agent unreachable"})
                 definite = True
         deadline = time.time() + (0.0 if definite else self.cfg.correlation_window)
@@ -216,7 +217,7 @@ class Coordinator:
             e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.max_local_resets))
             job.attempts = [*job.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:
-                self.events.emit("fault_detected", job.generation, node=ev.get("node_id"), signal=ev.get("kind"),
+                self.events.emit(Event.FAULT_DETECTED, job.generation, node=ev.get("node_id"), signal=ev.get("kind"),
                                  rank=ev.get("rank"), detail=detail_of(ev),
                                  **{"class": c.fault_class.value}, action="stop", step=step, repeats=e.repeats)
         if e.stop:
@@ -228,7 +229,7 @@ class Coordinator:
         with job.cv:
             job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
             node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
-            self.events.emit("fault_detected", job.generation, node=node.node_id, slot=node.slot,
+            self.events.emit(Event.FAULT_DETECTED, job.generation, node=node.node_id, slot=node.slot,
                              signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
                              detail=detail_of(ev), **{"class": verdict.fault_class.value},
                              action=verdict.action.value, kind=verdict.fault_class.value, step=ev.get("step"),
@@ -243,7 +244,7 @@ class Coordinator:
         if response.fence:
             # the node is still up but must go: fence it (its agent kills its workers and exits)
             with job.cv:
-                self.orders.direct([node.node_id], command="stop", exit_code=0, reason=f"fenced: {verdict.reason}")
+                self.orders.direct([node.node_id], command=Command.STOP, exit_code=0, reason=f"fenced: {verdict.reason}")
         lost = {node.slot} if response.replace else set()
         if response.remedy is Remedy.RESTART:
             self._restart_plain(lost, node, ev, verdict, failing_code)
@@ -273,9 +274,9 @@ class Coordinator:
             with job.cv:
                 for n in gone:
                     lost.add(n.slot)
-                    loss = reported.get(n.node_id) or {"kind": "node_lost", "node_id": n.node_id}
+                    loss = reported.get(n.node_id) or {"kind": ReportKind.NODE_LOST, "node_id": n.node_id}
                     c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
-                    self.events.emit("fault_detected", job.generation, node=n.node_id, slot=n.slot, signal="node_lost",
+                    self.events.emit(Event.FAULT_DETECTED, job.generation, node=n.node_id, slot=n.slot, signal=ReportKind.NODE_LOST,
                                      detail="node lost with the failure", action=c.action.value,
                                      **{"class": c.fault_class.value}, kind=c.fault_class.value, symptom_of_loss=True)
             why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.get('rank')}'s "
@@ -295,11 +296,11 @@ class Coordinator:
             # newest any rank has (a non-finite step must never appear here)
             newest = job.newest_snapshots()
             complete = len(newest) == job.layout.world_size
-            self.events.emit("job_finished", job.generation, exit_code=exit_code, reason=reason,
+            self.events.emit(Event.JOB_FINISHED, job.generation, exit_code=exit_code, reason=reason,
                              restarts=job.restart_count, recoveries=job.recoveries,
                              committed_step=min(newest.values()) if complete else None,
                              newest_snapshot=max(newest.values(), default=None))
-            self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command="stop",
+            self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command=Command.STOP,
                                exit_code=exit_code, reason=reason)
         if exit_code:
             log.error("job failed (exit %d): %s", exit_code, reason)

@@ -16,15 +16,17 @@ from typing import Iterable
 from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, classify
 from phoenixrun.faults.escalate import Escalation
 from phoenixrun.faults.taxonomy import ACTION_PRECEDENCE
+from phoenixrun.protocol.names import Command, ReportKind
 
+K = ReportKind
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
-ROOT_CAUSES = ("node_lost", "worker_exit", "left", "worker_hang", "health", "worker_error", "nan_loss")
-FAULT_REPORTS = ROOT_CAUSES + ("comm_error",)     # the reports an incident gathers
-NODE_LOSSES = ("node_lost", "left")
+ROOT_CAUSES = (K.NODE_LOST, K.WORKER_EXIT, K.LEFT, K.WORKER_HANG, K.HEALTH, K.WORKER_ERROR, K.NAN_LOSS)
+FAULT_REPORTS = ROOT_CAUSES + (K.COMM_ERROR,)     # the reports an incident gathers
+NODE_LOSSES = (K.NODE_LOST, K.LEFT)
 # reports from a node that is still up: one whose slot is given to a spare must be told to go (fenced)
-STILL_UP = ("health", "worker_hang", "worker_exit", "comm_error")
+STILL_UP = (K.HEALTH, K.WORKER_HANG, K.WORKER_EXIT, K.COMM_ERROR)
 # directive commands that run workers (a node sent one of these in a generation may report workers_done)
-RUNS_WORKERS = ("run", "restart", "restore")
+RUNS_WORKERS = (Command.RUN, Command.RESTART, Command.RESTORE)
 
 
 @dataclass(frozen=True)
@@ -38,19 +40,19 @@ def signal_of(ev: dict, slot: int | None) -> Signal:
     """The fault signal a report (an inbox event) carries, filed under the reporting node's slot."""
     kind = ev.get("kind")
     t = ev.get("t", 0.0)
-    if kind == "node_lost":
+    if kind == ReportKind.NODE_LOST:
         return Signal(kind="node_heartbeat_lost", node=slot, detail=ev.get("detail", ""), timestamp=t)
-    if kind == "left":
+    if kind == ReportKind.LEFT:
         return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=t)
-    if kind == "health":
+    if kind == ReportKind.HEALTH:
         return Signal.from_dict({**ev["signal"], "node": slot})
-    if kind == "nan_loss":
+    if kind == ReportKind.NAN_LOSS:
         return Signal(kind="nan_loss", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
-    if kind == "worker_error":
+    if kind == ReportKind.WORKER_ERROR:
         return Signal(kind="user_exception", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
-    if kind == "worker_hang":
+    if kind == ReportKind.WORKER_HANG:
         return Signal(kind="worker_hang", node=slot, rank=ev.get("rank"), detail=ev.get("detail", ""), timestamp=t)
-    if kind == "worker_exit":
+    if kind == ReportKind.WORKER_EXIT:
         return Signal(kind="worker_exit", node=slot, rank=ev.get("rank"), code=ev.get("returncode"),
                       detail=ev.get("text") or ev.get("detail", ""), timestamp=t)
     return Signal(kind="collective_error", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)

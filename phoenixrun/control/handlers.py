@@ -20,6 +20,7 @@ from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
+from phoenixrun.protocol.names import Command, Event, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -49,7 +50,7 @@ class Handlers:
                                msg.node_rank, self.cfg.nnodes)
             refused = self._refusal(role, msg.node_rank)
             if refused is not None:
-                self.events.emit("node_refused", self.job.generation, node=msg.node_id, host=msg.host,
+                self.events.emit(Event.NODE_REFUSED, self.job.generation, node=msg.node_id, host=msg.host,
                                  node_rank=msg.node_rank, reason=refused["reason"])
                 return refused
             node = NodeRecord(node_id=msg.node_id, host=msg.host, agent_pid=msg.agent_pid,
@@ -59,11 +60,11 @@ class Handlers:
             self.job.heard.move_to_end(node.node_id)
             if slot is not None:
                 self.job.slots[slot] = node.node_id
-            self.events.emit("node_joined", self.job.generation, node=node.node_id, host=node.host,
+            self.events.emit(Event.NODE_JOINED, self.job.generation, node=node.node_id, host=node.host,
                              role=role.value, slot=slot, agent_pid=node.agent_pid, fault_domain=node.fault_domain)
             if role == Role.SPARE:
-                self.orders.direct([node.node_id], command="wait", warm=self.job.hot_swap_capable())
-            self.inbox.put({"kind": "joined", "node_id": node.node_id})
+                self.orders.direct([node.node_id], command=Command.WAIT, warm=self.job.hot_swap_capable())
+            self.inbox.put({"kind": ReportKind.JOINED, "node_id": node.node_id})
             return self._job_json(role, slot, self._new_token(node.node_id))
 
     def _reregister(self, node: NodeRecord, msg: messages.Register) -> dict:
@@ -108,7 +109,7 @@ class Handlers:
             holder = None
         if holder not in (None, nid):
             reason = f"slot {slot} belongs to {holder}"
-            self.events.emit("node_fenced", self.job.generation, node=nid, slot=slot, reason=reason)
+            self.events.emit(Event.NODE_FENCED, self.job.generation, node=nid, slot=slot, reason=reason)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
         self.job.rejoin_generation[nid] = gen
         role = Role.ACTIVE if slot is not None else Role.SPARE
@@ -127,11 +128,11 @@ class Handlers:
         self.job.restart_count = max(self.job.restart_count, r.restart_count)
         self.job.peer_hint.update(r.world_slots)
         self.job.resumed_at = self.job.resumed_at or time.time()
-        self.events.emit("node_rejoined", self.job.generation, node=nid, role=role.value, slot=slot,
+        self.events.emit(Event.NODE_REJOINED, self.job.generation, node=nid, role=role.value, slot=slot,
                          agent_generation=gen, interrupted=r.frozen)
         if role == Role.SPARE:
-            self.orders.direct([nid], command="wait", warm=node.api)
-        self.inbox.put({"kind": "joined", "node_id": nid, "interrupted": r.frozen})
+            self.orders.direct([nid], command=Command.WAIT, warm=node.api)
+        self.inbox.put({"kind": ReportKind.JOINED, "node_id": nid, "interrupted": r.frozen})
         return self._job_json(role, slot, self._new_token(nid))
 
     def _job_json(self, role: Role, slot: int | None, token: str) -> dict:
@@ -178,7 +179,7 @@ class Handlers:
                     cold = [n.node_id for n in self.job.nodes.values() if n.role == Role.SPARE
                             and not getattr(self.orders.board.get(n.node_id), "fields", {}).get("warm")]
                     if cold:
-                        self.orders.direct(cold, command="wait", warm=True)
+                        self.orders.direct(cold, command=Command.WAIT, warm=True)
             self.job.note_progress()
             return {"ok": True, "role": node.role.value, "inject": self.job.injections.pop(node.node_id, [])}
 
@@ -190,7 +191,7 @@ class Handlers:
             if nid is None or self.job.nodes[nid].role != Role.ACTIVE:
                 raise messages.MessageError(f"no active node in slot {msg.slot}", code=409, reason="no_such_node")
             self.job.injections.setdefault(nid, []).append(msg.fault)
-            self.events.emit("fault_injected", self.job.generation, node=nid, slot=msg.slot, fault=msg.fault)
+            self.events.emit(Event.FAULT_INJECTED, self.job.generation, node=nid, slot=msg.slot, fault=msg.fault)
             return {"ok": True, "node": nid}
 
     def report(self, p: dict) -> dict:
@@ -212,7 +213,7 @@ class Handlers:
                 self.rejections.note(time.time(), node.host, "stale_generation", "/v1/report",
                                      f"{msg.kind} of generation {gen} from {msg.node_id} (now {self.job.generation})")
                 return {"ok": True, "ignored": f"stale generation {gen} (now {self.job.generation})"}
-            if msg.kind == "workers_done" and not self._may_be_done(node, gen):
+            if msg.kind == ReportKind.WORKERS_DONE and not self._may_be_done(node, gen):
                 raise messages.MessageError(
                     f"workers_done from {msg.node_id}: it was not told to run workers in generation {self.job.generation}",
                     code=409, reason="not_running")
@@ -297,7 +298,7 @@ class Handlers:
         if reply is not None and node_id not in self.job.fenced:
             self.job.fenced.add(node_id)
             log.warning("node %s contacted the master (%s) after it was replaced: fenced", node_id, via)
-            self.events.emit("node_fenced", self.job.generation, node=node_id, via=via, reason=reply["reason"])
+            self.events.emit(Event.NODE_FENCED, self.job.generation, node=node_id, via=via, reason=reply["reason"])
         return reply
 
     def _persist_json(self) -> dict | None:

@@ -19,6 +19,7 @@ from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role
 from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
 from phoenixrun.topology import Layout, place_replicas
+from phoenixrun.protocol.names import Event, ReportKind
 
 
 class JobState:
@@ -126,14 +127,14 @@ class JobState:
         kind = ev.get("kind")
         with self.cv:
             node = self.nodes.get(ev.get("node_id", ""))
-            if kind == "node_lost" and node is not None and node.role == Role.SPARE:
+            if kind == ReportKind.NODE_LOST and node is not None and node.role == Role.SPARE:
                 node.role = Role.FAILED
                 node.last_fault = "heartbeat lost"
-                emit("spare_lost", self.generation, node=node.node_id)
-            elif kind == "left" and node is not None and node.role == Role.SPARE:
+                emit(Event.SPARE_LOST, self.generation, node=node.node_id)
+            elif kind == ReportKind.LEFT and node is not None and node.role == Role.SPARE:
                 node.role = Role.FAILED
-            elif kind == "protection_mode" and ev.get("every") != self.protect_every:
+            elif kind == ReportKind.PROTECTION_MODE and ev.get("every") != self.protect_every:
                 self.protect_every = ev.get("every")
-                emit("protection_mode", self.generation, every=self.protect_every, step=ev.get("step"),
+                emit(Event.PROTECTION_MODE, self.generation, every=self.protect_every, step=ev.get("step"),
                      reason="replication does not hide behind compute" if self.protect_every > 1
                      else "replication hides behind compute again")

@@ -37,6 +37,7 @@ from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.server import ControlServer
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.protocol import messages
+from phoenixrun.protocol.names import Event
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -77,7 +78,7 @@ class Master:
         self.job = JobState(cfg)
         self.orders = Orders(self.job, self.events)
         self._inbox = Inbox()
-        self.rejections = Rejections(lambda **f: self.events.emit("rejected_request", self.job.generation, **f))
+        self.rejections = Rejections(lambda **f: self.events.emit(Event.REJECTED_REQUEST, self.job.generation, **f))
         self.handlers = Handlers(self.job, self.orders, self.events, self._inbox, self.rejections)
         self.recovery = Recoveries(self.job, self.orders, self.events, self._inbox, probe=unreachable)
         self.coordinator = Coordinator(self.job, self.orders, self.events, self._inbox, self.recovery,
@@ -102,7 +103,7 @@ class Master:
         tmp = self.run_dir / "master.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.run_dir / "master.json")
-        self.events.emit("master_started", self.generation, endpoint=self.endpoint, pid=os.getpid(),
+        self.events.emit(Event.MASTER_STARTED, self.generation, endpoint=self.endpoint, pid=os.getpid(),
                          nnodes=self.cfg.nnodes, nproc_per_node=self.cfg.nproc_per_node)
         log.info("master listening on %s (store port %d)", self.endpoint, self.store_port)
 

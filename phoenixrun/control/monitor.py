@@ -9,6 +9,7 @@ from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox
 from phoenixrun.control.state import Role
+from phoenixrun.protocol.names import Event, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -37,7 +38,7 @@ class HeartbeatMonitor:
                 for nid in stale:
                     n = job.nodes[nid]
                     if n.role != Role.FAILED:
-                        self.inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": now,
+                        self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": now,
                                         "detail": f"no heartbeat for {now - n.last_heartbeat:.1f}s"})
                     n.last_heartbeat = now  # report once per timeout period
                     job.heard.move_to_end(nid)
@@ -48,7 +49,7 @@ class HeartbeatMonitor:
         than --node-timeout declared every node lost at once when it ran again (seen when a profiler
         paused it at 16K nodes: the job failed, "recovery kept failing")."""
         log.warning("the master did not run for %.1fs: heartbeat clocks moved on by as much", seconds)
-        self.events.emit("master_stalled", self.job.generation, seconds=round(seconds, 3))
+        self.events.emit(Event.MASTER_STALLED, self.job.generation, seconds=round(seconds, 3))
         now = time.time()
         for n in self.job.nodes.values():   # capped: one heard since it ran again is no fresher than now
             n.last_heartbeat = min(n.last_heartbeat + seconds, now)

@@ -25,6 +25,7 @@ from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, by_rank, pick_spare, plan_recovery
 from phoenixrun.faults import Action
+from phoenixrun.protocol.names import Command, Event, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -107,9 +108,9 @@ class Recoveries:
             self.job.done_nodes.clear()
             self.job.restored_step = None        # every worker starts from scratch
             port = self._attempt_store(self.job.generation)
-            self.events.emit("restart", self.job.generation, restart_count=self.job.restart_count, reason=why,
+            self.events.emit(Event.RESTART, self.job.generation, restart_count=self.job.restart_count, reason=why,
                              store_port=port)
-            self.orders.direct_slots("restart", restart_count=self.job.restart_count, restore_step=None, store_port=port)
+            self.orders.direct_slots(Command.RESTART, restart_count=self.job.restart_count, restore_step=None, store_port=port)
             self.job.phase = Phase.RUNNING
         self.drain_stale()
         self._arm_attempt_check(self.job.generation, None)
@@ -123,7 +124,7 @@ class Recoveries:
 
     def _arm_attempt_check(self, generation: int, joined: int | None) -> None:
         timer = threading.Timer(self.cfg.recovery_timeout, self.inbox.put,
-                                args=({"kind": "attempt_check", "generation": generation, "joined": joined},))
+                                args=({"kind": ReportKind.ATTEMPT_CHECK, "generation": generation, "joined": joined},))
         timer.daemon = True
         timer.start()
 
@@ -165,7 +166,7 @@ class Recoveries:
                         spare.role, spare.slot = Role.ACTIVE, slot
                         self.job.slots[slot] = spare.node_id
                         self.job.fault_history.pop(slot, None)   # escalation history belongs to the old node
-                        self.events.emit("spare_promoted", self.job.generation, slot=slot, node=spare.node_id,
+                        self.events.emit(Event.SPARE_PROMOTED, self.job.generation, slot=slot, node=spare.node_id,
                                          replaces=failed_id)
                         out[slot] = spare.node_id
                         break
@@ -206,21 +207,21 @@ class Recoveries:
                 self.job.phase = Phase.RESTORE
                 self.job.done_nodes.clear()
                 self.job.restored_step = step
-                self.events.emit("fallback_restart", g, restore_step=step, reason=reason, fallbacks=self.job.fallbacks,
+                self.events.emit(Event.FALLBACK_RESTART, g, restore_step=step, reason=reason, fallbacks=self.job.fallbacks,
                                  checkpoint=str(persist.step_dir(self.cfg.persist_dir, step)))
-                self.orders.direct_slots("restart", restart_count=self.job.restart_count, restore_step=step)
-                resumed = Acks("resumed", g, self.job.slots.values())
+                self.orders.direct_slots(Command.RESTART, restart_count=self.job.restart_count, restore_step=step)
+                resumed = Acks(ReportKind.RESUMED, g, self.job.slots.values())
             try:
                 self._wait_event(resumed, self.cfg.recovery_timeout, lost)
             except Cascade as c:
                 if c.event.get("persist_step") == step:
                     self.job.bad_checkpoints.add(step)
-                    self.events.emit("checkpoint_rejected", g, step=step, reason=c.event.get("reason", ""))
+                    self.events.emit(Event.CHECKPOINT_REJECTED, g, step=step, reason=c.event.get("reason", ""))
                 log.warning("fallback to checkpoint step %d interrupted: %s", step, c)
                 continue
             with self.job.cv:
                 self.job.phase = Phase.RUNNING
-                self.events.emit("fallback_done", g, restore_step=step, duration_s=round(time.time() - t0, 4))
+                self.events.emit(Event.FALLBACK_DONE, g, restore_step=step, duration_s=round(time.time() - t0, 4))
             self.drain_stale()
             return True
         raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason}); "
@@ -232,7 +233,7 @@ class Recoveries:
         t0 = time.time()
         cause = ev.get("detail") or ev.get("text") or ev.get("kind")
         with self.job.cv:
-            self.events.emit("recovery_started", self.job.generation + 1, failed_node=node.node_id,
+            self.events.emit(Event.RECOVERY_STARTED, self.job.generation + 1, failed_node=node.node_id,
                              slot=node.slot, cause=cause, action=action.value)
         attempts = 0
         fresh: dict[int, str] = {}    # slot -> spare promoted during this recovery (holds no state yet)
@@ -247,7 +248,7 @@ class Recoveries:
                     raise Stop(1, f"recovery kept failing: {c}")
             except PlanError as e:
                 self.inbox.take(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
-                self.events.emit("recovery_failed", self.job.generation, reason=str(e))
+                self.events.emit(Event.RECOVERY_FAILED, self.job.generation, reason=str(e))
                 # no in-memory state to resume from: the persistent checkpoint, else torchrun-style restart
                 if not self.fallback(set(), f"in-memory recovery impossible: {e}"):
                     self.restart(set(), failing_code, f"in-memory recovery impossible: {e}")
@@ -256,12 +257,12 @@ class Recoveries:
             self.job.recoveries += 1
             self.job.phase = Phase.RUNNING
             self.job.done_nodes.clear()
-            self.events.emit("recovery_done", self.job.generation, restored_step=plan.restore_step,
+            self.events.emit(Event.RECOVERY_DONE, self.job.generation, restored_step=plan.restore_step,
                              replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
                              duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
                              replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
             # one directive for every node: each got its slot and world with the restore order
-            self.orders.direct(self.job.slots.values(), command="run", restart_count=self.job.restart_count, resume=True)
+            self.orders.direct(self.job.slots.values(), command=Command.RUN, restart_count=self.job.restart_count, resume=True)
         self.drain_stale()
 
     def _recovery_cycle(self, lost: set[int], fresh: dict[int, str]) -> tuple[RecoveryPlan, dict, int]:
@@ -280,8 +281,8 @@ class Recoveries:
                 if self.job.slots.get(slot) != fresh[slot]:
                     del fresh[slot]
             survivors = {s: nid for s, nid in self.job.slots.items() if s not in lost and s not in fresh}
-            self.orders.direct(survivors.values(), command="quiesce")
-        quiesced = Acks("quiesced", g, survivors.values(), on_ack=self._quiesced_inventory)
+            self.orders.direct(survivors.values(), command=Command.QUIESCE)
+        quiesced = Acks(ReportKind.QUIESCED, g, survivors.values(), on_ack=self._quiesced_inventory)
         self._wait_event(quiesced, self.cfg.recovery_timeout, lost)
         acked = quiesced.got
         phases["quiesce_s"] = round(time.time() - t, 4)
@@ -294,7 +295,7 @@ class Recoveries:
             self.job.phase = Phase.RESTORE
             self.job.restored_step = plan.restore_step
             phases["plan_s"] = round(time.time() - t, 4)
-            self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
+            self.events.emit(Event.RECOVERY_PLAN, g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
                              fetch={r: vars(s) for r, s in plan.fetch.items()})
             # the ranks of replaced slots fetch their state from peers; everyone else restores locally
             fetch: dict[int, dict] = {}
@@ -302,10 +303,10 @@ class Recoveries:
                 fetch.setdefault(self.job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = vars(src)
             # a new world only where it changed: the slots filled in this recovery and the slots whose
             # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
-            self.orders.direct_slots("restore", own=fetch, world_for={c for s in fresh for c in self.job.needed_by.get(s, ())},
+            self.orders.direct_slots(Command.RESTORE, own=fetch, world_for={c for s in fresh for c in self.job.needed_by.get(s, ())},
                                restart_count=self.job.restart_count, restore_step=plan.restore_step)
         t = time.time()
-        resumed_acks = Acks("resumed", g, plan.slots.values())
+        resumed_acks = Acks(ReportKind.RESUMED, g, plan.slots.values())
         self._wait_event(resumed_acks, self.cfg.recovery_timeout, lost)
         resumed = resumed_acks.got
         phases["restore_s"] = round(time.time() - t, 4)
@@ -352,7 +353,7 @@ class Recoveries:
                 # late is no evidence (at 16K nodes, late answers declared live nodes lost); silence is the
                 # heartbeat monitor's to judge
                 for n in unreachable_nodes(self.probe, waiting, timeout=0.2, silent_is_dead=False):
-                    self.inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
+                    self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": time.time(),
                                      "detail": "agent unreachable during recovery"})
 
     def pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
@@ -368,7 +369,7 @@ class Recoveries:
         self.absorb(ev)
         with self.job.cv:
             node = self.job.nodes.get(ev.get("node_id", ""))
-        if kind == "restore_failed":
+        if kind == ReportKind.RESTORE_FAILED:
             if ev.get("integrity"):   # the plan's source holds other bytes: the same plan again cannot succeed
                 raise PlanError(f"{ev.get('node_id')}: {ev.get('reason')}")
             raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}", ev)
@@ -389,22 +390,22 @@ class Recoveries:
                     lost.add(n.slot)     # whatever the classifier says: a lost node's slot goes to a spare
                     newly += 1
                     c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
-                    self.events.emit("fault_detected", self.job.generation, node=n.node_id, slot=n.slot,
+                    self.events.emit(Event.FAULT_DETECTED, self.job.generation, node=n.node_id, slot=n.slot,
                                      signal=loss["kind"], detail=loss.get("detail", ""), action=c.action.value,
                                      **{"class": c.fault_class.value}, kind=c.fault_class.value,
                                      during_recovery=True)
             raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: {ev.get('detail') or kind}"
                           + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))
-        if kind in ("worker_exit", "worker_hang") and ev.get("generation") == self.job.generation:
+        if kind in (ReportKind.WORKER_EXIT, ReportKind.WORKER_HANG) and ev.get("generation") == self.job.generation:
             # A worker of this recovery's generation died (or hung) while its group was being rebuilt: its
             # node will never ack this phase. Dropping it as "expected" cost the whole --recovery-timeout
             # (39.9 s and 127.8 s recoveries in a soak, two crash-worker 0.5 s apart). A new cycle quiesces
             # the live workers and the restore respawns the dead one from the node's snapshot.
             with self.job.cv:
                 self.job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
-                self.events.emit("fault_detected", self.job.generation, node=node.node_id, slot=node.slot,
+                self.events.emit(Event.FAULT_DETECTED, self.job.generation, node=node.node_id, slot=node.slot,
                                  signal=kind, rank=ev.get("rank"), returncode=ev.get("returncode"),
-                                 detail=detail_of(ev), action="local_reset",
+                                 detail=detail_of(ev), action=Action.LOCAL_RESET.value,
                                  during_recovery=True)
             raise Cascade(f"rank {ev.get('rank')} on slot {node.slot} died during recovery: "
                           f"{ev.get('detail') or kind}", ev)
