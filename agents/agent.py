@@ -17,10 +17,10 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from phoenixrun import netaddr
+from phoenixrun.config import AgentConfig
 from phoenixrun.protocol.client import ControlError
 from phoenixrun.protocol.messages import valid_fault
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
@@ -58,24 +58,6 @@ IDLE_SPARE_WATCH_INTERVAL_S = 0.2
 def watch_interval(role: str | None, warm_only: bool) -> float:
     """How long the agent's main loop waits for a directive before it looks at its workers again. Pure."""
     return IDLE_SPARE_WATCH_INTERVAL_S if role == "spare" and warm_only else WATCH_INTERVAL_S
-
-
-@dataclass
-class AgentConfig:
-    endpoint: str                  # master host:port
-    secret: str
-    spec: WorkerSpec
-    nproc_per_node: int
-    host: str = "127.0.0.1"        # address peers and workers use to reach this node
-    fault_domain: str = ""
-    heartbeat_interval: float = 0.5
-    log_dir: Path | None = None
-    tee: bool = True
-    node_id: str = ""
-    hang_timeout: float = 30.0     # a worker with no progress this long (outside recovery) is hung
-    node_rank: int | None = None   # the slot this node asks for (torchrun's --node-rank); None: any
-    local_ranks_filter: frozenset[int] | None = None   # local ranks whose output reaches the console (None: all)
-    shutdown_timeout: float = 2.0  # SIGTERM -> SIGKILL grace when workers are stopped
 
 
 class Agent:

@@ -200,7 +200,7 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
            hang_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
            max_fallbacks, entry):
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
-    from phoenixrun.control.master import MasterConfig
+    from phoenixrun.config import MasterConfig
     from phoenixrun.launcher import LaunchConfig, run
     from phoenixrun.topology import Layout
 
@@ -274,7 +274,8 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
                node_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
                max_fallbacks):
     """Run the rendezvous master (control plane) in the foreground."""
-    from phoenixrun.control.master import Master, MasterConfig
+    from phoenixrun.config import MasterConfig
+    from phoenixrun.control.master import Master
     _logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = auth.read_secret(run_dir) or auth.new_secret()
@@ -322,7 +323,8 @@ def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_inter
               collective_timeout, hang_timeout, node_rank, local_ranks_filter, shutdown_timeout, module, no_python,
               entry):
     """Run one node's agent: it joins the master as an active node or a spare."""
-    from phoenixrun.agents.agent import Agent, AgentConfig
+    from phoenixrun.agents.agent import Agent
+    from phoenixrun.config import AgentConfig
     from phoenixrun.agents.workers import WorkerSpec
     _logging()
     secret = auth.read_secret(secret_file=secret_file)

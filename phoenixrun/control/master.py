@@ -20,10 +20,10 @@ import os
 import resource
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from phoenixrun.config import MasterConfig
 from phoenixrun.control.coordinator import Coordinator
 from phoenixrun.control.directives import Directive, DirectiveBoard
 from phoenixrun.control.events import EventLog
@@ -40,32 +40,6 @@ from phoenixrun.protocol import messages
 from phoenixrun.protocol.names import Event
 
 log = logging.getLogger("phoenixrun.master")
-
-
-@dataclass
-class MasterConfig:
-    run_dir: Path
-    nnodes: int
-    nproc_per_node: int
-    run_id: str = "phoenixrun"
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
-    max_restarts: int = 0
-    host: str = "127.0.0.1"
-    port: int = 0
-    store_port: int = 0
-    node_timeout: float = 5.0
-    spare_wait: float = 30.0
-    recovery_timeout: float = 60.0
-    correlation_window: float = 0.5
-    max_local_resets: int = 3
-    fault_domains: dict[int, str] = field(default_factory=dict)
-    persist_dir: Path | None = None    # persistent checkpoints (written by the agents); None: none
-    persist_every: int = 0
-    persist_keep: int = 2
-    max_fallbacks: int = 3             # restarts from a persistent checkpoint before giving up
-    spares: int | None = None          # spare nodes admitted at a time (None: any number)
 
 
 class Master:
