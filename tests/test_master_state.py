@@ -99,7 +99,7 @@ def test_plan_refuses_when_owner_and_holders_lost():
 
 
 def test_attempt_ranks_reads_gloo_keys_of_the_default_group():
-    from phoenixrun.control.recovery import attempt_ranks
+    from phoenixrun.control.decide import attempt_ranks
     keys = ["default_pg/0//cpu//0/0", "default_pg/0//cpu//0/2", "/default_pg/0//cpu//0/1", "init/",
             "default_pg/0//cpu//0/9", "other/3"]
     assert attempt_ranks(keys, 4) == {0, 1, 2}

@@ -1,7 +1,7 @@
 """Recovery limits as pure functions: how many checkpoint restarts one fallback may try."""
 import pytest
 
-from phoenixrun.control.recovery import fallback_attempts
+from phoenixrun.control.decide import fallback_attempts
 
 
 @pytest.mark.parametrize("used,limit,counted,expected", [

@@ -2,37 +2,37 @@
 quiesce with a new generation when a fault arrives mid-way), the persistent-checkpoint fallback and the
 torchrun-style restart.
 
-They run on the master's controller thread, one at a time, and read and change the master's state
-under its lock: `Recoveries` is mixed into `Master` (control/master.py), which owns that state, the
-directive board and the inbox of reports; the decisions themselves are the pure functions of
-control/state.py (`plan_recovery`, `pick_spare`).
+They run on the master's controller thread, one at a time (control/coordinator.py calls them), and carry
+out decisions made elsewhere: the pure functions of control/decide.py and control/state.py (`plan_recovery`,
+`pick_spare`). Their collaborators - the job's state, the orders, the event log, the inbox, the prober - come
+through the constructor; the state is read and changed under its lock (control/jobstate.py).
 """
 from __future__ import annotations
 
 import logging
 import queue
 import random
-import re
 import threading
 import time
 from typing import Callable, Iterable
 
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
-from phoenixrun.control.state import (NodeRecord, Phase, PlanError, RecoveryPlan, Role, by_rank, pick_spare,
-                                      plan_recovery)
+from phoenixrun.control.decide import (NODE_LOSSES, attempt_ranks, attempt_verdict, detail_of, fallback_attempts,
+                                       loss_verdict, signal_of)
+from phoenixrun.control.events import EventLog
+from phoenixrun.control.jobstate import JobState
+from phoenixrun.control.orders import Inbox, Orders
+from phoenixrun.control.probe import unreachable
+from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, by_rank, pick_spare, plan_recovery
 from phoenixrun.faults import Action
+from phoenixrun.protocol.names import Command, Event, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
 PROBE_AFTER_S = 0.3   # a recovery phase without a new ack this long: probe the nodes it waits for
 PROBE_MAX = 512       # ... this many at a time
 
-
-def fallback_attempts(used: int, limit: int, counted: bool) -> int:
-    """How many checkpoint restarts one fallback may try. Every try counts against --max-fallbacks, an
-    interrupted or rejected one too (a loop of 5 tries whatever the limit said used to run past it); a job
-    resuming from its run directory (`counted` False) gets its first try free."""
-    return max(0, limit - used) + (0 if counted else 1)
+Probe = Callable[[list[str], float, bool], set[str]]   # control/probe.py's unreachable(addrs, timeout, silent_is_dead)
 
 
 class Cascade(Exception):
@@ -41,6 +41,14 @@ class Cascade(Exception):
     def __init__(self, reason: str, event: dict | None = None):
         super().__init__(reason)
         self.event = event or {}
+
+
+class Stop(Exception):
+    """The job fails: exit_code and the reason the master gives (raised where a recovery cannot go on)."""
+
+    def __init__(self, exit_code: int, reason: str):
+        super().__init__(reason)
+        self.exit_code, self.reason = exit_code, reason
 
 
 class Acks:
@@ -64,32 +72,26 @@ class Acks:
         return not self.pending
 
 
-_GLOO_RANK_KEY = re.compile(r"^/?default_pg/.*/(\d+)$")
-
-
-def attempt_ranks(keys: Iterable[str], world_size: int) -> set[int]:
-    """The ranks whose gloo default group has registered in an attempt's store, from its keys. Pure."""
-    out = set()
-    for k in keys:
-        m = _GLOO_RANK_KEY.match(k)
-        if m and int(m.group(1)) < world_size:
-            out.add(int(m.group(1)))
-    return out
-
-
-class Stop(Exception):
-    """The job ends: exit_code and the reason the master gives."""
-
-    def __init__(self, exit_code: int, reason: str):
-        super().__init__(reason)
-        self.exit_code, self.reason = exit_code, reason
+def unreachable_nodes(probe: Probe, nodes: list[NodeRecord], timeout: float = 0.5,
+                      silent_is_dead: bool = True) -> list[NodeRecord]:
+    """Agents whose peer server does not accept a connection: a fast root-cause check. All
+    probed at once (a killed node refuses in microseconds, a hung host costs one timeout)."""
+    dead = probe([n.peer_addr for n in nodes], timeout, silent_is_dead)
+    return [n for n in nodes if n.peer_addr in dead]
 
 
 class Recoveries:
-    """Mixed into Master: everything here runs on its controller thread (see the module docstring)."""
+    """Everything here runs on the controller thread (see the module docstring)."""
+
+    def __init__(self, job: JobState, orders: Orders, events: EventLog, inbox: Inbox, probe: Probe = unreachable):
+        self.cfg, self.job, self.orders, self.events, self.inbox, self.probe = job.cfg, job, orders, events, inbox, probe
+        self._attempt_stores: dict = {}     # generation -> the TCPStore of that restart attempt
+
+    def absorb(self, ev: dict) -> None:
+        self.job.absorb(ev, self.events.emit)
 
     # ---------------------------------------------------------------- torchrun-style restart
-    def _restart(self, lost: set[int], failing_code: int | None, why: str) -> None:
+    def restart(self, lost: set[int], failing_code: int | None, why: str) -> None:
         """torchrun's restart: every worker restarted from scratch (spares fill `lost`), counted once.
 
         Each attempt rendezvouses on a TCPStore of its own (a fresh port in the directive): scripts
@@ -97,21 +99,21 @@ class Recoveries:
         store the second attempt read the first attempt's gloo addresses (measured: 3 of 3 restarts failed
         in connectFullMesh, one hung for 10 minutes). An attempt that does not come up is stopped with
         the ranks that never arrived (`_check_attempt`)."""
-        if self.restart_count >= self.cfg.max_restarts:
+        if self.job.restart_count >= self.cfg.max_restarts:
             raise Stop(failing_code or 1, f"{why}; no restarts left (--max-restarts {self.cfg.max_restarts})")
         self._replace_slots(lost)
-        with self.cv:
-            self.restart_count += 1
-            self.generation += 1
-            self.done_nodes.clear()
-            self.restored_step = None        # every worker starts from scratch
-            port = self._attempt_store(self.generation)
-            self.events.emit("restart", self.generation, restart_count=self.restart_count, reason=why,
+        with self.job.cv:
+            self.job.restart_count += 1
+            self.job.generation += 1
+            self.job.done_nodes.clear()
+            self.job.restored_step = None        # every worker starts from scratch
+            port = self._attempt_store(self.job.generation)
+            self.events.emit(Event.RESTART, self.job.generation, restart_count=self.job.restart_count, reason=why,
                              store_port=port)
-            self._direct_slots("restart", restart_count=self.restart_count, restore_step=None, store_port=port)
-            self.phase = Phase.RUNNING
-        self._drain_stale()
-        self._arm_attempt_check(self.generation, None)
+            self.orders.direct_slots(Command.RESTART, restart_count=self.job.restart_count, restore_step=None, store_port=port)
+            self.job.phase = Phase.RUNNING
+        self.drain_stale()
+        self._arm_attempt_check(self.job.generation, None)
 
     def _attempt_store(self, generation: int) -> int:
         """A TCPStore for one restart attempt; the previous attempt's (its workers are gone) is closed."""
@@ -121,35 +123,33 @@ class Recoveries:
         return store.port
 
     def _arm_attempt_check(self, generation: int, joined: int | None) -> None:
-        timer = threading.Timer(self.cfg.recovery_timeout, self._inbox.put,
-                                args=({"kind": "attempt_check", "generation": generation, "joined": joined},))
+        timer = threading.Timer(self.cfg.recovery_timeout, self.inbox.put,
+                                args=({"kind": ReportKind.ATTEMPT_CHECK, "generation": generation, "joined": joined},))
         timer.daemon = True
         timer.start()
 
-    def _check_attempt(self, ev: dict) -> None:
-        """Did restart attempt `generation` come up? Its gloo ranks each set one key in the attempt's store
-        (`default_pg/0//cpu//0/<rank>`): none yet -> the script is still before init_process_group (or uses
-        no store): look again later; all -> up; some, and no more than --recovery-timeout ago -> the
-        attempt hangs (the others wait for ranks that never come): stop with the ranks that are missing."""
+    def check_attempt(self, ev: dict) -> None:
+        """Did restart attempt `generation` come up? (decide.attempt_verdict) Up: done; hanging: the job stops
+        with the ranks that are missing; else look again one --recovery-timeout later."""
         g = ev.get("generation")
-        store = getattr(self, "_attempt_stores", {}).get(g)
-        if store is None or g != self.generation or self.phase != Phase.RUNNING:
+        store = self._attempt_stores.get(g)
+        if store is None or g != self.job.generation or self.job.phase != Phase.RUNNING:
             return
-        world = self.layout.world_size
+        world = self.job.layout.world_size
         joined = attempt_ranks(store.list_keys(), world)
         if len(joined) == world:
             return
-        if joined and ev.get("joined") == len(joined):
-            missing = sorted(set(range(world)) - joined)
-            raise Stop(1, f"restart {self.restart_count} did not come up: rank(s) {missing} never reached "
+        missing = attempt_verdict(joined, world, ev.get("joined"))
+        if missing is not None:
+            raise Stop(1, f"restart {self.job.restart_count} did not come up: rank(s) {missing} never reached "
                           f"init_process_group within --recovery-timeout {self.cfg.recovery_timeout:g}s "
                           f"while {len(joined)} of {world} ranks waited for them")
         self._arm_attempt_check(g, len(joined))
 
-    def _drain_stale(self) -> None:
+    def drain_stale(self) -> None:
         """Drop reports about the generation that was just torn down."""
-        g = self.generation
-        self._take_queued(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
+        g = self.job.generation
+        self.inbox.take(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
 
     def _replace_slots(self, lost: set[int]) -> dict[int, str]:
         """Promote a spare into every lost slot (waiting up to --spare-wait for one)."""
@@ -157,83 +157,83 @@ class Recoveries:
         for slot in sorted(lost):
             deadline = time.time() + self.cfg.spare_wait
             while True:
-                with self.cv:
-                    failed_id = self.slots[slot]
-                    failed = self.nodes[failed_id]
-                    spare = pick_spare(self.nodes, avoid_domains=[failed.fault_domain])
+                with self.job.cv:
+                    failed_id = self.job.slots[slot]
+                    failed = self.job.nodes[failed_id]
+                    spare = pick_spare(self.job.nodes, avoid_domains=[failed.fault_domain])
                     if spare is not None:
                         failed.role, failed.slot = Role.FAILED, None
                         spare.role, spare.slot = Role.ACTIVE, slot
-                        self.slots[slot] = spare.node_id
-                        self.fault_history.pop(slot, None)   # escalation history belongs to the old node
-                        self.events.emit("spare_promoted", self.generation, slot=slot, node=spare.node_id,
+                        self.job.slots[slot] = spare.node_id
+                        self.job.fault_history.pop(slot, None)   # escalation history belongs to the old node
+                        self.events.emit(Event.SPARE_PROMOTED, self.job.generation, slot=slot, node=spare.node_id,
                                          replaces=failed_id)
                         out[slot] = spare.node_id
                         break
                 if time.time() > deadline:
                     raise Stop(75, f"node in slot {slot} lost and no spare registered within "
                                    f"--spare-wait {self.cfg.spare_wait:g}s")
-                self._pump(min(0.5, max(0.01, deadline - time.time())), lost)
+                self.pump(min(0.5, max(0.01, deadline - time.time())), lost)
         return out
 
     # ---------------------------------------------------------------- persistent fallback
-    def _newest_checkpoint(self) -> int | None:
+    def newest_checkpoint(self) -> int | None:
         if self.cfg.persist_dir is None:
             return None
-        return persist.newest_complete(self.cfg.persist_dir, self.layout.world_size, exclude=self.bad_checkpoints)
+        return persist.newest_complete(self.cfg.persist_dir, self.job.layout.world_size, exclude=self.job.bad_checkpoints)
 
-    def _fallback(self, lost: set[int], reason: str, counted: bool = True) -> bool:
+    def fallback(self, lost: set[int], reason: str, counted: bool = True) -> bool:
         """Restart every worker from the newest complete persistent checkpoint (spares fill `lost`).
 
         For what in-memory recovery cannot cover: the owner of a shard and all its replica holders
         lost together, or a fault class that must not be hot-swapped around. A checkpoint that fails
         to load (checksum) is never resumed from: the next older one is tried. False: nothing to
         fall back to (no checkpoint, or --max-fallbacks used up)."""
-        tries = fallback_attempts(self.fallbacks, self.cfg.max_fallbacks, counted)
+        tries = fallback_attempts(self.job.fallbacks, self.cfg.max_fallbacks, counted)
         if tries == 0:
             return False
         t0 = time.time()
         for attempt in range(tries):
-            step = self._newest_checkpoint()
+            step = self.newest_checkpoint()
             if step is None:
                 return False
             self._replace_slots(lost)
             lost.clear()
-            with self.cv:
-                self.generation += 1
-                g = self.generation
-                self.fallbacks += counted or attempt > 0
-                self.restart_count += 1
-                self.phase = Phase.RESTORE
-                self.done_nodes.clear()
-                self.restored_step = step
-                self.events.emit("fallback_restart", g, restore_step=step, reason=reason, fallbacks=self.fallbacks,
+            with self.job.cv:
+                self.job.generation += 1
+                g = self.job.generation
+                self.job.fallbacks += counted or attempt > 0
+                self.job.restart_count += 1
+                self.job.phase = Phase.RESTORE
+                self.job.done_nodes.clear()
+                self.job.restored_step = step
+                self.events.emit(Event.FALLBACK_RESTART, g, restore_step=step, reason=reason, fallbacks=self.job.fallbacks,
                                  checkpoint=str(persist.step_dir(self.cfg.persist_dir, step)))
-                self._direct_slots("restart", restart_count=self.restart_count, restore_step=step)
-                resumed = Acks("resumed", g, self.slots.values())
+                self.orders.direct_slots(Command.RESTART, restart_count=self.job.restart_count, restore_step=step)
+                resumed = Acks(ReportKind.RESUMED, g, self.job.slots.values())
             try:
                 self._wait_event(resumed, self.cfg.recovery_timeout, lost)
             except Cascade as c:
                 if c.event.get("persist_step") == step:
-                    self.bad_checkpoints.add(step)
-                    self.events.emit("checkpoint_rejected", g, step=step, reason=c.event.get("reason", ""))
+                    self.job.bad_checkpoints.add(step)
+                    self.events.emit(Event.CHECKPOINT_REJECTED, g, step=step, reason=c.event.get("reason", ""))
                 log.warning("fallback to checkpoint step %d interrupted: %s", step, c)
                 continue
-            with self.cv:
-                self.phase = Phase.RUNNING
-                self.events.emit("fallback_done", g, restore_step=step, duration_s=round(time.time() - t0, 4))
-            self._drain_stale()
+            with self.job.cv:
+                self.job.phase = Phase.RUNNING
+                self.events.emit(Event.FALLBACK_DONE, g, restore_step=step, duration_s=round(time.time() - t0, 4))
+            self.drain_stale()
             return True
         raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason}); "
                       f"{tries} tries, --max-fallbacks {self.cfg.max_fallbacks} used up")
 
     # ---------------------------------------------------------------- hot swap
-    def _hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
+    def hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
                   failing_code: int | None) -> None:
         t0 = time.time()
         cause = ev.get("detail") or ev.get("text") or ev.get("kind")
-        with self.cv:
-            self.events.emit("recovery_started", self.generation + 1, failed_node=node.node_id,
+        with self.job.cv:
+            self.events.emit(Event.RECOVERY_STARTED, self.job.generation + 1, failed_node=node.node_id,
                              slot=node.slot, cause=cause, action=action.value)
         attempts = 0
         fresh: dict[int, str] = {}    # slot -> spare promoted during this recovery (holds no state yet)
@@ -247,23 +247,23 @@ class Recoveries:
                 if attempts > 5:
                     raise Stop(1, f"recovery kept failing: {c}")
             except PlanError as e:
-                self._take_queued(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
-                self.events.emit("recovery_failed", self.generation, reason=str(e))
+                self.inbox.take(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
+                self.events.emit(Event.RECOVERY_FAILED, self.job.generation, reason=str(e))
                 # no in-memory state to resume from: the persistent checkpoint, else torchrun-style restart
-                if not self._fallback(set(), f"in-memory recovery impossible: {e}"):
-                    self._restart(set(), failing_code, f"in-memory recovery impossible: {e}")
+                if not self.fallback(set(), f"in-memory recovery impossible: {e}"):
+                    self.restart(set(), failing_code, f"in-memory recovery impossible: {e}")
                 return
-        with self.cv:
-            self.recoveries += 1
-            self.phase = Phase.RUNNING
-            self.done_nodes.clear()
-            self.events.emit("recovery_done", self.generation, restored_step=plan.restore_step,
+        with self.job.cv:
+            self.job.recoveries += 1
+            self.job.phase = Phase.RUNNING
+            self.job.done_nodes.clear()
+            self.events.emit(Event.RECOVERY_DONE, self.job.generation, restored_step=plan.restore_step,
                              replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
                              duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
                              replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
             # one directive for every node: each got its slot and world with the restore order
-            self._direct(self.slots.values(), command="run", restart_count=self.restart_count, resume=True)
-        self._drain_stale()
+            self.orders.direct(self.job.slots.values(), command=Command.RUN, restart_count=self.job.restart_count, resume=True)
+        self.drain_stale()
 
     def _recovery_cycle(self, lost: set[int], fresh: dict[int, str]) -> tuple[RecoveryPlan, dict, int]:
         """One attempt: quiesce survivors, fill lost slots from spares, plan, order the restore.
@@ -273,16 +273,16 @@ class Recoveries:
         """
         phases: dict[str, float] = {}
         t = time.time()
-        with self.cv:
-            self.generation += 1
-            g = self.generation
-            self.phase = Phase.QUIESCE
+        with self.job.cv:
+            self.job.generation += 1
+            g = self.job.generation
+            self.job.phase = Phase.QUIESCE
             for slot in list(fresh):            # a promoted spare that died is lost again
-                if self.slots.get(slot) != fresh[slot]:
+                if self.job.slots.get(slot) != fresh[slot]:
                     del fresh[slot]
-            survivors = {s: nid for s, nid in self.slots.items() if s not in lost and s not in fresh}
-            self._direct(survivors.values(), command="quiesce")
-        quiesced = Acks("quiesced", g, survivors.values(), on_ack=self._quiesced_inventory)
+            survivors = {s: nid for s, nid in self.job.slots.items() if s not in lost and s not in fresh}
+            self.orders.direct(survivors.values(), command=Command.QUIESCE)
+        quiesced = Acks(ReportKind.QUIESCED, g, survivors.values(), on_ack=self._quiesced_inventory)
         self._wait_event(quiesced, self.cfg.recovery_timeout, lost)
         acked = quiesced.got
         phases["quiesce_s"] = round(time.time() - t, 4)
@@ -290,23 +290,23 @@ class Recoveries:
         reached = max((a.get("next_step", 0) for a in acked.values()), default=0)
         fresh.update(self._replace_slots(lost))
         lost.clear()
-        with self.cv:
-            plan = plan_recovery(self.layout, dict(self.nodes), self.slots, set(fresh), self.placement, fresh)
-            self.phase = Phase.RESTORE
-            self.restored_step = plan.restore_step
+        with self.job.cv:
+            plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh)
+            self.job.phase = Phase.RESTORE
+            self.job.restored_step = plan.restore_step
             phases["plan_s"] = round(time.time() - t, 4)
-            self.events.emit("recovery_plan", g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
+            self.events.emit(Event.RECOVERY_PLAN, g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
                              fetch={r: vars(s) for r, s in plan.fetch.items()})
             # the ranks of replaced slots fetch their state from peers; everyone else restores locally
             fetch: dict[int, dict] = {}
             for r, src in plan.fetch.items():
-                fetch.setdefault(self.layout.slot_of(r), {}).setdefault("fetch", {})[r] = vars(src)
+                fetch.setdefault(self.job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = vars(src)
             # a new world only where it changed: the slots filled in this recovery and the slots whose
             # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
-            self._direct_slots("restore", own=fetch, world_for={c for s in fresh for c in self._needed_by.get(s, ())},
-                               restart_count=self.restart_count, restore_step=plan.restore_step)
+            self.orders.direct_slots(Command.RESTORE, own=fetch, world_for={c for s in fresh for c in self.job.needed_by.get(s, ())},
+                               restart_count=self.job.restart_count, restore_step=plan.restore_step)
         t = time.time()
-        resumed_acks = Acks("resumed", g, plan.slots.values())
+        resumed_acks = Acks(ReportKind.RESUMED, g, plan.slots.values())
         self._wait_event(resumed_acks, self.cfg.recovery_timeout, lost)
         resumed = resumed_acks.got
         phases["restore_s"] = round(time.time() - t, 4)
@@ -321,7 +321,7 @@ class Recoveries:
         ack arrives: 16K of them in one go after the last ack were 60 ms of the plan at 16K nodes. Without
         the lock: the fields are replaced whole (as heartbeats replace them), never changed in place, so a
         reader under the lock sees the old inventory or the new one."""
-        node = self.nodes.get(ack.get("node_id", ""))
+        node = self.job.nodes.get(ack.get("node_id", ""))
         if node is not None:
             node.snapshots, node.replicas = by_rank(ack.get("snapshots")), by_rank(ack.get("replicas"))
 
@@ -338,87 +338,76 @@ class Recoveries:
             left = deadline - time.time()
             if left <= 0:
                 raise Cascade("phase deadline passed")
-            self._pump(min(left, 0.1), lost, acks)
+            self.pump(min(left, 0.1), lost, acks)
             if len(acks.got) != acked:
                 acked, progress_at = len(acks.got), time.time()
             elif time.time() - progress_at >= PROBE_AFTER_S:
                 progress_at = time.time()
                 # only the nodes this phase still waits for: one that acked and then died is
                 # caught by the next phase's probe (or its heartbeat timeout)
-                with self.cv:
+                with self.job.cv:
                     pending = random.sample(list(acks.pending), min(PROBE_MAX, len(acks.pending)))
-                    waiting = [self.nodes[nid] for nid in pending if nid in self.nodes]
+                    waiting = [self.job.nodes[nid] for nid in pending if nid in self.job.nodes]
                     waiting = [n for n in waiting if n.role == Role.ACTIVE and n.slot not in lost]
                 # refusals only: mid-recovery, with the master and the agents at full load, a probe answered
                 # late is no evidence (at 16K nodes, late answers declared live nodes lost); silence is the
                 # heartbeat monitor's to judge
-                for n in self._unreachable(waiting, timeout=0.2, silent_is_dead=False):
-                    self._inbox.put({"kind": "node_lost", "node_id": n.node_id, "t": time.time(),
+                for n in unreachable_nodes(self.probe, waiting, timeout=0.2, silent_is_dead=False):
+                    self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": time.time(),
                                      "detail": "agent unreachable during recovery"})
 
-    def _pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
+    def pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
         """Handle one report (or none within timeout). A new fault on an active node -> Cascade."""
         try:
-            ev = self._inbox.get(timeout=timeout)
+            ev = self.inbox.get(timeout=timeout)
         except queue.Empty:
             return
         kind = ev.get("kind")
         if acks and kind == acks.kind and ev.get("generation") == acks.generation:
-            acks.add(ev)   # the common case, 16K times a phase: no lock (_absorb has nothing to do for acks)
+            acks.add(ev)   # the common case, 16K times a phase: no lock (absorb has nothing to do for acks)
             return
-        self._absorb(ev)
-        with self.cv:
-            node = self.nodes.get(ev.get("node_id", ""))
-        if kind == "restore_failed":
+        self.absorb(ev)
+        with self.job.cv:
+            node = self.job.nodes.get(ev.get("node_id", ""))
+        if kind == ReportKind.RESTORE_FAILED:
             if ev.get("integrity"):   # the plan's source holds other bytes: the same plan again cannot succeed
                 raise PlanError(f"{ev.get('node_id')}: {ev.get('reason')}")
             raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}", ev)
         if node is None or node.role != Role.ACTIVE or node.slot in lost:
             return
-        if kind in ("node_lost", "left"):
+        if kind in NODE_LOSSES:
             # the losses queued behind this one (a rack, a switch) go into the same new cycle: one cycle
             # per lost node would spend the cascade budget on a single correlated failure
-            queued = self._take_queued(lambda e: e.get("kind") in ("node_lost", "left"))
+            queued = self.inbox.take(lambda e: e.get("kind") in NODE_LOSSES)
             for loss in queued:
-                self._absorb(loss)             # a lost spare is marked failed, as _pump would have
+                self.absorb(loss)             # a lost spare is marked failed, as pump would have
             newly = 0
-            with self.cv:
+            with self.job.cv:
                 for loss in [ev, *queued]:
-                    n = self.nodes.get(loss.get("node_id", ""))
+                    n = self.job.nodes.get(loss.get("node_id", ""))
                     if n is None or n.role != Role.ACTIVE or n.slot in lost:
                         continue
-                    lost.add(n.slot)
+                    lost.add(n.slot)     # whatever the classifier says: a lost node's slot goes to a spare
                     newly += 1
-                    self.events.emit("fault_detected", self.generation, node=n.node_id, slot=n.slot,
-                                     signal=loss["kind"], detail=loss.get("detail", ""), action="node_replace",
-                                     **{"class": "host_pcie"}, kind="host_pcie", during_recovery=True)
+                    c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
+                    self.events.emit(Event.FAULT_DETECTED, self.job.generation, node=n.node_id, slot=n.slot,
+                                     signal=loss["kind"], detail=loss.get("detail", ""), action=c.action.value,
+                                     **{"class": c.fault_class.value}, kind=c.fault_class.value,
+                                     during_recovery=True)
             raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: {ev.get('detail') or kind}"
                           + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))
-        if kind in ("worker_exit", "worker_hang") and ev.get("generation") == self.generation:
+        if kind in (ReportKind.WORKER_EXIT, ReportKind.WORKER_HANG) and ev.get("generation") == self.job.generation:
             # A worker of this recovery's generation died (or hung) while its group was being rebuilt: its
             # node will never ack this phase. Dropping it as "expected" cost the whole --recovery-timeout
             # (39.9 s and 127.8 s recoveries in a soak, two crash-worker 0.5 s apart). A new cycle quiesces
             # the live workers and the restore respawns the dead one from the node's snapshot.
-            with self.cv:
-                self.fault_history.setdefault(node.slot, []).append(self._signal_of(ev, node.slot))
-                self.events.emit("fault_detected", self.generation, node=node.node_id, slot=node.slot,
+            with self.job.cv:
+                self.job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
+                self.events.emit(Event.FAULT_DETECTED, self.job.generation, node=node.node_id, slot=node.slot,
                                  signal=kind, rank=ev.get("rank"), returncode=ev.get("returncode"),
-                                 detail=(ev.get("detail") or ev.get("text") or "")[:300], action="local_reset",
+                                 detail=detail_of(ev), action=Action.LOCAL_RESET.value,
                                  during_recovery=True)
             raise Cascade(f"rank {ev.get('rank')} on slot {node.slot} died during recovery: "
                           f"{ev.get('detail') or kind}", ev)
         # comm errors, and worker exits of an older generation (the restore respawns those), are expected
         # while quiescing
-
-    def _take_queued(self, which: Callable[[dict], bool]) -> list[dict]:
-        """Remove and return the queued reports `which` picks; the others stay queued, in order."""
-        taken, keep = [], []
-        while True:
-            try:
-                ev = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            (taken if which(ev) else keep).append(ev)
-        for ev in keep:
-            self._inbox.put(ev)
-        return taken

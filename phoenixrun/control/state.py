@@ -1,6 +1,6 @@
 """The master's view of the job, and its decisions as pure functions.
 
-Nothing here touches a socket or a process: the master (control/master.py) feeds
+Nothing here touches a socket or a process: the master (control/coordinator.py, control/recovery.py) feeds
 reports in and carries the decisions out, so every decision is table-tested.
 """
 from __future__ import annotations

@@ -109,9 +109,11 @@ class Classification:
         }
 
 
-# Which action wins when one node reports several signals (larger wins). A hardware verdict beats a user
-# exception on the same node because GPU faults surface in Python as exceptions ("CUDA error: ..."). Across
-# nodes each node keeps its own action; any external_fallback then decides the job (see correlate.py).
+# The one precedence of actions (larger wins): which action wins when one node reports several signals, and
+# which node's decision the master carries out first when an incident acts on several (control/decide.py). A
+# hardware verdict beats a user exception on the same node because GPU faults surface in Python as exceptions
+# ("CUDA error: ..."). Across nodes each node keeps its own action; any external_fallback then decides the job
+# (correlate.py's Correlation.external_fallback), whatever this order says.
 ACTION_PRECEDENCE: Mapping[Action, int] = {
     Action.LOCAL_RESET: 0,
     Action.EXTERNAL_FALLBACK: 1,

@@ -1,0 +1,307 @@
+"""The recovery coordinator: the master's controller thread. It takes the reports from the inbox one at a
+time, gathers the reports of one incident, asks the pure decisions (control/decide.py, faults/) what they mean
+and carries the answer out through the recovery procedures (control/recovery.py). Faults are handled one at a
+time, so recovery cycles are serialized and a second fault arriving mid-recovery restarts the cycle with a new
+generation instead of being dropped. Its collaborators come through the constructor.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+import time
+
+from phoenixrun.control.decide import (FAULT_REPORTS, NODE_LOSSES, JobEnd, Remedy, carried_out_first, detail_of,
+                                       escalated, exit_code_of, fallback_reason, is_definite, loss_verdict, respond,
+                                       signal_of)
+from phoenixrun.control.events import EventLog
+from phoenixrun.control.jobstate import JobState
+from phoenixrun.control.orders import Inbox, Orders
+from phoenixrun.control.recovery import Probe, Recoveries, Stop, unreachable_nodes
+from phoenixrun.control.state import NodeRecord, Phase, Role
+from phoenixrun.faults import Classification, correlate
+from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate
+from phoenixrun.protocol.names import Command, Event, ReportKind
+
+log = logging.getLogger("phoenixrun.master")
+
+
+class Coordinator:
+    def __init__(self, job: JobState, orders: Orders, events: EventLog, inbox: Inbox, recovery: Recoveries,
+                 probe: Probe):
+        self.cfg, self.job, self.orders, self.events, self.inbox = job.cfg, job, orders, events, inbox
+        self.recovery, self.probe = recovery, probe
+
+    def run(self) -> None:
+        try:
+            end = self._wait_for_start()
+            while end is None:
+                ev = self.inbox.get()
+                generation = self.job.generation
+                # No cyclic collection while an event is handled, a recovery included: what a recovery
+                # allocates (16K acks, directives, polls) made the collector run full collections of the
+                # 16K-node heap, 0.2 s each, eight of them in one recovery (measured with gc.callbacks).
+                # The master's garbage is freed by reference counting; cycles wait for the next collection.
+                gc.disable()
+                try:
+                    end = self._dispatch(ev)
+                finally:
+                    if self.job.generation != generation:
+                        gc.freeze()   # the new membership lives on (see _wait_for_start)
+                    gc.enable()
+        except Stop as s:
+            end = JobEnd(s.exit_code, s.reason)
+        except Exception as e:  # a bug in the master must still end the job visibly
+            log.exception("master controller crashed")
+            end = JobEnd(70, f"master error: {e}")
+        self.finish(end.exit_code, end.reason)
+
+    def _wait_for_start(self) -> JobEnd | None:
+        job = self.job
+        held: list[dict] = []     # reports a restarted master gets before it runs: handled once it does
+        while True:
+            try:
+                ev = self.inbox.get(timeout=0.2)
+                self.recovery.absorb(ev)
+                resumed_fault = job.resumed_at is not None and ev.get("kind") != "joined"
+                if resumed_fault or ev.get("interrupted"):
+                    held.append(ev)
+            except queue.Empty:
+                pass
+            with job.cv:
+                if len(job.slots) == self.cfg.nnodes:
+                    break
+                if job.resumed_at is not None and time.time() > job.resumed_at + self.cfg.node_timeout:
+                    break             # whoever has not rejoined by now is lost
+        # The membership is complete: what exists now (a record per node, a connection per agent) lives as
+        # long as the job. Out of the collector's sight: a full collection walked all of it, 0.3 s at 16K
+        # nodes with the heartbeats stalled meanwhile, about once a second under 1 Hz heartbeats.
+        gc.freeze()
+        if job.resumed_at is not None:
+            self._resume(held)
+            return None
+        with job.cv:
+            job.phase = Phase.RUNNING
+            self.events.emit(Event.JOB_STARTED, job.generation, world_size=job.layout.world_size,
+                             slots={s: n for s, n in job.slots.items()})
+            resume = self.recovery.newest_checkpoint()
+            if resume is None:
+                self.orders.direct_slots(Command.RUN, restart_count=0, restore_step=None)
+                return None
+        # a run directory with checkpoints: resume the job from the newest complete one
+        if not self.recovery.fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
+            return JobEnd(1, f"cannot resume from the checkpoints in {self.cfg.persist_dir}")
+        return None
+
+    def _resume(self, held: list[dict]) -> None:
+        """Carry on a running job after a master restart. A slot nobody rejoined for lost its node
+        while the master was down: it gets a stand-in record and the usual node-lost handling."""
+        job = self.job
+        with job.cv:
+            job.phase = Phase.RUNNING
+            missing = [s for s in range(self.cfg.nnodes) if s not in job.slots]
+            api = any(n.api for n in job.nodes.values())
+            for s in missing:
+                nid = f"lost-slot{s}"
+                job.nodes[nid] = NodeRecord(node_id=nid, host="?", agent_pid=0, peer_addr=job.peer_hint.get(s, ""),
+                                            fault_domain=nid, role=Role.ACTIVE, slot=s, api=api)
+                if api:
+                    job.api_nodes.add(nid)
+                job.slots[s] = nid
+            self.events.emit(Event.MASTER_RECOVERED, job.generation, nodes=len(job.nodes) - len(missing),
+                             missing_slots=missing, restart_count=job.restart_count)
+        for s in missing:
+            self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": f"lost-slot{s}", "t": time.time(),
+                            "detail": "did not rejoin the restarted master"})
+        for ev in held:
+            if ev.get("interrupted"):   # it was mid-recovery when the master died: recover again
+                ev = {"kind": ReportKind.COMM_ERROR, "node_id": ev["node_id"], "t": time.time(),
+                      "text": "recovery interrupted by a master restart"}
+            self.inbox.put(ev)
+
+    def _dispatch(self, ev: dict) -> JobEnd | None:
+        """Handle one report; the job's end once every node's workers finished."""
+        job = self.job
+        self.recovery.absorb(ev)
+        kind = ev.get("kind")
+        with job.cv:
+            node = job.nodes.get(ev.get("node_id", ""))
+            active = node is not None and node.role == Role.ACTIVE and node.slot is not None
+        if kind == ReportKind.WORKERS_DONE and active and ev.get("generation") == job.generation:
+            job.done_nodes.add(node.node_id)
+            if all(nid in job.done_nodes for nid in job.slots.values()):
+                return JobEnd(0, "all workers finished")
+            return None
+        if kind == ReportKind.ATTEMPT_CHECK:
+            self.recovery.check_attempt(ev)
+            return None
+        if not active or kind not in FAULT_REPORTS:
+            return None
+        if not job.hot_swap_capable() and ev.get("generation", job.generation) < job.generation:
+            return None   # a worker of an attempt already restarted (reported after the restart's drain)
+        incident = self._incident(ev)
+        if incident is not None:
+            self._handle_fault(*incident)
+        return None
+
+    def _slot_of(self, ev: dict) -> int | None:
+        with self.job.cv:
+            node = self.job.nodes.get(ev.get("node_id", ""))
+        return None if node is None else node.slot
+
+    def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification, dict] | None:
+        """Root cause vs symptom: gather the reports of one incident and let `faults.correlate` decide.
+
+        A definite root cause (a killed worker, a lost node, an Xid...) is acted on at once, with whatever
+        else is already queued. A collective error or an ambiguous report only says "something failed":
+        the master probes every agent (a dead one refuses at once) and waits up to the correlation
+        window for a root cause; if none comes, the reporters get a local reset (transient).
+        """
+        job, resets = self.job, self.cfg.max_local_resets
+        events = [ev]
+        with job.cv:
+            actives = job.actives()
+        definite = is_definite(ev, self._slot_of(ev), resets)
+        if not definite:
+            for n in unreachable_nodes(self.probe, actives):
+                events.append({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": time.time(),
+                               "detail": "agent unreachable"})
+                definite = True
+        deadline = time.time() + (0.0 if definite else self.cfg.correlation_window)
+        unrelated = []
+        while True:
+            try:
+                other = self.inbox.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                break
+            if other.get("kind") in FAULT_REPORTS:
+                self.recovery.absorb(other)
+                events.append(other)
+                if is_definite(other, self._slot_of(other), resets):
+                    deadline = time.time()   # drain what is queued, wait no longer
+            else:
+                unrelated.append(other)
+        for other in unrelated:              # not part of the incident: handled in turn afterwards
+            self.inbox.put(other)
+        with job.cv:
+            slot_of = {e["node_id"]: job.nodes[e["node_id"]].slot for e in events if e.get("node_id") in job.nodes}
+            history = {s: list(h) for s, h in job.fault_history.items()}
+        pairs = [(signal_of(e, slot_of[e["node_id"]]), e) for e in events
+                 if slot_of.get(e["node_id"]) is not None]
+        # fault_history holds one signal per incident handled (this window gathers an incident's reports), so
+        # entries are never merged by time: merged, local resets 0.5 s apart never escalated (issue 20)
+        corr = correlate([sig for sig, _ in pairs], history, max_local_resets=resets, incident_gap_s=0.0)
+        d = carried_out_first(corr)
+        if d is None:
+            return None
+        ev = next(e for sig, e in pairs if sig is d.signal)
+        verdict = self._escalated(d.classification, ev)
+        with job.cv:
+            node = job.nodes[ev["node_id"]]
+            # recorded with the fault: how the window was decided and who reported what (nodes by id)
+            ids = {job.nodes[e["node_id"]].slot: e["node_id"] for _, e in pairs}
+        context = {"verdict": d.verdict.value,
+                   "reporters": sorted({ids[x.node] for x in corr.decisions}),
+                   "symptoms": sorted({ids[x.node] for x in corr.symptoms})}
+        return node, ev, verdict, context
+
+    def _escalated(self, c: Classification, ev: dict) -> Classification:
+        """No loop: a fault acted on at the committed step of earlier attempts (no progress since) gets a
+        stronger remedy, and past the last one the job stops (faults/escalate.py). Hot swap only: a
+        torchrun-style job's restarts are bounded by --max-restarts."""
+        job = self.job
+        with job.cv:
+            if not job.hot_swap_capable():
+                return c
+            step = committed_step(job.newest_snapshots(), job.layout.world_size, job.restored_step)
+            e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.max_local_resets))
+            job.attempts = [*job.attempts[-63:], Attempt(step, e.action or c.action)]
+            if e.stop:
+                self.events.emit(Event.FAULT_DETECTED, job.generation, node=ev.get("node_id"), signal=ev.get("kind"),
+                                 rank=ev.get("rank"), detail=detail_of(ev),
+                                 **{"class": c.fault_class.value}, action="stop", step=step, repeats=e.repeats)
+        if e.stop:
+            raise Stop(exit_code_of(ev) or 1, e.reason)
+        return escalated(c, e)
+
+    def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification, context: dict | None = None) -> None:
+        job = self.job
+        with job.cv:
+            job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
+            node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
+            self.events.emit(Event.FAULT_DETECTED, job.generation, node=node.node_id, slot=node.slot,
+                             signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
+                             detail=detail_of(ev), **{"class": verdict.fault_class.value},
+                             action=verdict.action.value, kind=verdict.fault_class.value, step=ev.get("step"),
+                             **(context or {}))
+            response = respond(job.hot_swap_capable(), verdict.action, ev.get("kind"))
+        failing_code = exit_code_of(ev)
+        if response.remedy is Remedy.FALLBACK:
+            why = fallback_reason(verdict, ev, node.slot)
+            if not self.recovery.fallback(set(), why):
+                raise Stop(failing_code or 1, why)
+            return
+        if response.fence:
+            # the node is still up but must go: fence it (its agent kills its workers and exits)
+            with job.cv:
+                self.orders.direct([node.node_id], command=Command.STOP, exit_code=0, reason=f"fenced: {verdict.reason}")
+        lost = {node.slot} if response.replace else set()
+        if response.remedy is Remedy.RESTART:
+            self._restart_plain(lost, node, ev, verdict, failing_code)
+        else:
+            self.recovery.hot_swap(lost, node, ev, verdict.action, failing_code)
+
+    def _restart_plain(self, lost: set[int], node: NodeRecord, ev: dict, verdict: Classification,
+                       failing_code: int | None) -> None:
+        """A script without the API: torchrun's semantics, a full restart on any failure while --max-restarts
+        allows. A worker's failure may be the symptom of a node loss not yet detected (a survivor's gloo
+        error came 1.4 s before the lost node's heartbeat timeout): the agents are probed, and node losses
+        reported within the correlation window are taken too, so the lost nodes' slots get spares in the
+        same restart (one restart, not two)."""
+        job = self.job
+        time.sleep(self.cfg.correlation_window)
+        losses = self.inbox.take(lambda e: e.get("kind") in NODE_LOSSES)
+        with job.cv:
+            actives = [n for n in job.actives() if n.slot not in lost]
+            reported = {e.get("node_id"): e for e in losses}
+        gone = [n for n in actives if n.node_id in reported]
+        # refusals only: a killed node's agent refuses at once, and on a loaded machine a live agent answering
+        # late must not be taken for lost (with no spare that would end the job); silence is the heartbeats'
+        gone += unreachable_nodes(self.probe, [n for n in actives if n.node_id not in reported], timeout=1.0,
+                                  silent_is_dead=False)
+        why = f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')} ({verdict.reason})"
+        if gone:
+            with job.cv:
+                for n in gone:
+                    lost.add(n.slot)
+                    loss = reported.get(n.node_id) or {"kind": ReportKind.NODE_LOST, "node_id": n.node_id}
+                    c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
+                    self.events.emit(Event.FAULT_DETECTED, job.generation, node=n.node_id, slot=n.slot, signal=ReportKind.NODE_LOST,
+                                     detail="node lost with the failure", action=c.action.value,
+                                     **{"class": c.fault_class.value}, kind=c.fault_class.value, symptom_of_loss=True)
+            why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.get('rank')}'s "
+                   f"{ev.get('kind')} was its symptom)")
+        for e in losses:   # losses of spares and of nodes already handled: the usual bookkeeping
+            if e.get("node_id") not in {n.node_id for n in gone}:
+                self.recovery.absorb(e)
+        self.recovery.restart(lost, failing_code, why)
+
+    def finish(self, exit_code: int, reason: str) -> None:
+        job = self.job
+        with job.cv:
+            job.exit_code = exit_code
+            job.reason = reason
+            job.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED
+            # what an external restart could resume from: the newest step every rank has committed, and the
+            # newest any rank has (a non-finite step must never appear here)
+            newest = job.newest_snapshots()
+            complete = len(newest) == job.layout.world_size
+            self.events.emit(Event.JOB_FINISHED, job.generation, exit_code=exit_code, reason=reason,
+                             restarts=job.restart_count, recoveries=job.recoveries,
+                             committed_step=min(newest.values()) if complete else None,
+                             newest_snapshot=max(newest.values(), default=None))
+            self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command=Command.STOP,
+                               exit_code=exit_code, reason=reason)
+        if exit_code:
+            log.error("job failed (exit %d): %s", exit_code, reason)
+        job.stopped.set()

@@ -1,0 +1,167 @@
+"""The master's decisions about faults, as pure functions: what a report means (its signal), which decision
+of an incident is carried out, what carries it out (hot swap, persistent fallback, torchrun-style restart; a
+job stops where none of them can), how a node lost mid-recovery is filed, and the bounds of the retries.
+
+Nothing here touches a socket, a clock or the job's state: the recovery coordinator (control/coordinator.py,
+control/recovery.py) gathers the inputs and carries the answers out. The recovery plan itself is
+control/state.py's `plan_recovery`. Table-tested in tests/test_master_decide.py.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable
+
+from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, classify
+from phoenixrun.faults.escalate import Escalation
+from phoenixrun.faults.taxonomy import ACTION_PRECEDENCE
+from phoenixrun.protocol.names import Command, ReportKind
+
+K = ReportKind
+# reports that name a faulty node by themselves; a collective error only says "some peer failed"
+ROOT_CAUSES = (K.NODE_LOST, K.WORKER_EXIT, K.LEFT, K.WORKER_HANG, K.HEALTH, K.WORKER_ERROR, K.NAN_LOSS)
+FAULT_REPORTS = ROOT_CAUSES + (K.COMM_ERROR,)     # the reports an incident gathers
+NODE_LOSSES = (K.NODE_LOST, K.LEFT)
+# reports from a node that is still up: one whose slot is given to a spare must be told to go (fenced)
+STILL_UP = (K.HEALTH, K.WORKER_HANG, K.WORKER_EXIT, K.COMM_ERROR)
+# directive commands that run workers (a node sent one of these in a generation may report workers_done)
+RUNS_WORKERS = (Command.RUN, Command.RESTART, Command.RESTORE)
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """The job is over: the exit code and the reason the master gives."""
+    exit_code: int
+    reason: str
+
+
+def signal_of(ev: dict, slot: int | None) -> Signal:
+    """The fault signal a report (an inbox event) carries, filed under the reporting node's slot."""
+    kind = ev.get("kind")
+    t = ev.get("t", 0.0)
+    if kind == ReportKind.NODE_LOST:
+        return Signal(kind="node_heartbeat_lost", node=slot, detail=ev.get("detail", ""), timestamp=t)
+    if kind == ReportKind.LEFT:
+        return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=t)
+    if kind == ReportKind.HEALTH:
+        return Signal.from_dict({**ev["signal"], "node": slot})
+    if kind == ReportKind.NAN_LOSS:
+        return Signal(kind="nan_loss", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
+    if kind == ReportKind.WORKER_ERROR:
+        return Signal(kind="user_exception", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
+    if kind == ReportKind.WORKER_HANG:
+        return Signal(kind="worker_hang", node=slot, rank=ev.get("rank"), detail=ev.get("detail", ""), timestamp=t)
+    if kind == ReportKind.WORKER_EXIT:
+        return Signal(kind="worker_exit", node=slot, rank=ev.get("rank"), code=ev.get("returncode"),
+                      detail=ev.get("text") or ev.get("detail", ""), timestamp=t)
+    return Signal(kind="collective_error", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
+
+
+def is_definite(ev: dict, slot: int | None, max_local_resets: int) -> bool:
+    """The report names its node's fault by itself (no need to wait for the rest of the incident)."""
+    if slot is None:
+        return False
+    c = classify(signal_of(ev, slot), max_local_resets=max_local_resets)
+    return c.root_cause and not c.ambiguous
+
+
+def exit_code_of(ev: dict) -> int | None:
+    """The exit code a failing worker's report implies for the job (a signal n: 128 - n, as a shell)."""
+    rc = ev.get("returncode")
+    if rc is None:
+        return None
+    return 128 - rc if rc < 0 else rc
+
+
+def detail_of(ev: dict) -> str:
+    """A report's description, as events record it."""
+    return (ev.get("detail") or ev.get("text") or "")[:300]
+
+
+def carried_out_first(corr: Correlation) -> NodeDecision | None:
+    """The decision of an incident the master carries out (the others are moot once it is): any
+    external_fallback decides the job (faults/correlate.py), else the costliest action by the one
+    precedence of actions (faults/taxonomy.py's ACTION_PRECEDENCE); among equals the lowest slot."""
+    acted = corr.acted_on
+    if not acted:
+        return None
+    if corr.external_fallback:
+        return next(d for d in acted if d.action is Action.EXTERNAL_FALLBACK)
+    return max(acted, key=lambda d: ACTION_PRECEDENCE[d.action])   # max keeps the first of equals
+
+
+def escalated(c: Classification, e: Escalation) -> Classification:
+    """The classification with the escalation's action and reason (call only when e does not stop the job)."""
+    if e.action is c.action:
+        return c
+    return Classification(c.fault_class, e.action, c.root_cause, e.reason, c.ambiguous)
+
+
+class Remedy(str, Enum):
+    RESTART = "restart"       # torchrun's semantics: every worker from scratch, bounded by --max-restarts
+    FALLBACK = "fallback"     # every worker from the newest persistent checkpoint; the job stops if none
+    HOT_SWAP = "hot_swap"     # quiesce, plan, restore from the snapshots in memory, resume
+
+
+@dataclass(frozen=True)
+class Response:
+    remedy: Remedy
+    replace: bool    # the faulty node's slot goes to a spare
+    fence: bool      # the faulty node is still up but must go: it is ordered to stop first
+
+
+def respond(hot_swap_capable: bool, action: Action, report_kind: str | None) -> Response:
+    """What carries out `action` for a fault reported as `report_kind`. A job whose workers do not use the
+    phoenixrun API is restarted as torchrun would; one that does is hot-swapped, or restarted from its
+    persistent checkpoint where the fault must not be hot-swapped around (external_fallback)."""
+    if hot_swap_capable and action is Action.EXTERNAL_FALLBACK:
+        return Response(Remedy.FALLBACK, replace=False, fence=False)
+    replace = action is Action.NODE_REPLACE
+    return Response(Remedy.HOT_SWAP if hot_swap_capable else Remedy.RESTART, replace=replace,
+                    fence=replace and report_kind in STILL_UP)
+
+
+def fallback_reason(c: Classification, ev: dict, slot: int | None) -> str:
+    """Why the job falls back to its persistent checkpoint (or stops), as events and the exit reason say."""
+    what = f"{c.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") else c.reason
+    return f"{what} (rank {ev.get('rank')} on slot {slot})"
+
+
+def loss_verdict(ev: dict, slot: int, max_local_resets: int) -> Classification:
+    """How a node loss found while a recovery or a restart is under way is filed: by the classifier, as the
+    same report outside a recovery (a lost heartbeat: host_pcie; a node that said it leaves: network_storage);
+    either way its slot goes to a spare."""
+    if ev.get("kind") not in NODE_LOSSES:
+        raise ValueError(f"not a node loss: {ev.get('kind')!r}")
+    return classify(signal_of(ev, slot), max_local_resets=max_local_resets)
+
+
+def fallback_attempts(used: int, limit: int, counted: bool) -> int:
+    """How many checkpoint restarts one fallback may try. Every try counts against --max-fallbacks, an
+    interrupted or rejected one too (a loop of 5 tries whatever the limit said used to run past it); a job
+    resuming from its run directory (`counted` False) gets its first try free."""
+    return max(0, limit - used) + (0 if counted else 1)
+
+
+_GLOO_RANK_KEY = re.compile(r"^/?default_pg/.*/(\d+)$")
+
+
+def attempt_ranks(keys: Iterable[str], world_size: int) -> set[int]:
+    """The ranks whose gloo default group has registered in an attempt's store, from its keys. Pure."""
+    out = set()
+    for k in keys:
+        m = _GLOO_RANK_KEY.match(k)
+        if m and int(m.group(1)) < world_size:
+            out.add(int(m.group(1)))
+    return out
+
+
+def attempt_verdict(joined: set[int], world_size: int, joined_before: int | None) -> list[int] | None:
+    """Does a restart attempt hang? Its gloo ranks each set one key in the attempt's store: none yet -> the
+    script is still before init_process_group (or uses no store); all -> up; some, as many as at the check
+    one --recovery-timeout before (`joined_before`) -> the others wait for ranks that never come. The ranks
+    missing when it hangs, else None (up, or look again later)."""
+    if len(joined) == world_size or not joined or joined_before != len(joined):
+        return None
+    return sorted(set(range(world_size)) - joined)

@@ -1,0 +1,309 @@
+"""The master's API handlers: each message from an agent or an operator (register, heartbeat, report,
+directive poll, inject, status) parsed, checked against the job's state and applied to it - wire -> state.
+They run on the transport's threads and hold the job's lock for each message; what a report means for the
+job is the coordinator's, which gets the report through the inbox.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import time
+
+from phoenixrun.control import wire
+from phoenixrun.protocol import messages
+from phoenixrun.control.decide import RUNS_WORKERS
+from phoenixrun.control.directives import Directive
+from phoenixrun.control.events import EventLog
+from phoenixrun.control.jobstate import JobState
+from phoenixrun.control.orders import Inbox, Orders
+from phoenixrun.control.rejections import Rejections
+from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
+from phoenixrun.protocol.names import Command, Event, ReportKind
+
+log = logging.getLogger("phoenixrun.master")
+
+
+class Handlers:
+    def __init__(self, job: JobState, orders: Orders, events: EventLog, inbox: Inbox, rejections: Rejections):
+        self.cfg, self.job, self.orders, self.events, self.inbox = job.cfg, job, orders, events, inbox
+        self.rejections = rejections
+        self._msg_job = messages.Job(self.cfg.nnodes, self.cfg.nproc_per_node, job.layout.world_size)
+
+    # ---------------------------------------------------------------- API handlers (transport thread)
+    # Every message is parsed by protocol/messages.py before anything of it is applied; a MessageError
+    # (a ValueError) is answered with its 4xx code by the transport. Then the rules that need the master's
+    # state: the node's registration token, the generation, the directive version (docs/architecture.md).
+    def register(self, p: dict) -> dict:
+        msg = messages.parse_register(p, self._msg_job)
+        with self.job.cv:
+            fenced = self._fence(msg.node_id, "register")
+            if fenced:
+                return fenced
+            known = self.job.nodes.get(msg.node_id)
+            if known is not None:
+                return self._reregister(known, msg)
+            if msg.rejoin is not None:
+                return self._readmit(msg, msg.rejoin)
+            role, slot = admit(self.job.phase != Phase.WAITING or bool(self.job.resumed_at), self.job.free_slots, self.job.slots,
+                               msg.node_rank, self.cfg.nnodes)
+            refused = self._refusal(role, msg.node_rank)
+            if refused is not None:
+                self.events.emit(Event.NODE_REFUSED, self.job.generation, node=msg.node_id, host=msg.host,
+                                 node_rank=msg.node_rank, reason=refused["reason"])
+                return refused
+            node = NodeRecord(node_id=msg.node_id, host=msg.host, agent_pid=msg.agent_pid,
+                              peer_addr=msg.peer_addr, fault_domain=msg.fault_domain, role=role, slot=slot)
+            self.job.nodes[node.node_id] = node
+            self.job.heard[node.node_id] = None
+            self.job.heard.move_to_end(node.node_id)
+            if slot is not None:
+                self.job.slots[slot] = node.node_id
+            self.events.emit(Event.NODE_JOINED, self.job.generation, node=node.node_id, host=node.host,
+                             role=role.value, slot=slot, agent_pid=node.agent_pid, fault_domain=node.fault_domain)
+            if role == Role.SPARE:
+                self.orders.direct([node.node_id], command=Command.WAIT, warm=self.job.hot_swap_capable())
+            self.inbox.put({"kind": ReportKind.JOINED, "node_id": node.node_id})
+            return self._job_json(role, slot, self._new_token(node.node_id))
+
+    def _reregister(self, node: NodeRecord, msg: messages.Register) -> dict:
+        """A live node id registering again. Node ids are bound to the registration that created them: the
+        same agent retrying (its reply was lost: same pid and peer address) gets the same answer; anyone
+        else is refused (a second agent with the same --node-id, a buggy one) and the record stays as it was."""
+        if (node.agent_pid, node.peer_addr, node.host) == (msg.agent_pid, msg.peer_addr, msg.host):
+            return self._job_json(node.role, node.slot, self.job.tokens.get(node.node_id) or self._new_token(node.node_id))
+        raise messages.MessageError(
+            f"node id {node.node_id!r} is already registered (agent pid {node.agent_pid} at {node.peer_addr}): "
+            "give each agent a unique --node-id", code=409, reason="node_id_in_use")
+
+    def _refusal(self, role: Role, node_rank: int | None) -> dict | None:
+        """The answer to a registration the job has no place for (call with the lock held), else None."""
+        if role == Role.FAILED:
+            return {"role": Role.FAILED.value, "slot": None, "exit_code": 2,
+                    "reason": f"node rank {node_rank} is already taken by node {self.job.slots.get(node_rank)}: "
+                              "give every node its own --node-rank"}
+        if role == Role.SPARE and self.cfg.spares is not None and \
+                sum(1 for n in self.job.nodes.values() if n.role == Role.SPARE) >= self.cfg.spares:
+            return {"role": Role.FAILED.value, "slot": None, "exit_code": 0,
+                    "reason": f"the job has its {self.cfg.nnodes} nodes and {self.cfg.spares} spare(s) "
+                              "(--nnodes, --spares): this node is not needed"}
+        return None
+
+    def _readmit(self, msg: messages.Register, r: messages.Rejoin) -> dict:
+        """An agent of a job already running when this master started (it restarted): rebuild the
+        job's state from what the agents report - membership, slots, generation, snapshots."""
+        nid, gen, slot = msg.node_id, r.generation, r.slot
+        if gen > self.job.generation and self.job.phase != Phase.WAITING:
+            # once running, this master issued every generation since: a newer one was never issued
+            raise messages.MessageError(f"rejoin generation {gen} was never issued (the job is at generation "
+                                        f"{self.job.generation})", code=409, reason="generation_not_issued")
+        holder = self.job.slots.get(slot) if slot is not None else None
+        if holder not in (None, nid) and gen > self.job.rejoin_generation.get(holder, gen):
+            # two agents claim one slot: the one with the older generation missed a recovery while it
+            # was away (a healed partition that got here first) - it is the one to fence
+            stale = self.job.nodes[holder]
+            stale.role, stale.slot = Role.FAILED, None      # fenced at its next call (_fence)
+            stale.last_fault = f"slot {slot} was given to {nid} in generation {gen}"
+            del self.job.slots[slot]
+            holder = None
+        if holder not in (None, nid):
+            reason = f"slot {slot} belongs to {holder}"
+            self.events.emit(Event.NODE_FENCED, self.job.generation, node=nid, slot=slot, reason=reason)
+            return {"role": Role.FAILED.value, "slot": None, "reason": reason}
+        self.job.rejoin_generation[nid] = gen
+        role = Role.ACTIVE if slot is not None else Role.SPARE
+        node = NodeRecord(node_id=nid, host=msg.host, agent_pid=msg.agent_pid, peer_addr=msg.peer_addr,
+                          fault_domain=msg.fault_domain, role=role, slot=slot, api=r.api)
+        node.snapshots = dict(r.snapshots)
+        node.replicas = dict(r.replicas)
+        self.job.nodes[nid] = node
+        self.job.heard[nid] = None
+        self.job.heard.move_to_end(nid)
+        if node.api:
+            self.job.api_nodes.add(nid)
+        if slot is not None:
+            self.job.slots[slot] = nid
+        self.job.generation = max(self.job.generation, gen)
+        self.job.restart_count = max(self.job.restart_count, r.restart_count)
+        self.job.peer_hint.update(r.world_slots)
+        self.job.resumed_at = self.job.resumed_at or time.time()
+        self.events.emit(Event.NODE_REJOINED, self.job.generation, node=nid, role=role.value, slot=slot,
+                         agent_generation=gen, interrupted=r.frozen)
+        if role == Role.SPARE:
+            self.orders.direct([nid], command=Command.WAIT, warm=node.api)
+        self.inbox.put({"kind": ReportKind.JOINED, "node_id": nid, "interrupted": r.frozen})
+        return self._job_json(role, slot, self._new_token(nid))
+
+    def _job_json(self, role: Role, slot: int | None, token: str) -> dict:
+        return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id, "token": token,
+                "store_port": self.job.store_port, "nnodes": self.cfg.nnodes,
+                "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
+                "max_restarts": self.cfg.max_restarts, "persist": self._persist_json()}
+
+    def _new_token(self, node_id: str) -> str:
+        """The registration's token: the node's later calls carry it (messages are bound to their sender)."""
+        token = self.job.tokens[node_id] = secrets.token_hex(8)
+        return token
+
+    def _check_token(self, node_id: str, token: str | None, via: str) -> None:
+        """Call with the lock held, for a node this master knows."""
+        expected = self.job.tokens.get(node_id)
+        if expected is None or token is None or not hmac.compare_digest(expected, token):
+            raise messages.MessageError(
+                f"{via} for node {node_id!r} does not carry the token of its registration"
+                + ("" if token else " (an agent older than this master? upgrade it)"), code=403, reason="wrong_token")
+
+    def heartbeat(self, p: dict) -> dict:
+        msg = messages.parse_heartbeat(p, self._msg_job)
+        with self.job.cv:
+            node = self.job.nodes.get(msg.node_id)
+            if node is None:
+                return {"error": "unknown node: register first"}
+            fenced = self._fence(node.node_id, "heartbeat")
+            if fenced:
+                return fenced
+            self._check_token(node.node_id, msg.token, "heartbeat")
+            node.last_heartbeat = time.time()
+            self.job.heard.move_to_end(node.node_id)
+            node.worker_pids = msg.worker_pids
+            node.snapshots = msg.snapshots
+            node.replicas = msg.replicas
+            node.protection = msg.protection
+            node.warm_ready = msg.warm_ready
+            self.job.node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
+            if msg.api and not node.api:
+                node.api = True
+                self.job.api_nodes.add(node.node_id)
+                if self.job.hot_swap_capable():  # spares can now pre-start their workers (torch imported, waiting)
+                    cold = [n.node_id for n in self.job.nodes.values() if n.role == Role.SPARE
+                            and not getattr(self.orders.board.get(n.node_id), "fields", {}).get("warm")]
+                    if cold:
+                        self.orders.direct(cold, command=Command.WAIT, warm=True)
+            self.job.note_progress()
+            return {"ok": True, "role": node.role.value, "inject": self.job.injections.pop(node.node_id, [])}
+
+    def inject(self, p: dict) -> dict:
+        """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
+        msg = messages.parse_inject(p, self._msg_job)
+        with self.job.cv:
+            nid = self.job.slots.get(msg.slot)
+            if nid is None or self.job.nodes[nid].role != Role.ACTIVE:
+                raise messages.MessageError(f"no active node in slot {msg.slot}", code=409, reason="no_such_node")
+            self.job.injections.setdefault(nid, []).append(msg.fault)
+            self.events.emit(Event.FAULT_INJECTED, self.job.generation, node=nid, slot=msg.slot, fault=msg.fault)
+            return {"ok": True, "node": nid}
+
+    def report(self, p: dict) -> dict:
+        msg = messages.parse_report(p, self._msg_job, time.time())
+        with self.job.cv:
+            node = self.job.nodes.get(msg.node_id)
+            if node is None:
+                return {"error": "unknown node"}
+            fenced = self._fence(msg.node_id, "report")
+            if fenced:
+                return fenced
+            self._check_token(msg.node_id, msg.token, "report")
+            gen = msg.generation
+            if gen is not None and gen > self.job.generation:
+                raise messages.MessageError(f"report generation {gen} was never issued (the job is at generation "
+                                            f"{self.job.generation})", code=409, reason="generation_not_issued")
+            if messages.REPORT_KINDS[msg.kind] and gen is not None and gen < self.job.generation:
+                # about workers of a generation already replaced: moot (a late or replayed report)
+                self.rejections.note(time.time(), node.host, "stale_generation", "/v1/report",
+                                     f"{msg.kind} of generation {gen} from {msg.node_id} (now {self.job.generation})")
+                return {"ok": True, "ignored": f"stale generation {gen} (now {self.job.generation})"}
+            if msg.kind == ReportKind.WORKERS_DONE and not self._may_be_done(node, gen):
+                raise messages.MessageError(
+                    f"workers_done from {msg.node_id}: it was not told to run workers in generation {self.job.generation}",
+                    code=409, reason="not_running")
+        self.inbox.put(msg.event)
+        return {"ok": True}
+
+    def _may_be_done(self, node: NodeRecord, generation: int | None) -> bool:
+        """A node's workers can have finished only if it holds a slot and, in this generation, was sent an
+        order that runs workers (or rejoined this restarted master as an active node of it)."""
+        if node.role != Role.ACTIVE or node.slot is None or generation != self.job.generation:
+            return False
+        d = self.orders.board.get(node.node_id)
+        if d is not None and d.sent and d.fields.get("generation") == generation \
+                and d.fields.get("command") in RUNS_WORKERS:
+            return True
+        return self.job.rejoin_generation.get(node.node_id) == generation
+
+    def poll_intake(self, p: dict) -> messages.Poll:
+        """A directive long-poll as it arrives (the transport then answers or parks it): refused if it is
+        malformed, holds a version this master never issued, or carries another registration's token."""
+        with self.job.cv:
+            msg = messages.parse_poll(p, self.orders.board.version)
+            if msg.node_id in self.job.nodes and self._fence(msg.node_id, "directive") is None:
+                self._check_token(msg.node_id, msg.token, "directive poll")
+        return msg
+
+    def answer_polls(self, polls: list[dict]) -> list[Directive | None]:
+        """Directive long-polls (many under one hold of the lock: a broadcast wakes thousands): ack the
+        version each agent holds, return its newer directive if there is one, else None (the transport
+        parks the poll until `_direct` wakes it or it times out). The transport calls `directives_sent`
+        once it has written the answers."""
+        for p in polls:   # malformed -> 400 now, not when the poll expires
+            int(p.get("version", -1)), float(p.get("timeout", 10.0))
+        answers: list[Directive | None] = []
+        parked = False
+        with self.job.cv:
+            for p in polls:
+                node_id, known = p.get("node_id", ""), int(p.get("version", -1))
+                fenced = self._fence(node_id, "directive")
+                if fenced:
+                    fields = {**fenced, "version": known + 1, "generation": self.job.generation}
+                    answers.append(Directive(known + 1, fields, wire.dumps(fields)))   # not on the board
+                    continue
+                d = self.orders.board.answer(node_id, known)
+                parked = parked or d is None
+                answers.append(d)
+            if parked:
+                self.job.cv.notify_all()    # wait() watches for the stop order being acked
+        return answers
+
+    def directives_sent(self, sent: list[Directive]) -> None:
+        with self.job.cv:
+            for d in sent:
+                self.orders.board.mark_sent(d)
+
+    def state(self) -> dict:
+        with self.job.cv:
+            now = time.time()
+            steps = [max(s) for n in self.job.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
+            return {
+                "run_id": self.cfg.run_id, "endpoint": self.job.endpoint, "master_pid": os.getpid(),
+                "phase": self.job.phase.value, "generation": self.job.generation,
+                "step": min(steps) if len(steps) == self.job.layout.world_size else None,
+                "steps_per_s": self.job.steps_per_s(), "restart_count": self.job.restart_count,
+                "recoveries": self.job.recoveries, "exit_code": self.job.exit_code, "reason": self.job.reason,
+                "protect_every": self.job.protect_every,
+                "nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
+                "world_size": self.job.layout.world_size, "replicas": self.cfg.replicas,
+                "nodes": sorted(({**n.to_json(now), "ranks": self._ranks_json(n.slot)} for n in self.job.nodes.values()),
+                                key=lambda d: (d["slot"] is None, d["slot"] or 0, d["node_id"])),
+                "events": list(self.events.recent)[-15:],
+                "rejected_requests": self.rejections.snapshot(),
+            }
+
+    def _ranks_json(self, slot: int | None) -> list[int]:
+        """The global ranks a node's workers hold (none for a spare): where rank 0 runs, for status."""
+        return [] if slot is None else list(self.job.layout.ranks_of_slot(slot))
+
+    def _fence(self, node_id: str, via: str) -> dict | None:
+        """Fencing on rejoin: a node that was replaced gets only a stop order, whatever it asked."""
+        reply = fence_reply(self.job.nodes.get(node_id))
+        if reply is not None and node_id not in self.job.fenced:
+            self.job.fenced.add(node_id)
+            log.warning("node %s contacted the master (%s) after it was replaced: fenced", node_id, via)
+            self.events.emit(Event.NODE_FENCED, self.job.generation, node=node_id, via=via, reason=reply["reason"])
+        return reply
+
+    def _persist_json(self) -> dict | None:
+        if self.cfg.persist_dir is None:
+            return None
+        return {"dir": str(self.cfg.persist_dir), "every": self.cfg.persist_every, "keep": self.cfg.persist_keep,
+                "world_size": self.job.layout.world_size}
+

@@ -1,0 +1,140 @@
+"""The master's data: what it knows of the job - membership, slots, generations, snapshot inventories,
+the fault history and the attempts - and nothing that acts on it.
+
+Lock discipline: one `threading.Condition`, `cv`, guards every field. The API handlers (transport threads),
+the heartbeat monitor and the recovery coordinator (one controller thread) take it for each change and never
+across a wait for the network. Two exceptions, both measured: a node's `snapshots`/`replicas` are replaced
+whole, never changed in place, so the coordinator stores a quiesced ack's inventory without the lock (see
+Recoveries._quiesced_inventory) and a reader under the lock sees the old inventory or the new one; and
+`stopped` is an Event of its own.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role
+from phoenixrun.faults import Signal
+from phoenixrun.faults.escalate import Attempt
+from phoenixrun.topology import Layout, place_replicas
+from phoenixrun.protocol.names import Event, ReportKind
+
+
+class JobState:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.cv = threading.Condition()
+        self.stopped = threading.Event()          # set once the job is over
+        self.layout = Layout(cfg.nnodes, cfg.nproc_per_node, cfg.tp, cfg.pp)
+        self.placement = place_replicas(self.layout, min(cfg.replicas, cfg.nnodes - 1), cfg.fault_domains)
+        # per slot (fixed for the job): its ranks' replica holders, and the slots whose addresses it needs
+        self.slot_placement: dict[int, tuple[dict[int, list[int]], list[int]]] = {}
+        self.needed_by: dict[int, list[int]] = {}   # slot -> the slots whose world holds its address
+        for slot in range(cfg.nnodes):
+            placement = {r: self.placement.get(r, []) for r in self.layout.ranks_of_slot(slot)}
+            need = sorted({h for hs in placement.values() for h in hs} | {slot})
+            self.slot_placement[slot] = placement, need
+            for s in need:
+                self.needed_by.setdefault(s, []).append(slot)
+        self.endpoint = ""
+        self.store_port = 0
+        # membership
+        self.nodes: dict[str, NodeRecord] = {}
+        self.slots: dict[int, str] = {}          # slot -> node id, current generation
+        self.free_slots = FreeSlots(cfg.nnodes)  # what registrations before the start fill
+        self.heard: OrderedDict[str, None] = OrderedDict()   # node ids, least recently heard from first
+        self.api_nodes: set[str] = set()
+        self.tokens: dict[str, str] = {}         # node id -> the token its registration was given
+        self.fenced: set[str] = set()            # replaced nodes already told to go (one event each)
+        self.injections: dict[str, list[str]] = {}
+        # the job's course
+        self.generation = 0
+        self.phase = Phase.WAITING
+        self.restart_count = 0
+        self.recoveries = 0
+        self.fallbacks = 0
+        self.bad_checkpoints: set[int] = set()   # steps whose persistent checkpoint failed to load
+        self.exit_code: int | None = None
+        self.reason = ""
+        self.api_mode = False
+        self.protect_every = 1
+        self.done_nodes: set[str] = set()
+        self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
+        self.attempts: list[Attempt] = []   # every fault acted on, with the committed step then (no loop)
+        self.restored_step: int | None = None   # the step the last recovery put every rank at (None: a fresh start)
+        # a restarted master: what the rejoining agents told it
+        self.resumed_at: float | None = None      # set when agents of a running job rejoin (master restart)
+        self.peer_hint: dict[int, str] = {}       # slot -> peer address, as the rejoining agents knew it
+        self.rejoin_generation: dict[str, int] = {}   # node -> generation it reported when rejoining
+        # progress, for status
+        self.progress: list[tuple[float, int]] = []
+        self.progress_at = 0.0
+        self.node_step: dict[str, int | None] = {}   # node id -> its ranks' oldest newest snapshot
+
+    # everything below: call with cv held
+    def add_node(self, node: NodeRecord) -> None:
+        self.nodes[node.node_id] = node
+        self.heard[node.node_id] = None
+        self.heard.move_to_end(node.node_id)
+        if node.api:
+            self.api_nodes.add(node.node_id)
+        if node.slot is not None:
+            self.slots[node.slot] = node.node_id
+
+    def actives(self) -> list[NodeRecord]:
+        return [n for n in self.nodes.values() if n.role == Role.ACTIVE]
+
+    def hot_swap_capable(self) -> bool:
+        """The job's workers use the phoenixrun API (hot swap possible). Decided once every initial
+        node has reported it; spares run the same script, so a promotion does not change it."""
+        if not self.api_mode and len(self.api_nodes) >= self.cfg.nnodes:   # O(nodes) only when it can be true
+            active = self.actives()
+            self.api_mode = len(active) == self.cfg.nnodes and all(n.api for n in active)
+        return self.api_mode
+
+    def newest_snapshots(self) -> dict[int, int]:
+        """rank -> the newest step any active node holds a snapshot of it at (its own or a replica)."""
+        newest: dict[int, int] = {}
+        for n in self.nodes.values():
+            if n.role == Role.ACTIVE:
+                for r, steps in n.snapshots.items():
+                    if steps:
+                        newest[r] = max(newest.get(r, steps[0]), max(steps))
+        return newest
+
+    def note_progress(self) -> None:
+        """Throughput samples for status: O(nodes), so at most twice a second, not per heartbeat."""
+        now = time.time()
+        if now - self.progress_at < 0.5:
+            return
+        self.progress_at = now
+        steps = [s for s in map(self.node_step.get, self.slots.values()) if s is not None]
+        if steps:
+            self.progress.append((now, min(steps)))
+            self.progress = self.progress[-50:]
+
+    def steps_per_s(self) -> float | None:
+        pts = [p for p in self.progress if p[0] > time.time() - 10]
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+            return None
+        return round(max(0, pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), 3)
+
+    def absorb(self, ev: dict, emit: Callable[..., None]) -> None:
+        """What any report changes whatever the phase (a spare lost, the protection mode); faults are the
+        coordinator's. `emit`: the event log's."""
+        kind = ev.get("kind")
+        with self.cv:
+            node = self.nodes.get(ev.get("node_id", ""))
+            if kind == ReportKind.NODE_LOST and node is not None and node.role == Role.SPARE:
+                node.role = Role.FAILED
+                node.last_fault = "heartbeat lost"
+                emit(Event.SPARE_LOST, self.generation, node=node.node_id)
+            elif kind == ReportKind.LEFT and node is not None and node.role == Role.SPARE:
+                node.role = Role.FAILED
+            elif kind == ReportKind.PROTECTION_MODE and ev.get("every") != self.protect_every:
+                self.protect_every = ev.get("every")
+                emit(Event.PROTECTION_MODE, self.generation, every=self.protect_every, step=ev.get("step"),
+                     reason="replication does not hide behind compute" if self.protect_every > 1
+                     else "replication hides behind compute again")

@@ -1,0 +1,93 @@
+"""How the master gives orders: directives on the board (control/directives.py) carrying the generation and
+its rendezvous prefix, the wake-up of the parked polls, and the inbox of reports the coordinator consumes.
+
+Call `direct`/`direct_slots` with the job's lock held (they read the membership and the generation).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import queue
+import secrets
+from typing import Callable, Iterable, Mapping
+
+from phoenixrun.control.directives import DirectiveBoard, Rollout
+from phoenixrun.control.events import EventLog
+from phoenixrun.control.jobstate import JobState
+from phoenixrun.protocol.names import Event
+
+
+class Inbox(queue.Queue):
+    """Reports (and the master's own findings) for the controller thread, in arrival order."""
+
+    def take(self, which: Callable[[dict], bool]) -> list[dict]:
+        """Remove and return the queued reports `which` picks; the others stay queued, in order."""
+        taken, keep = [], []
+        while True:
+            try:
+                ev = self.get_nowait()
+            except queue.Empty:
+                break
+            (taken if which(ev) else keep).append(ev)
+        for ev in keep:
+            self.put(ev)
+        return taken
+
+
+class Orders:
+    def __init__(self, job: JobState, events: EventLog):
+        self.job, self.events = job, events
+        # directive versions only grow, across master restarts too: agents ignore what is not newer
+        self.board = DirectiveBoard(on_sent=self._sent)
+        self.wake: Callable[[list[str]], None] = lambda node_ids: None   # the transport's: directives are ready
+        self._prefixes: dict[int, str] = {}      # generation -> store prefix (an HMAC: computed once)
+        self._prefix_key = secrets.token_bytes(16)   # never leaves the master: see store_prefix()
+
+    def store_prefix(self, generation: int) -> str:
+        """Generation fencing: the store key prefix a generation's process groups rendezvous on.
+
+        It carries a token only the master can compute and only current members receive (in their directives),
+        so a worker of an older generation - a fenced node's, say - cannot join a newer generation's
+        rendezvous even if it guesses the generation number.
+        """
+        prefix = self._prefixes.get(generation)
+        if prefix is None:
+            token = hmac.new(self._prefix_key, f"gen{generation}".encode(), hashlib.sha256).hexdigest()[:16]
+            prefix = self._prefixes[generation] = f"/phoenixrun/gen{generation}-{token}/"
+        return prefix
+
+    def direct(self, node_ids: Iterable[str], **fields) -> None:
+        """Order node_ids to do `fields` (one version, one encoding for all of them) and wake their polls."""
+        self.wake(self.board.set(node_ids, **fields, **self._generation_fields()))
+
+    def direct_slots(self, command: str, own: Mapping[int, dict] | None = None,
+                     world_for: Iterable[int] | None = None, **fields) -> None:
+        """Order every slot's node to do `command` (one version for all), with its slot and world: every
+        slot's, or only those in world_for (the others keep theirs); own: more fields for some slots.
+        Nodes given nothing of their own share one encoding."""
+        own = own or {}
+        slots = self.job.slots
+        world_for = slots.keys() if world_for is None else set(world_for)
+        orders = {nid: {"slot": slot, "world": self.world(slot), **own.get(slot, {})} if slot in world_for
+                  else own.get(slot, {}) for slot, nid in slots.items()}
+        self.wake(self.board.set_each(orders, command=command, **fields, **self._generation_fields()))
+
+    def world(self, slot: int) -> dict:
+        """What the node in `slot` needs of the world: where its ranks' replicas go and those holders'
+        addresses. (The whole map in every node's directive would be O(nodes^2) bytes per broadcast.)"""
+        job = self.job
+        placement, need = job.slot_placement[slot]
+        return {"slots": {s: job.nodes[job.slots[s]].peer_addr for s in need if s in job.slots},
+                "placement": placement, "store_port": job.store_port}
+
+    def _generation_fields(self) -> dict:
+        """What every directive carries: the generation and its rendezvous prefix."""
+        return {"generation": self.job.generation, "store_prefix": self.store_prefix(self.job.generation)}
+
+    def _sent(self, r: Rollout, t: float) -> None:
+        """Every node a directive was set for has been sent it (called with the lock held)."""
+        # a broadcast: how long the order took to reach the last node's connection (not the final stop: the
+        # job's last event stays job_finished)
+        if r.targets > 1 and r.command != "stop":
+            self.events.emit(Event.DIRECTIVE_SENT, r.generation, command=r.command, version=r.version, nodes=r.targets,
+                             seconds=round(t - r.set_at, 4))

@@ -1,0 +1,66 @@
+"""The master's parts wired as in a job, without agents: the coordinator's controller thread ends a finished job
+by returning its end (no exception), and node losses found mid-recovery are filed by the classifier."""
+import threading
+import time
+
+import pytest
+
+from phoenixrun import auth
+from phoenixrun.control.events import read_events
+from phoenixrun.control.master import Master, MasterConfig
+from phoenixrun.control.recovery import Cascade
+
+
+def _master(tmp_path, nnodes: int) -> Master:
+    m = Master(MasterConfig(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1, node_timeout=1e6), auth.new_secret())
+    m.store_port = 0          # not started: no store, no HTTP; the handlers and the controller run directly
+    return m
+
+
+def _register(m: Master, nid: str) -> str:
+    return m.register({"node_id": nid, "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:1"})["token"]
+
+
+def test_a_finished_job_ends_with_exit_code_0(tmp_path):
+    m = _master(tmp_path, 2)
+    tokens = {nid: _register(m, nid) for nid in ("a", "b")}
+    controller = threading.Thread(target=m.coordinator.run, daemon=True)
+    controller.start()
+    # the controller starts the job: every slot is told to run (what lets workers_done be accepted)
+    deadline = time.time() + 60
+    with m.cv:    # nothing notifies on a directive set without a transport: look every 50 ms
+        while not (m.directives.get("a") and m.directives.get("b")) and time.time() < deadline:
+            m.cv.wait(0.05)
+    for nid in ("a", "b"):
+        d = m.directives.get(nid)
+        assert d.fields["command"] == "run"
+        m.directives.mark_sent(d)
+    assert m.report({"node_id": "a", "token": tokens["a"], "kind": "workers_done", "generation": 0})["ok"]
+    assert not m.job.stopped.wait(0.5)                       # one node's workers are not the job's
+    assert m.report({"node_id": "b", "token": tokens["b"], "kind": "workers_done", "generation": 0})["ok"]
+    assert m.job.stopped.wait(60)
+    controller.join(60)
+    assert (m.job.exit_code, m.job.reason, m.phase.value) == (0, "all workers finished", "finished")
+    m.events.close()
+    end = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "job_finished"]
+    assert [(e["exit_code"], e["reason"]) for e in end] == [(0, "all workers finished")]
+    assert {m.directives.get(n).fields["command"] for n in ("a", "b")} == {"stop"}
+
+
+@pytest.mark.parametrize("kind, cls", [("node_lost", "host_pcie"), ("left", "network_storage")])
+def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, kind, cls):
+    """The same report files the same class during a recovery as outside one (the class was host_pcie for both)."""
+    m = _master(tmp_path, 2)
+    for nid in ("a", "b"):
+        _register(m, nid)
+    while not m._inbox.empty():
+        m._inbox.get_nowait()
+    m._inbox.put({"kind": kind, "node_id": "b", "t": 5.0, "detail": "gone"})
+    lost: set[int] = set()
+    with pytest.raises(Cascade, match="lost during recovery"):
+        m.recovery.pump(1.0, lost)
+    assert lost == {m.nodes["b"].slot}
+    m.events.close()
+    f = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fault_detected"]
+    assert [(e["node"], e["signal"], e["class"], e["kind"], e["action"], e["during_recovery"]) for e in f] == \
+        [("b", kind, cls, cls, "node_replace", True)]
