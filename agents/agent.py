@@ -22,16 +22,17 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from phoenixrun import netaddr
-from phoenixrun.control.client import ControlError
+from phoenixrun.config import AgentConfig
+from phoenixrun.protocol.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, poll_all
+from phoenixrun.protocol import ReportKind
 from phoenixrun.agents.drills import FaultDrills
 from phoenixrun.agents.executor import DirectiveExecutor
 from phoenixrun.agents.ipc import WorkerChannelServer
-from phoenixrun.agents.master_link import DIRECTIVE_POLL_S, MasterLink
+from phoenixrun.agents.master_link import MasterLink
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerServer
@@ -42,9 +43,8 @@ from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, remove_orphans
 from phoenixrun.agents.supervisor import WorkerSupervisor
 from phoenixrun.agents.worker_ops import WorkerOps
-from phoenixrun.agents.workers import WorkerSpec
 
-__all__ = ["Agent", "AgentConfig", "DIRECTIVE_POLL_S", "watch_interval"]
+__all__ = ["Agent", "AgentConfig", "watch_interval"]
 
 log = logging.getLogger("phoenixrun.agent")
 # The main loop's wake-up: directives wake it at once (a blocking queue get); the timeout paces the worker
@@ -58,24 +58,6 @@ HEALTH_POLL_S = 0.2     # how often the health sources (NVML, injected) are samp
 def watch_interval(role: str | None, warm_only: bool) -> float:
     """How long the agent's main loop waits for a directive before it looks at its workers again. Pure."""
     return IDLE_SPARE_WATCH_INTERVAL_S if role == "spare" and warm_only else WATCH_INTERVAL_S
-
-
-@dataclass
-class AgentConfig:
-    endpoint: str                  # master host:port
-    secret: str
-    spec: WorkerSpec
-    nproc_per_node: int
-    host: str = "127.0.0.1"        # address peers and workers use to reach this node
-    fault_domain: str = ""
-    heartbeat_interval: float = 0.5
-    log_dir: Path | None = None
-    tee: bool = True
-    node_id: str = ""
-    hang_timeout: float = 30.0     # a worker with no progress this long (outside recovery) is hung
-    node_rank: int | None = None   # the slot this node asks for (torchrun's --node-rank); None: any
-    local_ranks_filter: frozenset[int] | None = None   # local ranks whose output reaches the console (None: all)
-    shutdown_timeout: float = 2.0  # SIGTERM -> SIGKILL grace when workers are stopped
 
 
 class Agent:
@@ -168,7 +150,7 @@ class Agent:
 
     def _on_signal(self, signum, frame) -> None:
         log.warning("agent got signal %d: stopping workers", signum)
-        self.reporter.report({"kind": "left", "detail": f"agent got signal {signum}"})
+        self.reporter.report({"kind": ReportKind.LEFT, "detail": f"agent got signal {signum}"})
         self.life.stop(128 + signum)
 
     def _cleanup(self) -> None:
@@ -219,4 +201,4 @@ class Agent:
             return
         self._next_health_poll = time.time() + HEALTH_POLL_S
         for sig in poll_all(self.health):
-            self.reporter.report({"kind": "health", "signal": sig.to_dict(), "detail": sig.detail, "t": time.time()})
+            self.reporter.report({"kind": ReportKind.HEALTH, "signal": sig.to_dict(), "detail": sig.detail, "t": time.time()})

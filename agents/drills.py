@@ -8,7 +8,8 @@ import os
 import signal
 import threading
 
-from phoenixrun.control.messages import valid_fault
+from phoenixrun.protocol import WorkerOp
+from phoenixrun.protocol.messages import valid_fault
 from phoenixrun.faults import InjectedHealthSource, Signal
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import Lifecycle, NodeState
@@ -40,9 +41,9 @@ class FaultDrills:
         log.warning("injecting fault %r", fault)
         workers, conns = self.supervisor.running()
         if fault == "comm-timeout" and conns:
-            conns[0].send({"op": "abort_comm"})     # its collectives fail for real; the node stays healthy
+            conns[0].send({"op": WorkerOp.ABORT_COMM})     # its collectives fail for real; the node stays healthy
         elif fault == "nan" and conns:
-            conns[0].send({"op": "poison_loss"})    # its next job.observe_loss() sees NaN
+            conns[0].send({"op": WorkerOp.POISON_LOSS})    # its next job.observe_loss() sees NaN
         elif fault == "partition" or fault.startswith("partition:"):
             self.partition(float(fault.partition(":")[2] or 0) or None, conns)
         elif fault == "crash-worker" and workers:
@@ -68,7 +69,7 @@ class FaultDrills:
         self.peer_server.suspend()
         self.peers.drop_all()
         for conn in conns:                         # the node-local channel still works
-            conn.send({"op": "abort_comm"})
+            conn.send({"op": WorkerOp.ABORT_COMM})
         if seconds:
             t = threading.Timer(seconds, self.heal)
             t.daemon = True

@@ -12,6 +12,7 @@ import threading
 import time
 from enum import Enum
 
+from phoenixrun.protocol import Command, ReportKind, WorkerOp
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.peer import PeerError
@@ -42,17 +43,17 @@ def plan_directive(d: dict, *, has_workers: bool, in_place: bool) -> Step:
     """What order `d` means for this node: `has_workers` - it has worker processes; `in_place` - its workers use
     the phoenixrun API, or are a warm spare's (they can be given a checkpoint without a new process). Pure."""
     cmd = d["command"]
-    if cmd == "wait":
+    if cmd == Command.WAIT:
         return Step.WARM_UP if d.get("warm") and not has_workers else Step.NOTHING
-    if cmd == "run":
+    if cmd == Command.RUN:
         return Step.RESUME if d.get("resume") else Step.START
-    if cmd == "restart":
+    if cmd == Command.RESTART:
         return Step.RESTART_IN_PLACE if d.get("restore_step") is not None and in_place else Step.RESTART
-    if cmd == "quiesce":
+    if cmd == Command.QUIESCE:
         return Step.QUIESCE
-    if cmd == "restore":
+    if cmd == Command.RESTORE:
         return Step.RESTORE
-    if cmd == "stop":
+    if cmd == Command.STOP:
         return Step.FENCED if d.get("fenced") else Step.STOP
     return Step.NOTHING
 
@@ -61,7 +62,7 @@ def waits_for_io_process(d: dict) -> bool:
     """Workers start from scratch on this order: the checkpoint I/O process must be up first, or their first
     checkpoints would be skipped while it still imports. (A restart from a checkpoint needs the process to read
     it anyway: it waits for it there, with its workers starting meanwhile.) Pure."""
-    return d["command"] == "run" or (d["command"] == "restart" and d.get("restore_step") is None)
+    return d["command"] == Command.RUN or (d["command"] == Command.RESTART and d.get("restore_step") is None)
 
 
 class DirectiveExecutor:
@@ -71,7 +72,7 @@ class DirectiveExecutor:
         self.supervisor, self.phases, self.replicator, self.reporter = supervisor, phases, replicator, reporter
 
     def apply(self, d: dict) -> None:
-        if d["command"] == "noop":
+        if d["command"] == Command.NOOP:
             return
         log.debug("directive %s gen %s", d["command"], d.get("generation"))
         with self.node.lock:
@@ -110,7 +111,7 @@ class DirectiveExecutor:
             self.replicator.freeze(True)
             live = self.supervisor.live_connected()
             self.phases.expect_quiesce(live, deadline=time.time() + QUIESCE_GRACE_S)
-            self.supervisor.send_all(live, {"op": "quiesce", "generation": self.node.generation})
+            self.supervisor.send_all(live, {"op": WorkerOp.QUIESCE, "generation": self.node.generation})
         self.maybe_quiesced()
 
     def maybe_quiesced(self) -> None:
@@ -118,7 +119,7 @@ class DirectiveExecutor:
         with self.node.lock:
             if not self.phases.quiesce_complete(self.slots.frozen):
                 return
-            ev = {"kind": "quiesced", "snapshots": self.slots.available(), "replicas": self.replicas.available(),
+            ev = {"kind": ReportKind.QUIESCED, "snapshots": self.slots.available(), "replicas": self.replicas.available(),
                   "next_step": self.phases.quiesced_next_step}
         self.reporter.report(ev)
 
@@ -154,7 +155,7 @@ class DirectiveExecutor:
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
             # integrity: the fetched state is not this rank's; retrying the same plan cannot help
-            self.reporter.report({"kind": "restore_failed", "reason": str(e), "integrity": isinstance(e, IntegrityError)})
+            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e), "integrity": isinstance(e, IntegrityError)})
 
     # ------------------------------------------------------------------ restart (torchrun's, or from disk)
     def _restart(self, d: dict) -> None:
@@ -191,7 +192,7 @@ class DirectiveExecutor:
             if live:
                 self.replicator.freeze(True)
                 self.phases.expect_quiesce(live)
-                self.supervisor.send_all(live, {"op": "quiesce", "generation": self.node.generation})
+                self.supervisor.send_all(live, {"op": WorkerOp.QUIESCE, "generation": self.node.generation})
         if live:
             self._await_quiesced()
         if not self._stage_from_disk(step):
@@ -216,7 +217,7 @@ class DirectiveExecutor:
                 self.slots.install_image(self.node.rank(lr), persister.read(step, self.node.rank(lr)))
         except (PersistError, SlotError, OSError) as e:
             log.error("cannot restore checkpoint step %d: %s", step, e)
-            self.reporter.report({"kind": "restore_failed", "reason": str(e), "persist_step": step})
+            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e), "persist_step": step})
             return False
         persister.reset(step)
         log.info("staged checkpoint step %d from %s in %.2fs", step, persister.cfg.dir, time.time() - t0)

@@ -9,15 +9,11 @@ import random
 import time
 from typing import Callable
 
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
 from phoenixrun.agents.node import Lifecycle, NodeState
 
 log = logging.getLogger("phoenixrun.agent")
-# The directive long-poll: the master answers it at once when it has an order, else when this passes (it
-# answers after 50-100% of it). Long, because each expiry is a re-poll, and an agent between two polls gets a
-# broadcast only once its re-poll is read: at 16K agents, 10 s meant ~2,200 re-polls a second and a tail of
-# late agents on every broadcast. A dead master connection fails the poll at once; a silent one at +5 s.
-DIRECTIVE_POLL_S = 30.0
 
 
 class MasterLink:

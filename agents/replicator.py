@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from phoenixrun.protocol import PeerOp, ReportKind, WorkerOp
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.ipc import WorkerConn
@@ -45,17 +46,17 @@ class Replicator:
             if holders:
                 data = memoryview(self.slots.view(rank, idx))[:h.replicated_len]   # no copy: sent from shm
                 for holder in holders:
-                    self.peers.call(peer_addr_of(self.node.world, holder), {"op": "put", "rank": rank, "step": step},
+                    self.peers.call(peer_addr_of(self.node.world, holder), {"op": PeerOp.PUT, "rank": rank, "step": step},
                                     data)
             self.slots.commit(rank, idx, step)
         except (PeerError, SlotError) as e:
-            conn.send({"op": "commit_failed", "step": step, "error": str(e)})
+            conn.send({"op": WorkerOp.COMMIT_FAILED, "step": step, "error": str(e)})
             if not self.slots.frozen:
-                self.reporter.report({"kind": "comm_error", "rank": rank, "text": f"replication failed: {e}",
+                self.reporter.report({"kind": ReportKind.COMM_ERROR, "rank": rank, "text": f"replication failed: {e}",
                                       "step": step, "t": time.time()})
             return
         h2h = time.time() - t0
-        conn.send({"op": "committed", "step": step, "h2h_s": round(h2h, 6),
+        conn.send({"op": WorkerOp.COMMITTED, "step": step, "h2h_s": round(h2h, 6),
                    "replicated_bytes": h.replicated_len if holders else 0})
         if self.node.persister is not None:
             self.node.persister.offer(rank, step)
@@ -81,9 +82,9 @@ class Replicator:
             pause_point("fetch", step)   # tests: a spare that dies while restoring
         for rank, src in plan.items():
             rank = int(rank)
-            _, private = self.peers.call(src["private_addr"], {"op": "get_private", "rank": rank, "step": step})
+            _, private = self.peers.call(src["private_addr"], {"op": PeerOp.GET_PRIVATE, "rank": rank, "step": step})
             t1 = time.time()
-            _, shared = self.peers.call(src["shared_addr"], {"op": "get_shared", "rank": src["shared_rank"],
+            _, shared = self.peers.call(src["shared_addr"], {"op": PeerOp.GET_SHARED, "rank": src["shared_rank"],
                                                             "step": step})
             timings["params_fetch_s"] = round(time.time() - t1, 4)
             self.slots.forget(rank)   # fetched whole: a copy from an earlier attempt may be laid out smaller
@@ -95,8 +96,8 @@ class Replicator:
     # ------------------------------------------------------------------ peer requests
     def peer_handlers(self) -> dict:
         """The peer server's operations (agents/peer.py)."""
-        return {"put": self._peer_put, "get_private": self._peer_get_private,
-                "get_shared": self._peer_get_shared, "ping": lambda h, p: ({}, b"")}
+        return {PeerOp.PUT: self._peer_put, PeerOp.GET_PRIVATE: self._peer_get_private,
+                PeerOp.GET_SHARED: self._peer_get_shared, PeerOp.PING: lambda h, p: ({}, b"")}
 
     def _peer_put(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
         self.replicas.put(int(h["rank"]), int(h["step"]), payload)

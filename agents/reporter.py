@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.agents.node import Lifecycle, NodeState
 
 log = logging.getLogger("phoenixrun.agent")

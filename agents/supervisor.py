@@ -12,17 +12,15 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from phoenixrun.config import AgentConfig
+from phoenixrun.protocol import ReportKind, WorkerOp
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import QUIESCE_GRACE_S, PhaseAcks
 from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import LocalSlots
 from phoenixrun.agents.workers import Placement, Worker, worker_env
-
-if TYPE_CHECKING:
-    from phoenixrun.agents.agent import AgentConfig
 
 log = logging.getLogger("phoenixrun.agent")
 # A live worker's agent-link thread answers a ping within milliseconds on an idle machine, but not on a loaded
@@ -74,7 +72,7 @@ def exit_detail(rank: int | None, returncode: int) -> str:
 
 
 class WorkerSupervisor:
-    def __init__(self, cfg: "AgentConfig", node: NodeState, slots: LocalSlots, phases: PhaseAcks,
+    def __init__(self, cfg: AgentConfig, node: NodeState, slots: LocalSlots, phases: PhaseAcks,
                  reporter: Reporter, sock_path: str, gloo_ifname: str | None):
         self.cfg, self.node, self.slots, self.phases, self.reporter = cfg, node, slots, phases, reporter
         self.sock_path, self.gloo_ifname = sock_path, gloo_ifname
@@ -160,7 +158,7 @@ class WorkerSupervisor:
     # ------------------------------------------------------------------ the channel
     def assignment(self, local_rank: int) -> dict:
         node, job = self.node, self.node.job
-        return {"op": "assign", "rank": node.rank(local_rank), "local_rank": local_rank,
+        return {"op": WorkerOp.ASSIGN, "rank": node.rank(local_rank), "local_rank": local_rank,
                 "slot": node.slot, "nnodes": job["nnodes"], "nproc_per_node": node.nproc_per_node,
                 "world_size": job["nnodes"] * node.nproc_per_node, "generation": node.generation,
                 "store_prefix": node.store_prefix,
@@ -196,7 +194,7 @@ class WorkerSupervisor:
                     self.conns[lr] = conn
                     conn.send(self.assignment(lr))
             elif lr in self.conns:
-                self.conns[lr].send({"op": "rebuild", "generation": self.node.generation, "restore_step": step,
+                self.conns[lr].send({"op": WorkerOp.REBUILD, "generation": self.node.generation, "restore_step": step,
                                      "store_prefix": self.node.store_prefix})
 
     # ------------------------------------------------------------------ the hang watchdog
@@ -241,7 +239,7 @@ class WorkerSupervisor:
             verdict = hang_check(now, last, self.pinged.get(lr), self.cfg.hang_timeout)
             if verdict is Hang.PING:
                 self.pinged[lr] = now
-                conn.send({"op": "ping"})
+                conn.send({"op": WorkerOp.PING})
             elif verdict is Hang.HUNG:
                 detail = f"rank {w.rank} made no progress for {now - last:.1f}s and does not answer"
                 log.warning("%s: killing it", detail)
@@ -249,7 +247,7 @@ class WorkerSupervisor:
                 self.last_progress.pop(lr, None)
                 self.pinged.pop(lr, None)
                 w.kill_tree(grace=0.1)
-                self.reporter.report({"kind": "worker_hang", "rank": w.rank, "detail": detail, "t": now})
+                self.reporter.report({"kind": ReportKind.WORKER_HANG, "rank": w.rank, "detail": detail, "t": now})
 
     def _reap(self) -> None:
         for lr, w in list(self.workers.items()):
@@ -265,9 +263,9 @@ class WorkerSupervisor:
             elif outcome is Exit.DONE:
                 self.done.add(lr)
                 if self.done >= set(self.node.local_ranks()):
-                    self.reporter.report({"kind": "workers_done"})
+                    self.reporter.report({"kind": ReportKind.WORKERS_DONE})
             else:
                 detail = exit_detail(w.rank, rc)
                 log.warning("%s", detail)
-                self.reporter.report({"kind": "worker_exit", "rank": w.rank, "returncode": rc, "detail": detail,
+                self.reporter.report({"kind": ReportKind.WORKER_EXIT, "rank": w.rank, "returncode": rc, "detail": detail,
                                       "text": self.error_text.pop(lr, ""), "t": time.time()})

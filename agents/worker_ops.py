@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 from phoenixrun.faults import Signal
+from phoenixrun.protocol import ReportKind, WorkerOp
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import PhaseAcks
@@ -23,7 +24,7 @@ from phoenixrun.agents.supervisor import WorkerSupervisor
 Handler = Callable[[WorkerConn, dict], None]
 # ops that show the worker is alive and making progress (a pong: alive, just waiting on a peer): the hang
 # watchdog restarts its clock
-PROGRESS_OPS = frozenset({"progress", "write", "written", "resumed", "pong"})
+PROGRESS_OPS = frozenset({WorkerOp.PROGRESS, WorkerOp.WRITE, WorkerOp.WRITTEN, WorkerOp.RESUMED, WorkerOp.PONG})
 
 
 class WorkerOps:
@@ -31,18 +32,18 @@ class WorkerOps:
                  replicator: Replicator, reporter: Reporter, on_quiesce_ack: Callable[[], None]):
         self.node, self.slots, self.supervisor, self.phases = node, slots, supervisor, phases
         self.replicator, self.reporter, self.on_quiesce_ack = replicator, reporter, on_quiesce_ack
-        self.handlers: dict[str, Handler] = {
-            "hello": self._hello,
-            "alloc": self._request, "slots": self._request, "write": self._request,
-            "written": self._written,
-            "quiesced": self._quiesced,
-            "resumed": self._resumed,
-            "comm_error": self._comm_error,
-            "nan_loss": self._nan_loss,
-            "error": self._error,
-            "protection_mode": self._protection_mode,
-            "stats": self._stats,
-            "progress": self._alive, "pong": self._alive,
+        self.handlers: dict[WorkerOp, Handler] = {
+            WorkerOp.HELLO: self._hello,
+            WorkerOp.ALLOC: self._request, WorkerOp.SLOTS: self._request, WorkerOp.WRITE: self._request,
+            WorkerOp.WRITTEN: self._written,
+            WorkerOp.QUIESCED: self._quiesced,
+            WorkerOp.RESUMED: self._resumed,
+            WorkerOp.COMM_ERROR: self._comm_error,
+            WorkerOp.NAN_LOSS: self._nan_loss,
+            WorkerOp.ERROR: self._error,
+            WorkerOp.PROTECTION_MODE: self._protection_mode,
+            WorkerOp.STATS: self._stats,
+            WorkerOp.PROGRESS: self._alive, WorkerOp.PONG: self._alive,
         }
 
     def on_message(self, conn: WorkerConn, msg: dict) -> None:
@@ -61,7 +62,7 @@ class WorkerOps:
     def _rank(self, conn: WorkerConn) -> int:
         return self.node.rank(conn.local_rank)
 
-    def _report_observed(self, kind: str, conn: WorkerConn, msg: dict) -> None:
+    def _report_observed(self, kind: ReportKind, conn: WorkerConn, msg: dict) -> None:
         self.reporter.report({"kind": kind, "rank": self._rank(conn), "text": msg.get("text", ""),
                               "step": msg.get("step"), "t": time.time()})
 
@@ -77,9 +78,9 @@ class WorkerOps:
         """alloc / slots / write: answered with a reply carrying the request's id."""
         op, rank = msg["op"], self._rank(conn)
         try:
-            if op == "alloc":
+            if op == WorkerOp.ALLOC:
                 reply = {"paths": self.slots.allocate(rank, int(msg["nbytes"]))}
-            elif op == "slots":
+            elif op == WorkerOp.SLOTS:
                 reply = {"paths": self.slots.paths(rank)}
             else:   # the slot to write, grown first if the snapshot needs more (then at a new path)
                 idx = self.slots.begin_write(rank, int(msg.get("nbytes", 0)))
@@ -89,11 +90,11 @@ class WorkerOps:
             # not transient: the snapshot cannot grow on this host. A fault of its own (classified as
             # snapshot_space), so that it is not mistaken for the comm error the worker reports next
             reply = {"error": str(e)}
-            self.reporter.report({"kind": "health", "rank": rank, "detail": str(e), "t": time.time(), "signal": Signal(
+            self.reporter.report({"kind": ReportKind.HEALTH, "rank": rank, "detail": str(e), "t": time.time(), "signal": Signal(
                 kind="snapshot_space", node=self.node.slot, rank=rank, detail=str(e)).to_dict()})
         except SlotError as e:
             reply = {"error": str(e)}
-        conn.send({"op": "reply", "id": msg["id"], **reply})
+        conn.send({"op": WorkerOp.REPLY, "id": msg["id"], **reply})
 
     def _written(self, conn: WorkerConn, msg: dict) -> None:
         self.replicator.commit(conn, int(msg["slot"]), int(msg["step"]), msg.get("stats", {}))
@@ -107,23 +108,23 @@ class WorkerOps:
         with self.node.lock:
             timings = self.phases.resumed(conn.local_rank, msg.get("timings", {}))
         if timings is not None:
-            self.reporter.report({"kind": "resumed", "timings": timings})
+            self.reporter.report({"kind": ReportKind.RESUMED, "timings": timings})
 
     def _comm_error(self, conn: WorkerConn, msg: dict) -> None:
-        self._report_observed("comm_error", conn, msg)
+        self._report_observed(ReportKind.COMM_ERROR, conn, msg)
 
     def _nan_loss(self, conn: WorkerConn, msg: dict) -> None:
         """The script handed a non-finite loss to job.observe_loss()."""
         self.supervisor.error_text[conn.local_rank] = msg.get("text", "")
-        self._report_observed("nan_loss", conn, msg)
+        self._report_observed(ReportKind.NAN_LOSS, conn, msg)
 
     def _error(self, conn: WorkerConn, msg: dict) -> None:
         """The script's own exception, before the worker exits: report it now."""
         self.supervisor.error_text[conn.local_rank] = msg.get("text", "")
-        self._report_observed("worker_error", conn, msg)
+        self._report_observed(ReportKind.WORKER_ERROR, conn, msg)
 
     def _protection_mode(self, conn: WorkerConn, msg: dict) -> None:
-        self.reporter.report({"kind": "protection_mode", "rank": self._rank(conn), "every": msg.get("every"),
+        self.reporter.report({"kind": ReportKind.PROTECTION_MODE, "rank": self._rank(conn), "every": msg.get("every"),
                               "step": msg.get("step")})
 
     def _stats(self, conn: WorkerConn, msg: dict) -> None:

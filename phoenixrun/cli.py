@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from phoenixrun import auth, netaddr
-from phoenixrun.control.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
+from phoenixrun.protocol.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
 SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject")
 
@@ -200,7 +200,7 @@ def launch(nnodes, nproc_per_node, standalone, rdzv_endpoint, rdzv_id, rdzv_back
            hang_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
            max_fallbacks, entry):
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
-    from phoenixrun.control.master import MasterConfig
+    from phoenixrun.config import MasterConfig
     from phoenixrun.launcher import LaunchConfig, run
     from phoenixrun.topology import Layout
 
@@ -274,7 +274,8 @@ def master_cmd(nnodes, nproc_per_node, run_dir, rdzv_id, host, port, store_port,
                node_timeout, spare_wait, recovery_timeout, max_local_resets, persist_every, persist_dir, persist_keep,
                max_fallbacks):
     """Run the rendezvous master (control plane) in the foreground."""
-    from phoenixrun.control.master import Master, MasterConfig
+    from phoenixrun.config import MasterConfig
+    from phoenixrun.control.master import Master
     _logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = auth.read_secret(run_dir) or auth.new_secret()
@@ -322,7 +323,8 @@ def agent_cmd(rdzv_endpoint, nproc_per_node, host, fault_domain, heartbeat_inter
               collective_timeout, hang_timeout, node_rank, local_ranks_filter, shutdown_timeout, module, no_python,
               entry):
     """Run one node's agent: it joins the master as an active node or a spare."""
-    from phoenixrun.agents.agent import Agent, AgentConfig
+    from phoenixrun.agents.agent import Agent
+    from phoenixrun.config import AgentConfig
     from phoenixrun.agents.workers import WorkerSpec
     _logging()
     secret = auth.read_secret(secret_file=secret_file)
@@ -367,7 +369,7 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
                    "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN")
 def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
     """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
-    from phoenixrun.control.client import ControlError
+    from phoenixrun.protocol.client import ControlError
     from phoenixrun.status import client_for
     if not valid_fault(fault):
         raise click.BadParameter(f"unknown fault {fault!r}", param_hint="--fault")

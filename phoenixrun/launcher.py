@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from phoenixrun import auth
-from phoenixrun.control.master import MasterConfig
+from phoenixrun.config import MasterConfig
 
 
 @dataclass

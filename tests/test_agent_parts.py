@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from phoenixrun.agents.agent import Agent, AgentConfig
+from phoenixrun.agents.agent import Agent
+from phoenixrun.config import AgentConfig
 from phoenixrun.agents.executor import Step, plan_directive, waits_for_io_process
 from phoenixrun.agents.ipc import WorkerChannelServer
 from phoenixrun.agents.peer import PeerServer
@@ -15,6 +16,7 @@ from phoenixrun.agents.phases import PhaseAcks
 from phoenixrun.agents.replicator import holders_of, peer_addr_of
 from phoenixrun.agents.supervisor import PING_GRACE_MIN_S, Exit, Hang, exit_detail, exit_outcome, hang_check
 from phoenixrun.agents.workers import WorkerSpec
+from phoenixrun.protocol import WorkerOp
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.slot_format import SlotHeader
 
@@ -175,6 +177,7 @@ def test_every_op_the_runtime_sends_has_a_handler(two_agents):
     sent = _ops_the_runtime_sends()
     assert {"hello", "write", "written", "quiesced", "resumed"} <= sent    # the scan finds them
     assert sent <= set(agents[0].worker_ops.handlers)
+    assert all(isinstance(op, WorkerOp) for op in agents[0].worker_ops.handlers)   # named by the protocol
 
 
 def test_worker_channel_through_the_op_table_and_replication(two_agents):

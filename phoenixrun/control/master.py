@@ -23,11 +23,12 @@ import resource
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from phoenixrun.control import messages, wire
+from phoenixrun.config import MasterConfig
+from phoenixrun.control import wire
+from phoenixrun.protocol import messages
 from phoenixrun.control.directives import Directive, DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable
@@ -40,32 +41,6 @@ from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate
 from phoenixrun.topology import Layout, place_replicas
 
 log = logging.getLogger("phoenixrun.master")
-
-
-@dataclass
-class MasterConfig:
-    run_dir: Path
-    nnodes: int
-    nproc_per_node: int
-    run_id: str = "phoenixrun"
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
-    max_restarts: int = 0
-    host: str = "127.0.0.1"
-    port: int = 0
-    store_port: int = 0
-    node_timeout: float = 5.0
-    spare_wait: float = 30.0
-    recovery_timeout: float = 60.0
-    correlation_window: float = 0.5
-    max_local_resets: int = 3
-    fault_domains: dict[int, str] = field(default_factory=dict)
-    persist_dir: Path | None = None    # persistent checkpoints (written by the agents); None: none
-    persist_every: int = 0
-    persist_keep: int = 2
-    max_fallbacks: int = 3             # restarts from a persistent checkpoint before giving up
-    spares: int | None = None          # spare nodes admitted at a time (None: any number)
 
 
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
@@ -167,7 +142,7 @@ class Master(Recoveries):
         return self.exit_code or 0
 
     # ---------------------------------------------------------------- API handlers (transport thread)
-    # Every message is parsed by control/messages.py before anything of it is applied; a MessageError
+    # Every message is parsed by protocol/messages.py before anything of it is applied; a MessageError
     # (a ValueError) is answered with its 4xx code by the transport. Then the rules that need the master's
     # state: the node's registration token, the generation, the directive version (docs/architecture.md).
     def register(self, p: dict) -> dict:
