@@ -1,0 +1,94 @@
+"""The agent's link to the master: registration (and the rejoin of a restarted master), the directive long-poll
+and the heartbeat, each poll and heartbeat on a thread of its own. Directives are handed to the main loop
+through a queue, newest version only."""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import time
+from typing import Callable
+
+from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
+from phoenixrun.agents.node import Lifecycle, NodeState
+
+log = logging.getLogger("phoenixrun.agent")
+
+
+class MasterLink:
+    def __init__(self, node: NodeState, life: Lifecycle, client: ControlClient, registration: dict,
+                 heartbeat_interval: float, node_state: Callable[[], dict], rejoin_state: Callable[[], dict],
+                 on_inject: Callable[[str], None]):
+        """registration: what this node tells the master about itself (host, addresses, nproc_per_node...);
+        node_state: the heartbeat's view of the node; rejoin_state: what a restarted master learns from us;
+        on_inject: a fault the master asks this node to inject (`phoenixrun inject`)."""
+        self.node, self.life, self.client, self.registration = node, life, client, registration
+        self.heartbeat_interval = heartbeat_interval
+        self.node_state, self.rejoin_state, self.on_inject = node_state, rejoin_state, on_inject
+        self.directives: queue.Queue[dict] = queue.Queue()
+        self._version = -1
+
+    def register(self, rejoin: dict | None = None, node_rank: int | None = None) -> dict:
+        deadline = time.time() + 60
+        payload = {**self.registration, "rejoin": rejoin}
+        if node_rank is not None and rejoin is None:
+            payload["node_rank"] = node_rank
+        while True:
+            try:
+                return self.client.post("/v1/register", payload)
+            except ControlError as e:
+                if e.refused or time.time() > deadline:   # refused (4xx): asking again gets the same answer
+                    raise
+                time.sleep(0.2)
+
+    def rejoin(self) -> None:
+        """The master restarted and does not know us: tell it what we are, so it can rebuild the job's
+        state from the agents (membership, slots, generation, snapshots)."""
+        try:
+            reply = self.register(rejoin=self.rejoin_state())
+        except ControlError as e:
+            log.warning("rejoin failed: %s", e)
+            return
+        if reply.get("role") == "failed":
+            log.error("the master fenced this node on rejoin: %s", reply.get("reason", "replaced"))
+            self.life.stop(0)
+            return
+        self.node.token = reply.get("token")
+        log.warning("rejoined a restarted master as %s%s", reply["role"],
+                    f" (slot {reply['slot']})" if reply.get("slot") is not None else "")
+
+    def poll_directives(self) -> None:
+        """Thread: long-poll the master for orders until the agent stops."""
+        while not self.life.stopping:
+            try:
+                d = self.client.post("/v1/directive", {"node_id": self.node.node_id, "token": self.node.token,
+                                                       "version": self._version, "timeout": DIRECTIVE_POLL_S},
+                                     timeout=DIRECTIVE_POLL_S + 5)
+            except ControlError as e:
+                log.debug("directive poll failed: %s", e)
+                time.sleep(0.2)
+                continue
+            if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
+                self._version = d["version"]
+                self.directives.put(d)
+
+    def heartbeat(self) -> None:
+        """Thread: tell the master this node is alive (and what it holds) until the agent stops."""
+        while not self.life.stopping:
+            payload = {"node_id": self.node.node_id, "token": self.node.token, **self.node_state()}
+            try:
+                reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
+                if reply.get("fenced"):    # replaced while it was away: never rejoin
+                    self.life.fenced(reply)
+                    return
+                if reply.get("error"):       # an unknown node: a restarted master, it learns the job from us
+                    self.rejoin()
+                for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
+                    self.on_inject(fault)
+            except ControlError as e:
+                # the master may be restarting: keep going (training does not need it), keep trying
+                (log.warning if e.refused else log.debug)("heartbeat failed: %s", e)
+            # jittered: agents that got their replies together (after a master stall, say) must not keep
+            # heartbeating in step, which would load the master in bursts
+            self.life.stopped.wait(self.heartbeat_interval * random.uniform(0.9, 1.1))

@@ -1,0 +1,75 @@
+"""What this node is in the job, as the master last said it, and whether the agent is stopping.
+
+Shared by the agent's parts (directive executor, worker supervisor, worker-op handlers, replicator, master
+link); every change happens under `lock`, one lock for the whole agent (the parts call each other while
+holding it, hence re-entrant).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from phoenixrun.agents.persister import Persister
+
+log = logging.getLogger("phoenixrun.agent")
+
+
+@dataclass(eq=False)
+class NodeState:
+    node_id: str
+    nproc_per_node: int
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    role: str = "unknown"
+    slot: int | None = None
+    generation: int = 0
+    store_prefix: str | None = None   # the generation's rendezvous prefix, from the master's directives
+    store_port: int | None = None     # a restart attempt's own TCPStore (None: the job's)
+    restart_count: int = 0
+    world: dict = field(default_factory=dict)
+    job: dict = field(default_factory=dict)       # the master's reply to our registration
+    restore_step: int | None = None
+    api: bool = False                  # a worker said hello through the phoenixrun API
+    token: str | None = None           # from the master's reply to our registration: our later calls carry it
+    protection: dict[int, dict] = field(default_factory=dict)   # per rank: snapshot stats for the heartbeat
+    persister: Persister | None = None   # with --persist-every, once registered
+
+    def rank(self, local_rank: int) -> int:
+        return self.slot * self.nproc_per_node + local_rank
+
+    def local_ranks(self) -> range:
+        return range(self.nproc_per_node)
+
+    def job_store_port(self) -> int:
+        return self.store_port or self.job["store_port"]
+
+    def take_directive(self, d: dict) -> None:
+        """The fields every directive may carry (call with the lock held)."""
+        self.generation = d.get("generation", self.generation)
+        self.store_prefix = d.get("store_prefix", self.store_prefix)
+        if "slot" in d:
+            self.slot = d["slot"]
+        if "world" in d:
+            self.world = d["world"]
+        self.restart_count = d.get("restart_count", self.restart_count)
+
+
+class Lifecycle:
+    """Whether the agent is stopping, and with which exit code."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.exit_code: int | None = None
+
+    def stop(self, exit_code: int | None) -> None:
+        self.exit_code = exit_code
+        self.stopped.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stopped.is_set()
+
+    def fenced(self, reply: dict) -> None:
+        """The master says this node was replaced: it must never rejoin. Kill the workers and exit."""
+        log.error("%s; killing this node's workers and exiting", reply.get("reason", "fenced by the master"))
+        self.stop(reply.get("exit_code", 0))

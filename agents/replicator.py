@@ -1,0 +1,119 @@
+"""The agent's replicator: seals and commits each local snapshot after replicating its private part
+(optimizer shard + metadata + RNG) to the holders the master placed (`topology.place_replicas`), serves peers'
+replicas and restore reads (`agents/peer.py`), and fetches the snapshots a restore plan names from peers."""
+from __future__ import annotations
+
+import time
+
+from phoenixrun.protocol import PeerOp, ReportKind, WorkerOp
+from phoenixrun.slot_format import SlotHeader, crc_shared
+from phoenixrun.testing import pause_point
+from phoenixrun.agents.ipc import WorkerConn
+from phoenixrun.agents.node import NodeState
+from phoenixrun.agents.peer import PeerClient, PeerError
+from phoenixrun.agents.reporter import Reporter
+from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
+
+
+def holders_of(world: dict, rank: int) -> list[int]:
+    """The node slots holding `rank`'s replica in the master's world map (JSON keys: strings). Pure."""
+    placement = world.get("placement", {})
+    return placement.get(str(rank), placement.get(rank, []))
+
+
+def peer_addr_of(world: dict, slot: int) -> str:
+    """The peer address of node slot `slot` in the master's world map. Pure."""
+    return world["slots"].get(str(slot), world["slots"].get(slot))
+
+
+class Replicator:
+    def __init__(self, node: NodeState, slots: LocalSlots, replicas: ReplicaStore, peers: PeerClient,
+                 reporter: Reporter):
+        self.node, self.slots, self.replicas, self.peers, self.reporter = node, slots, replicas, peers, reporter
+
+    def freeze(self, frozen: bool) -> None:
+        """During a recovery no snapshot is written and no replica taken: the restore reads them."""
+        self.slots.frozen = self.replicas.frozen = frozen
+
+    # ------------------------------------------------------------------ local snapshots
+    def commit(self, conn: WorkerConn, idx: int, step: int, stats: dict) -> None:
+        """Seal the local slot, replicate its private part to the holders, then commit."""
+        rank = self.node.rank(conn.local_rank)
+        t0 = time.time()
+        try:
+            h = self.slots.finish_write(rank, idx, step)
+            holders = holders_of(self.node.world, rank)
+            if holders:
+                data = memoryview(self.slots.view(rank, idx))[:h.replicated_len]   # no copy: sent from shm
+                for holder in holders:
+                    self.peers.call(peer_addr_of(self.node.world, holder), {"op": PeerOp.PUT, "rank": rank, "step": step},
+                                    data)
+            self.slots.commit(rank, idx, step)
+        except (PeerError, SlotError) as e:
+            conn.send({"op": WorkerOp.COMMIT_FAILED, "step": step, "error": str(e)})
+            if not self.slots.frozen:
+                self.reporter.report({"kind": ReportKind.COMM_ERROR, "rank": rank, "text": f"replication failed: {e}",
+                                      "step": step, "t": time.time()})
+            return
+        h2h = time.time() - t0
+        conn.send({"op": WorkerOp.COMMITTED, "step": step, "h2h_s": round(h2h, 6),
+                   "replicated_bytes": h.replicated_len if holders else 0})
+        if self.node.persister is not None:
+            self.node.persister.offer(rank, step)
+        with self.node.lock:
+            self.node.protection[rank] = {**stats, "committed_step": step, "h2h_s": round(h2h, 5),
+                                          "replicated_bytes": h.replicated_len if holders else 0,
+                                          "replica_store_bytes": self.replicas.nbytes()}
+
+    def restore_point(self, step: int) -> None:
+        """Every local rank and every replica held goes back to `step`; later snapshots are dropped."""
+        for lr in self.node.local_ranks():
+            self.slots.restore_point(self.node.rank(lr), step)
+        self.replicas.restore_point(step)
+
+    # ------------------------------------------------------------------ restore fetches
+    def fetch(self, plan: dict, step: int) -> dict[str, float]:
+        """Install the snapshots of step `step` that the restore plan says to fetch from peers (rank -> where its
+        private and shared parts are); their timings. Raises PeerError or SlotError (IntegrityError: the fetched
+        state is not the rank's)."""
+        t0 = time.time()
+        timings: dict[str, float] = {}
+        if plan:
+            pause_point("fetch", step)   # tests: a spare that dies while restoring
+        for rank, src in plan.items():
+            rank = int(rank)
+            _, private = self.peers.call(src["private_addr"], {"op": PeerOp.GET_PRIVATE, "rank": rank, "step": step})
+            t1 = time.time()
+            _, shared = self.peers.call(src["shared_addr"], {"op": PeerOp.GET_SHARED, "rank": src["shared_rank"],
+                                                            "step": step})
+            timings["params_fetch_s"] = round(time.time() - t1, 4)
+            self.slots.forget(rank)   # fetched whole: a copy from an earlier attempt may be laid out smaller
+            self.slots.install(rank, bytes(private), bytes(shared), step)
+        if plan:
+            timings["fetch_s"] = round(time.time() - t0, 4)
+        return timings
+
+    # ------------------------------------------------------------------ peer requests
+    def peer_handlers(self) -> dict:
+        """The peer server's operations (agents/peer.py)."""
+        return {PeerOp.PUT: self._peer_put, PeerOp.GET_PRIVATE: self._peer_get_private,
+                PeerOp.GET_SHARED: self._peer_get_shared, PeerOp.PING: lambda h, p: ({}, b"")}
+
+    def _peer_put(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+        self.replicas.put(int(h["rank"]), int(h["step"]), payload)
+        return {}, b""
+
+    def _peer_get_private(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+        return {}, self.replicas.get(int(h["rank"]), int(h["step"]))
+
+    def _peer_get_shared(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+        rank, step = int(h["rank"]), int(h["step"])
+        idx = self.slots.slot_of(rank, step)
+        if idx is None:
+            raise SlotError(f"no local snapshot of rank {rank} at step {step}")
+        mm = self.slots.view(rank, idx)
+        hdr = SlotHeader.unpack(mm)
+        data = bytes(mm[hdr.shared_off:hdr.shared_off + hdr.shared_len])
+        if crc_shared(mm, hdr) != hdr.crc_shared:
+            raise SlotError(f"local snapshot of rank {rank} step {step} fails its checksum")
+        return {}, data

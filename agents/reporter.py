@@ -1,0 +1,66 @@
+"""The agent's reports to the master: an outbox, delivered in order by one thread, retried with backoff while
+the master is unreachable (a restart), so a fault seen meanwhile is handled once it is back. Queueing never
+blocks: any thread may report while holding the agent's lock."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.agents.node import Lifecycle, NodeState
+
+log = logging.getLogger("phoenixrun.agent")
+
+
+class Reporter:
+    def __init__(self, node: NodeState, client: ControlClient, life: Lifecycle):
+        self.node, self.client, self.life = node, client, life
+        self.outbox: queue.Queue[dict | None] = queue.Queue()
+        self._flush_deadline = float("inf")
+        self._sender: threading.Thread | None = None
+
+    def report(self, ev: dict) -> None:
+        """Queue a report for the master; delivered in order, retried until it gets through."""
+        self.outbox.put({"node_id": self.node.node_id, "generation": self.node.generation, "slot": self.node.slot,
+                         "t": time.time(), **ev})
+
+    def start(self) -> None:
+        self._sender = threading.Thread(target=self._send_reports, daemon=True, name="reports")
+        self._sender.start()
+
+    def close(self, flush_s: float = 1.0) -> None:
+        """Last reports (why we left) get `flush_s` to go out."""
+        self._flush_deadline = time.time() + flush_s
+        self.outbox.put(None)
+        if self._sender is not None:
+            self._sender.join(timeout=flush_s + 0.5)
+
+    def _payload(self, ev: dict) -> dict:
+        return {**ev, "token": self.node.token}     # the current token: a rejoin since it was queued changes it
+
+    def _send_reports(self) -> None:
+        while True:
+            ev = self.outbox.get()
+            if ev is None:
+                return
+            delay = 0.1
+            while True:
+                try:
+                    reply = self.client.post("/v1/report", self._payload(ev))
+                    if reply.get("fenced"):      # replaced while it was away: never rejoin
+                        self.life.fenced(reply)
+                        break
+                    if not reply.get("error"):
+                        break
+                except ControlError as e:    # master down or restarting: a fault seen now is handled later
+                    if e.refused:            # the report itself was refused: sending it again will not help
+                        log.warning("report %s refused by the master: %s", ev.get("kind"), e)
+                        break
+                    log.debug("report %s not delivered yet: %s", ev.get("kind"), e)
+                if self.life.stopping and time.time() > self._flush_deadline:
+                    log.warning("report %s not delivered: the master is unreachable", ev.get("kind"))
+                    break
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)

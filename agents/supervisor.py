@@ -1,0 +1,271 @@
+"""The agent's worker supervisor: spawns this node's workers, hands them their assignment, reaps them, reports
+their exits, and kills those that hang (the hang watchdog) or do not quiesce in time.
+
+What a worker's state means is decided by pure functions (`hang_check`, `exit_outcome`, `exit_detail`); the
+supervisor carries out the decision. Call its methods with the node's lock held unless they say otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+
+from phoenixrun.config import AgentConfig
+from phoenixrun.protocol import ReportKind, WorkerOp
+from phoenixrun.agents.ipc import WorkerConn
+from phoenixrun.agents.node import NodeState
+from phoenixrun.agents.phases import QUIESCE_GRACE_S, PhaseAcks
+from phoenixrun.agents.reporter import Reporter
+from phoenixrun.agents.slots import LocalSlots
+from phoenixrun.agents.workers import Placement, Worker, worker_env
+
+log = logging.getLogger("phoenixrun.agent")
+# A live worker's agent-link thread answers a ping within milliseconds on an idle machine, but not on a loaded
+# one: at load average 15-19 on 2 cores a fixed 1 s grace declared live workers hung again and again after a
+# recovery (tests/test_fault_matrix.py, job exit 75). The grace is the hang timeout itself, at least this floor:
+# a stopped process never answers, a starved one answers late.
+PING_GRACE_MIN_S = 1.0
+
+
+class Hang(Enum):
+    OK = "ok"          # progress within the hang timeout
+    PING = "ping"      # no progress: ask its agent-link thread whether the process is alive
+    WAIT = "wait"      # pinged, no answer yet, still within the grace
+    HUNG = "hung"      # pinged and silent past the grace: kill it, report a hang
+
+
+def hang_check(now: float, last_progress: float, pinged: float | None, hang_timeout: float) -> Hang:
+    """A running worker last heard from at `last_progress`, pinged at `pinged` (None: not pinged). Pure.
+    No progress means blocked in a collective on someone else's hang, or hung itself: its agent-link thread
+    answers a ping unless the whole process is stuck."""
+    if now - last_progress <= hang_timeout:
+        return Hang.OK
+    if pinged is None:
+        return Hang.PING
+    if now - pinged > max(PING_GRACE_MIN_S, hang_timeout):
+        return Hang.HUNG
+    return Hang.WAIT
+
+
+class Exit(Enum):
+    RUNNING = "running"
+    WARM = "warm"        # a warm spare's worker (no rank): logged, not a fault of the job
+    DONE = "done"        # the script finished
+    FAILED = "failed"    # reported to the master as a worker exit
+
+
+def exit_outcome(rank: int | None, returncode: int | None) -> Exit:
+    """What a worker's exit status means. Pure."""
+    if returncode is None:
+        return Exit.RUNNING
+    if rank is None:
+        return Exit.WARM
+    return Exit.DONE if returncode == 0 else Exit.FAILED
+
+
+def exit_detail(rank: int | None, returncode: int) -> str:
+    """How a failed worker's exit reads in logs and reports (a negative code is a signal, as from Popen). Pure."""
+    return f"rank {rank} exited with {'signal ' + str(-returncode) if returncode < 0 else 'code ' + str(returncode)}"
+
+
+class WorkerSupervisor:
+    def __init__(self, cfg: AgentConfig, node: NodeState, slots: LocalSlots, phases: PhaseAcks,
+                 reporter: Reporter, sock_path: str, gloo_ifname: str | None):
+        self.cfg, self.node, self.slots, self.phases, self.reporter = cfg, node, slots, phases, reporter
+        self.sock_path, self.gloo_ifname = sock_path, gloo_ifname
+        self.workers: dict[int, Worker] = {}
+        self.conns: dict[int, WorkerConn] = {}
+        self.waiting_hello: dict[int, WorkerConn] = {}   # warm spare workers: their assignment comes with a restore
+        self.done: set[int] = set()
+        self.reported_exit: set[int] = set()             # exits already accounted for (or caused by us)
+        self.last_progress: dict[int, float] = {}
+        self.pinged: dict[int, float] = {}
+        self.error_text: dict[int, str] = {}             # a worker's own exception, sent before it exits
+
+    # ------------------------------------------------------------------ spawning
+    def placement(self, local_rank: int, rank_known: bool) -> Placement:
+        node, job = self.node, self.node.job
+        return Placement(
+            local_rank=local_rank, nproc_per_node=node.nproc_per_node, nnodes=job["nnodes"],
+            slot=node.slot if rank_known else None, rank=node.rank(local_rank) if rank_known else None,
+            master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=node.job_store_port(),
+            run_id=job["run_id"], restart_count=node.restart_count, max_restarts=job["max_restarts"],
+            generation=node.generation, agent_sock=self.sock_path, gloo_ifname=self.gloo_ifname,
+            error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{node.node_id}-{local_rank}.json"))
+
+    def spawn(self, local_rank: int, rank_known: bool) -> None:
+        p = self.placement(local_rank, rank_known)
+        env = worker_env(dict(os.environ), p)
+        env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.node.job["tp"]), str(self.node.job["pp"])
+        show = self.cfg.local_ranks_filter is None or local_rank in self.cfg.local_ranks_filter
+        self.workers[local_rank] = Worker(self.cfg.spec, p, env, sys.stdout, self.cfg.log_dir, self.cfg.tee, show=show,
+                                          err=sys.stderr)
+        self.done.discard(local_rank)
+        self.reported_exit.discard(local_rank)
+
+    def spawn_all(self, rank_known: bool) -> None:
+        with self.node.lock:
+            for lr in self.node.local_ranks():
+                self.spawn(lr, rank_known)
+
+    def kill_all(self) -> None:
+        for w in list(self.workers.values()):
+            w.kill_tree(grace=self.cfg.shutdown_timeout)
+        self.workers.clear()
+        self.conns.clear()
+        self.waiting_hello.clear()
+
+    def kill(self, local_rank: int) -> None:
+        """Kill a worker on purpose (our doing, not a fault to report); the next recovery step respawns it."""
+        w = self.workers.get(local_rank)
+        self.reported_exit.add(local_rank)
+        self.conns.pop(local_rank, None)
+        if w is not None:
+            w.kill_tree(grace=0.1)
+
+    # ------------------------------------------------------------------ what the workers are
+    def warm_workers(self) -> bool:
+        """Pre-started workers with no rank yet (a warm spare's) are all alive."""
+        with self.node.lock:
+            return bool(self.workers) and all(w.rank is None and w.poll() is None for w in self.workers.values())
+
+    def warm_connected(self) -> bool:
+        """Every warm worker has connected (torch imported): promoting this spare costs no start-up."""
+        with self.node.lock:
+            return self.warm_workers() and len(self.waiting_hello) == self.node.nproc_per_node
+
+    def live_pids(self) -> list[int]:
+        return [w.pid for w in self.workers.values() if w.poll() is None]
+
+    def live_connected(self) -> set[int]:
+        """Local ranks whose worker runs and is connected (it can be told to quiesce)."""
+        return {lr for lr, w in self.workers.items() if w.poll() is None and lr in self.conns}
+
+    def live_ranked(self) -> set[int]:
+        """Local ranks whose worker runs with a rank and is connected (it can be rebuilt in place)."""
+        return {lr for lr, w in self.workers.items() if w.rank is not None and w.poll() is None and lr in self.conns}
+
+    def running(self) -> tuple[list[Worker], list[WorkerConn]]:
+        """Running workers and their connections, lowest local rank first (fault drills act on the first)."""
+        with self.node.lock:
+            workers = [w for w in self.workers.values() if w.poll() is None]
+            conns = [self.conns[lr] for lr in sorted(self.conns) if self.workers.get(lr) in workers]
+        return workers, conns
+
+    # ------------------------------------------------------------------ the channel
+    def assignment(self, local_rank: int) -> dict:
+        node, job = self.node, self.node.job
+        return {"op": WorkerOp.ASSIGN, "rank": node.rank(local_rank), "local_rank": local_rank,
+                "slot": node.slot, "nnodes": job["nnodes"], "nproc_per_node": node.nproc_per_node,
+                "world_size": job["nnodes"] * node.nproc_per_node, "generation": node.generation,
+                "store_prefix": node.store_prefix,
+                "restart_count": node.restart_count, "restore_step": node.restore_step,
+                "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": node.job_store_port(),
+                "tp": job["tp"], "pp": job["pp"], "run_id": job["run_id"]}
+
+    def hello(self, conn: WorkerConn, local_rank: int) -> None:
+        """A worker connected: a ranked one gets its assignment, a warm spare's waits for its rank."""
+        w = self.workers.get(local_rank)
+        if w is not None and w.rank is None:
+            self.waiting_hello[local_rank] = conn
+        else:
+            self.conns[local_rank] = conn
+            conn.send(self.assignment(local_rank))
+
+    def send_all(self, local_ranks: set[int], msg: dict) -> None:
+        for lr in local_ranks:
+            self.conns[lr].send(msg)
+
+    def resume(self, step: int) -> None:
+        """Every local rank carries on from `step`, whose snapshot is in its slot: a dead worker is respawned
+        (it restores from the slot as it starts), a warm spare's worker gets its assignment (now, or with its
+        hello), a live one rebuilds its groups in place."""
+        for lr in self.node.local_ranks():
+            w = self.workers.get(lr)
+            if w is None or w.poll() is not None:
+                self.spawn(lr, rank_known=True)
+            elif w.rank is None:
+                w.rank = self.node.rank(lr)
+                conn = self.waiting_hello.pop(lr, None)
+                if conn is not None:
+                    self.conns[lr] = conn
+                    conn.send(self.assignment(lr))
+            elif lr in self.conns:
+                self.conns[lr].send({"op": WorkerOp.REBUILD, "generation": self.node.generation, "restore_step": step,
+                                     "store_prefix": self.node.store_prefix})
+
+    # ------------------------------------------------------------------ the hang watchdog
+    def progressed(self, local_rank: int) -> None:
+        self.last_progress[local_rank] = time.time()
+        self.pinged.pop(local_rank, None)
+
+    def unwatch(self, conn: WorkerConn) -> None:
+        """A worker closed its link: it crashed (its exit is what counts: `watch` sees it) or it left the
+        protected loop and is exiting. Either way the hang watchdog stops watching it: a worker past its last
+        step still writes its results and tears down its groups, seconds on a loaded machine, and pinging its
+        closed link took it for hung (fault-matrix runs killed every rank at the final step)."""
+        lr = conn.local_rank
+        if lr is None:
+            return
+        with self.node.lock:
+            if self.conns.get(lr) is conn:   # (the conn stays: a quiesce still counts a live one that never acks)
+                self.last_progress.pop(lr, None)
+                self.pinged.pop(lr, None)
+
+    def watch(self) -> None:
+        """One look at the workers: kill those that did not quiesce in time or hang, report those that exited."""
+        now = time.time()
+        with self.node.lock:
+            if self.slots.frozen and self.phases.quiesce_overdue(now):
+                for lr in self.phases.unacked_quiesce():
+                    w = self.workers.get(lr)
+                    log.warning("rank %s did not quiesce within %.0fs (blocked in a collective): killing it; it "
+                                "restarts from this node's snapshot", w.rank if w else lr, QUIESCE_GRACE_S)
+                    self.kill(lr)
+                self.phases.drop_quiesce()
+            if not self.slots.frozen:   # waiting is legitimate during a recovery
+                self._watch_hangs(now)
+        with self.node.lock:
+            self._reap()
+
+    def _watch_hangs(self, now: float) -> None:
+        for lr, w in list(self.workers.items()):
+            last, conn = self.last_progress.get(lr), self.conns.get(lr)
+            if w.rank is None or w.poll() is not None or last is None or conn is None:
+                continue
+            verdict = hang_check(now, last, self.pinged.get(lr), self.cfg.hang_timeout)
+            if verdict is Hang.PING:
+                self.pinged[lr] = now
+                conn.send({"op": WorkerOp.PING})
+            elif verdict is Hang.HUNG:
+                detail = f"rank {w.rank} made no progress for {now - last:.1f}s and does not answer"
+                log.warning("%s: killing it", detail)
+                self.reported_exit.add(lr)      # reported as a hang, not as the exit we cause
+                self.last_progress.pop(lr, None)
+                self.pinged.pop(lr, None)
+                w.kill_tree(grace=0.1)
+                self.reporter.report({"kind": ReportKind.WORKER_HANG, "rank": w.rank, "detail": detail, "t": now})
+
+    def _reap(self) -> None:
+        for lr, w in list(self.workers.items()):
+            rc = w.poll()
+            outcome = exit_outcome(w.rank, rc)
+            if outcome is Exit.RUNNING or lr in self.reported_exit:
+                continue
+            self.reported_exit.add(lr)
+            self.conns.pop(lr, None)
+            self.phases.gone(lr)
+            if outcome is Exit.WARM:
+                log.warning("warm spare worker %d exited with %s", lr, rc)
+            elif outcome is Exit.DONE:
+                self.done.add(lr)
+                if self.done >= set(self.node.local_ranks()):
+                    self.reporter.report({"kind": ReportKind.WORKERS_DONE})
+            else:
+                detail = exit_detail(w.rank, rc)
+                log.warning("%s", detail)
+                self.reporter.report({"kind": ReportKind.WORKER_EXIT, "rank": w.rank, "returncode": rc, "detail": detail,
+                                      "text": self.error_text.pop(lr, ""), "t": time.time()})

@@ -1,0 +1,227 @@
+"""The agent's parts: the pure decisions (what a directive means here, what a worker's state means), the
+phase acknowledgements, and the worker-op table and the replicator over real sockets (the runtime's own end
+of the worker channel, two agents' peer servers; no worker processes)."""
+import mmap
+import re
+from pathlib import Path
+
+import pytest
+
+from phoenixrun.agents.agent import Agent
+from phoenixrun.config import AgentConfig
+from phoenixrun.agents.executor import Step, plan_directive, waits_for_io_process
+from phoenixrun.agents.ipc import WorkerChannelServer
+from phoenixrun.agents.peer import PeerServer
+from phoenixrun.agents.phases import PhaseAcks
+from phoenixrun.agents.replicator import holders_of, peer_addr_of
+from phoenixrun.agents.supervisor import PING_GRACE_MIN_S, Exit, Hang, exit_detail, exit_outcome, hang_check
+from phoenixrun.agents.workers import WorkerSpec
+from phoenixrun.protocol import WorkerOp
+from phoenixrun.runtime.agent_link import AgentLink
+from phoenixrun.slot_format import SlotHeader
+
+RUNTIME = Path(__file__).resolve().parents[1] / "phoenixrun" / "runtime"
+
+
+@pytest.mark.parametrize("d, has_workers, in_place, expected", [
+    ({"command": "wait"}, False, False, Step.NOTHING),
+    ({"command": "wait", "warm": True}, False, False, Step.WARM_UP),
+    ({"command": "wait", "warm": True}, True, False, Step.NOTHING),          # its warm workers are up already
+    ({"command": "run"}, True, False, Step.START),
+    ({"command": "run", "resume": True}, True, True, Step.RESUME),
+    ({"command": "restart"}, True, True, Step.RESTART),                       # torchrun's restart: no checkpoint
+    ({"command": "restart", "restore_step": 8}, True, False, Step.RESTART),   # a plain script: new processes
+    ({"command": "restart", "restore_step": 8}, True, True, Step.RESTART_IN_PLACE),
+    ({"command": "restart", "restore_step": 0}, True, True, Step.RESTART_IN_PLACE),   # step 0 is a step
+    ({"command": "quiesce"}, True, True, Step.QUIESCE),
+    ({"command": "restore", "restore_step": 3}, True, True, Step.RESTORE),
+    ({"command": "stop", "exit_code": 1}, True, True, Step.STOP),
+    ({"command": "stop", "fenced": True}, True, True, Step.FENCED),
+    ({"command": "noop"}, True, True, Step.NOTHING),
+    ({"command": "teleport"}, True, True, Step.NOTHING),                      # unknown: nothing to do
+])
+def test_plan_directive(d, has_workers, in_place, expected):
+    assert plan_directive(d, has_workers=has_workers, in_place=in_place) is expected
+
+
+@pytest.mark.parametrize("d, expected", [
+    ({"command": "run"}, True),
+    ({"command": "run", "resume": True}, True),
+    ({"command": "restart"}, True),
+    ({"command": "restart", "restore_step": 4}, False),   # reading the checkpoint waits for the process anyway
+    ({"command": "quiesce"}, False),
+    ({"command": "wait", "warm": True}, False),
+])
+def test_waits_for_io_process(d, expected):
+    assert waits_for_io_process(d) is expected
+
+
+T = 30.0   # hang timeout
+
+
+@pytest.mark.parametrize("now, last, pinged, expected", [
+    (100.0, 100.0 - T, None, Hang.OK),                   # exactly the timeout: still fine
+    (100.0, 100.0 - T - 0.1, None, Hang.PING),
+    (100.0, 0.0, 100.0 - T, Hang.WAIT),                  # pinged a timeout ago: a starved worker answers late
+    (100.0, 0.0, 100.0 - T - 0.1, Hang.HUNG),
+    (100.0, 99.0, 0.0, Hang.OK),                         # progress since the ping: not hung
+])
+def test_hang_check(now, last, pinged, expected):
+    assert hang_check(now, last, pinged, T) is expected
+
+
+def test_hang_grace_has_a_floor():
+    # a short hang timeout still gives a pinged worker PING_GRACE_MIN_S to answer
+    assert hang_check(10.0, 0.0, 10.0 - PING_GRACE_MIN_S + 0.01, 0.1) is Hang.WAIT
+    assert hang_check(10.0, 0.0, 10.0 - PING_GRACE_MIN_S - 0.01, 0.1) is Hang.HUNG
+
+
+@pytest.mark.parametrize("rank, rc, expected, detail", [
+    (3, None, Exit.RUNNING, None),
+    (None, 1, Exit.WARM, None),
+    (None, 0, Exit.WARM, None),
+    (3, 0, Exit.DONE, None),
+    (3, 1, Exit.FAILED, "rank 3 exited with code 1"),
+    (3, -9, Exit.FAILED, "rank 3 exited with signal 9"),
+])
+def test_exit_outcome(rank, rc, expected, detail):
+    assert exit_outcome(rank, rc) is expected
+    if detail is not None:
+        assert exit_detail(rank, rc) == detail
+
+
+def test_quiesce_is_reported_once_when_the_last_worker_acks():
+    p = PhaseAcks()
+    p.expect_quiesce({0, 1}, deadline=50.0)
+    assert not p.quiesce_complete(frozen=True)
+    p.quiesced(0, next_step=7)
+    assert not p.quiesce_complete(frozen=True)
+    p.gone(1)                                   # exited instead: owes nothing
+    assert not p.quiesce_complete(frozen=False)  # not in a recovery: nothing to report
+    assert p.quiesce_complete(frozen=True)
+    assert not p.quiesce_complete(frozen=True)   # once
+    p.quiesced(1, next_step=9)                   # a late ack reports nothing
+    assert not p.quiesce_complete(frozen=True) and p.quiesced_next_step == 9
+
+
+def test_quiesce_overdue_and_a_new_quiesce_forgets_the_last_steps():
+    p = PhaseAcks()
+    p.expect_quiesce({0, 1}, deadline=50.0)
+    p.quiesced(1, next_step=4)
+    assert not p.quiesce_overdue(50.0) and p.quiesce_overdue(50.1)
+    assert p.unacked_quiesce() == [0]
+    p.expect_quiesce({2})                        # no deadline: the last one holds
+    assert p.quiesce_overdue(50.1) and p.quiesced_next_step == 4
+    p.expect_quiesce({0}, deadline=60.0)
+    assert p.quiesced_next_step == 0 and not p.quiesce_overdue(59.0)
+    p.quiesced(0, next_step=1)
+    assert p.quiesce_complete(frozen=True)
+    assert not p.quiesce_overdue(100.0) and p.unacked_quiesce() == []   # reported: nothing is overdue
+
+
+def test_resume_reports_the_slowest_timings_once():
+    p = PhaseAcks()
+    p.expect_resume(range(2), {"fetch_s": 0.5})
+    assert p.resumed(0, {"rebuild_s": 1.0, "fetch_s": 0.1}) is None
+    assert p.resumed(1, {"rebuild_s": 2.0}) == {"fetch_s": 0.5, "rebuild_s": 2.0}
+    assert p.resumed(1, {"rebuild_s": 3.0}) is None
+
+
+@pytest.mark.parametrize("world, rank, holders", [
+    ({}, 0, []),
+    ({"placement": {"0": [1, 2]}}, 0, [1, 2]),    # as JSON carries it
+    ({"placement": {0: [1]}}, 0, [1]),
+    ({"placement": {"1": [0]}}, 0, []),
+])
+def test_holders_of(world, rank, holders):
+    assert holders_of(world, rank) == holders
+
+
+def test_peer_addr_of_reads_either_key():
+    assert peer_addr_of({"slots": {"1": "h:1"}}, 1) == "h:1"
+    assert peer_addr_of({"slots": {1: "h:2"}}, 1) == "h:2"
+
+
+def _ops_the_runtime_sends() -> set[str]:
+    ops = set()
+    for path in RUNTIME.glob("*.py"):
+        ops |= set(re.findall(r'(?:send|request)\(\{"op": "(\w+)"', path.read_text()))
+    return ops
+
+
+@pytest.fixture
+def two_agents():
+    """Agents of node slots 0 and 1 (one rank each), built but not started: their peer servers serve the
+    replicator, node 0's worker channel serves the op table; reports stay in their outboxes."""
+    job = {"nnodes": 2, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
+    agents, servers = [], []
+    for slot in (0, 1):
+        a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret", spec=WorkerSpec("unused.py"),
+                              nproc_per_node=1))
+        a.node.slot, a.node.job, a.node.role = slot, dict(job), "active"
+        servers.append(PeerServer("127.0.0.1", "s3cret", a.replicator.peer_handlers()))
+        agents.append(a)
+    world = {"placement": {"0": [1], "1": [0]}, "slots": {"0": servers[0].addr, "1": servers[1].addr}}
+    for a in agents:
+        a.node.world = world
+    channel = WorkerChannelServer(agents[0].sock_path, agents[0].worker_ops.on_message, agents[0].worker_ops.on_close)
+    yield agents, servers
+    channel.close()
+    for a, s in zip(agents, servers):
+        s.close()
+        a.slots.clear()
+
+
+def test_every_op_the_runtime_sends_has_a_handler(two_agents):
+    agents, _ = two_agents
+    sent = _ops_the_runtime_sends()
+    assert {"hello", "write", "written", "quiesced", "resumed"} <= sent    # the scan finds them
+    assert sent <= set(agents[0].worker_ops.handlers)
+    assert all(isinstance(op, WorkerOp) for op in agents[0].worker_ops.handlers)   # named by the protocol
+
+
+def test_worker_channel_through_the_op_table_and_replication(two_agents):
+    (a, b), servers = two_agents
+    link = AgentLink(a.sock_path)
+    try:
+        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+        assign = link.orders.get(timeout=30)
+        assert (assign["op"], assign["rank"], assign["world_size"]) == ("assign", 0, 2) and a.node.api
+        link.send({"op": 5})                                   # no such op: ignored, the channel goes on
+        link.send({"op": "teleport"})
+        h = SlotHeader(step=5, meta_cap=64, meta_len=2, private_len=100, shared_len=100)
+        paths = link.request({"op": "alloc", "nbytes": h.total_len}, timeout=30)["paths"]
+        assert len(paths) == 2 and all(Path(p).exists() for p in paths)
+        w = link.request({"op": "write", "nbytes": h.total_len}, timeout=30)
+        with open(w["path"], "r+b") as f, mmap.mmap(f.fileno(), w["nbytes"]) as mm:
+            mm[64:66] = b"{}"
+            mm[h.private_off:h.private_off + 100] = b"p" * 100
+            mm[h.shared_off:h.shared_off + 100] = b"s" * 100
+            mm[:64] = h.pack()
+        link.send({"op": "written", "slot": w["slot"], "step": 5, "stats": {"snap_s": 0.1}})
+        with link.cv:
+            assert link.cv.wait_for(lambda: link.committed_step == 5 or link.commit_error, timeout=30)
+        assert link.commit_error is None and link.last_commit["replicated_bytes"] == h.private_off + 100
+        assert a.slots.available() == {0: [5]} and b.replicas.available() == {0: [5]}   # replicated to slot 1
+        # one reader thread per worker: once a later request is answered, `written` has been handled whole
+        assert link.request({"op": "slots"}, timeout=30)["paths"] == paths
+        assert a.node.protection[0]["committed_step"] == 5 and a.node.protection[0]["snap_s"] == 0.1
+        assert 0 in a.supervisor.last_progress                  # write/written restart the hang clock
+
+        link.send({"op": "comm_error", "text": "boom", "step": 6})
+        link.send({"op": "resumed", "generation": 0, "timings": {"rebuild_s": 0.2}})
+        reports = [a.reporter.outbox.get(timeout=30) for _ in range(2)]
+        assert [(r["kind"], r.get("rank"), r.get("text")) for r in reports] == [("comm_error", 0, "boom"),
+                                                                                ("resumed", None, None)]
+        assert reports[1]["timings"] == {"rebuild_s": 0.2}
+
+        # node 1 restores rank 0 from the peers: its private part from its own replica, the shared part from node 0
+        timings = b.replicator.fetch({"0": {"private_addr": servers[1].addr, "shared_addr": servers[0].addr,
+                                            "shared_rank": 0}}, 5)
+        assert b.slots.available() == {0: [5]} and {"fetch_s", "params_fetch_s"} <= set(timings)
+        idx = b.slots.slot_of(0, 5)
+        got = b.slots.view(0, idx)
+        assert bytes(got[h.private_off:h.private_off + 100]) == b"p" * 100
+        assert bytes(got[h.shared_off:h.shared_off + 100]) == b"s" * 100
+    finally:
+        link.close()
