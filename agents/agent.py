@@ -22,6 +22,7 @@ from pathlib import Path
 
 from phoenixrun import netaddr
 from phoenixrun.protocol.client import ControlError
+from phoenixrun.protocol.codec import decode_directive
 from phoenixrun.protocol.messages import valid_fault
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
@@ -250,7 +251,7 @@ class Agent:
                 continue
             if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
                 self._version = d["version"]
-                self.directives.put(d)
+                self.directives.put(decode_directive(d))     # int-keyed maps: protocol/codec.py
 
     def _heartbeat(self) -> None:
         while not self._stop.is_set():
@@ -266,11 +267,11 @@ class Agent:
                 if reply.get("fenced"):    # replaced while it was away: never rejoin
                     self._fenced(reply)
                     return
-                if reply.get("error"):       # an unknown node: a restarted master, it learns the job from us
-                    self._rejoin()
                 for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
                     self._inject(fault)
             except ControlError as e:
+                if e.unknown_node:           # a restarted master (Status.UNKNOWN_NODE): it learns the job from us
+                    self._rejoin()
                 # the master may be restarting: keep going (training does not need it), keep trying
                 (log.warning if e.refused else log.debug)("heartbeat failed: %s", e)
             # jittered: agents that got their replies together (after a master stall, say) must not keep
@@ -802,11 +803,11 @@ class Agent:
         t0 = time.time()
         try:
             h = self.slots.finish_write(rank, idx, step)
-            holders = self.world.get("placement", {}).get(str(rank), self.world.get("placement", {}).get(rank, []))
+            holders = self.world.get("placement", {}).get(rank, [])
             if holders:
                 data = memoryview(self.slots.view(rank, idx))[:h.replicated_len]   # no copy: sent from shm
                 for holder in holders:
-                    addr = self.world["slots"].get(str(holder), self.world["slots"].get(holder))
+                    addr = self.world["slots"].get(holder)
                     self.peers.call(addr, {"op": "put", "rank": rank, "step": step}, data)
             self.slots.commit(rank, idx, step)
         except (PeerError, SlotError) as e:
