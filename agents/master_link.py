@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.codec import decode_directive
 from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
 from phoenixrun.agents.node import Lifecycle, NodeState
 
@@ -71,7 +72,7 @@ class MasterLink:
                 continue
             if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
                 self._version = d["version"]
-                self.directives.put(d)
+                self.directives.put(decode_directive(d))     # int-keyed maps: protocol/codec.py
 
     def heartbeat(self) -> None:
         """Thread: tell the master this node is alive (and what it holds) until the agent stops."""
@@ -82,11 +83,11 @@ class MasterLink:
                 if reply.get("fenced"):    # replaced while it was away: never rejoin
                     self.life.fenced(reply)
                     return
-                if reply.get("error"):       # an unknown node: a restarted master, it learns the job from us
-                    self.rejoin()
                 for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
                     self.on_inject(fault)
             except ControlError as e:
+                if e.unknown_node:           # a restarted master (Status.UNKNOWN_NODE): it learns the job from us
+                    self.rejoin()
                 # the master may be restarting: keep going (training does not need it), keep trying
                 (log.warning if e.refused else log.debug)("heartbeat failed: %s", e)
             # jittered: agents that got their replies together (after a master stall, say) must not keep

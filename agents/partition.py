@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 
-from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.client import ControlClient
+from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S
 from phoenixrun.agents.peer import PeerClient, PeerError
 
 
@@ -36,21 +37,18 @@ class NetworkCut:
     def heal(self) -> None:
         self._cut.clear()
 
+    def blocked(self) -> str | None:
+        """The control client's gate (protocol/client.py): why a call cannot go out now, None if it can."""
+        return "network partitioned (injected)" if self.active else None
+
 
 class GatedControlClient(ControlClient):
-    """A ControlClient whose calls fail while the node is cut off, like calls into a partitioned network."""
+    """A ControlClient whose calls fail while the node is cut off, like calls into a partitioned network
+    (the cut is the client's injected gate)."""
 
-    def __init__(self, endpoint: str, secret: str, cut: NetworkCut, timeout: float = 5.0):
-        super().__init__(endpoint, secret, timeout)
+    def __init__(self, endpoint: str, secret: str, cut: NetworkCut, timeout: float = CLIENT_TIMEOUT_S):
+        super().__init__(endpoint, secret, timeout, gate=cut.blocked)
         self.cut = cut
-
-    def _request(self, method: str, path: str, payload: dict | None, timeout: float | None) -> bytes:
-        if self.cut.active:
-            raise ControlError(f"cannot reach master at {self.base}: network partitioned (injected)")
-        out = super()._request(method, path, payload, timeout)
-        if self.cut.active:   # the cut began while the call was in flight: its reply is lost
-            raise ControlError(f"cannot reach master at {self.base}: network partitioned (injected)")
-        return out
 
 
 class GatedPeerClient(PeerClient):

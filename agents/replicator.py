@@ -16,14 +16,13 @@ from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
 
 
 def holders_of(world: dict, rank: int) -> list[int]:
-    """The node slots holding `rank`'s replica in the master's world map (JSON keys: strings). Pure."""
-    placement = world.get("placement", {})
-    return placement.get(str(rank), placement.get(rank, []))
+    """The node slots holding `rank`'s replica in the master's world map (int-keyed: protocol/codec.py). Pure."""
+    return world.get("placement", {}).get(rank, [])
 
 
 def peer_addr_of(world: dict, slot: int) -> str:
-    """The peer address of node slot `slot` in the master's world map. Pure."""
-    return world["slots"].get(str(slot), world["slots"].get(slot))
+    """The peer address of node slot `slot` in the master's world map (int-keyed). Pure."""
+    return world["slots"].get(slot)
 
 
 class Replicator:

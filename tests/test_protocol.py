@@ -9,7 +9,10 @@ import json
 import pytest
 
 from phoenixrun.control import wire
-from phoenixrun.protocol import REPORT_KINDS, Command, Event, PeerOp, ReportKind, WorkerOp
+from phoenixrun.protocol import REPORT_KINDS, Command, Endpoint, Event, PeerOp, ReportKind, WorkerOp
+from phoenixrun.protocol.client import ControlError
+from phoenixrun.protocol.codec import decode_directive, int_keys
+from phoenixrun.protocol.status import REASON_PHRASES, Status, refused
 
 FROZEN = {
     Command: {"noop", "wait", "run", "restart", "quiesce", "restore", "stop"},
@@ -25,6 +28,7 @@ FROZEN = {
             "directive_sent", "fault_injected", "fault_detected", "protection_mode", "recovery_started",
             "recovery_plan", "recovery_done", "recovery_failed", "restart", "fallback_restart", "fallback_done",
             "checkpoint_rejected", "rejected_request"},
+    Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/directive", "/v1/inject", "/v1/state", "/metrics"},
 }
 
 
@@ -57,3 +61,73 @@ def test_report_kinds_on_the_wire_are_the_agent_sent_ones():
     # a stale generation makes a report about workers moot; one about the node or a recovery ack is not
     assert {k for k, moot in REPORT_KINDS.items() if moot} == {
         "workers_done", "worker_exit", "worker_hang", "comm_error", "nan_loss", "worker_error"}
+
+
+# ------------------------------------------------------------------ status codes (pure)
+@pytest.mark.parametrize("code, is_refusal", [
+    (None, False),                     # the master was not reached: try again later
+    (Status.OK, False),
+    (Status.BAD_REQUEST, True), (Status.UNAUTHORIZED, True), (Status.WRONG_TOKEN, True),
+    (Status.NO_SUCH_ENDPOINT, True), (Status.CONFLICT, True), (Status.TOO_LARGE, True),
+    (Status.UNKNOWN_NODE, False),      # register again, then the same message goes through
+    (Status.MASTER_ERROR, False),
+])
+def test_which_answers_refuse_the_message_itself(code, is_refusal):
+    assert refused(code) is is_refusal
+    assert ControlError("x", status=code).refused is is_refusal
+    assert ControlError("x", status=code).unknown_node is (code == Status.UNKNOWN_NODE)
+
+
+def test_every_status_has_a_reason_phrase():
+    assert all(REASON_PHRASES.get(s) for s in Status)
+
+
+# ------------------------------------------------------------------ codec (pure)
+@pytest.mark.parametrize("raw, expected", [
+    ({}, {}), (None, {}),
+    ({"0": "a:1", "12": "b:2"}, {0: "a:1", 12: "b:2"}),      # as JSON carries them
+    ({0: "a:1", 3: "b:2"}, {0: "a:1", 3: "b:2"}),            # as an in-process caller built them
+    ({"1": [2, 3], 4: [0]}, {1: [2, 3], 4: [0]}),
+])
+def test_int_keys_normalises_json_keys(raw, expected):
+    assert int_keys(raw) == expected
+
+
+@pytest.mark.parametrize("bad", [{"x": 1}, {"-1": 1}, {-1: 1}, {"1.5": 1}, {True: 1}, {"9" * 12: 1}])
+def test_int_keys_refuses_keys_that_are_not_numbers_and_names_the_map(bad):
+    with pytest.raises(ValueError, match="world.slots: key"):
+        int_keys(bad, "world.slots")
+
+
+def test_a_directive_decoded_from_the_wire_is_int_keyed_once():
+    sent = {"command": Command.RESTORE, "version": 4, "generation": 2, "restore_step": 9,
+            "fetch": {3: {"private_addr": "h:1", "shared_addr": "h:2", "shared_rank": 1}},
+            "world": {"slots": {0: "h:1", 1: "h:2"}, "placement": {2: [0], 3: [0, 1]}, "store_port": 5}}
+    received = json.loads(wire.dumps(sent))               # what the agent's client hands it: string keys
+    assert set(received["world"]["slots"]) == {"0", "1"}
+    d = decode_directive(received)
+    assert d == sent                                       # every map int-keyed again, the rest as it was
+    assert d["world"]["placement"][3] == [0, 1] and d["world"]["slots"][1] == "h:2"
+    assert received["world"]["slots"] == {"0": "h:1", "1": "h:2"}    # the input is not modified
+    assert decode_directive({"command": "noop", "version": 1}) == {"command": "noop", "version": 1}
+
+
+def test_the_status_codes_are_frozen():
+    assert {s.name: int(s) for s in Status} == {
+        "OK": 200, "BAD_REQUEST": 400, "UNAUTHORIZED": 401, "WRONG_TOKEN": 403, "NO_SUCH_ENDPOINT": 404,
+        "METHOD_NOT_ALLOWED": 405, "READ_TIMEOUT": 408, "CONFLICT": 409, "UNKNOWN_NODE": 410, "TOO_LARGE": 413,
+        "HEAD_TOO_LARGE": 431, "MASTER_ERROR": 500}
+
+
+def test_parsed_messages_are_frozen_except_the_two_hot_ones():
+    import dataclasses
+    from phoenixrun.protocol import messages as m
+    job = m.Job(nnodes=2, nproc_per_node=1, world_size=2)
+    reg = m.parse_register({"node_id": "n", "host": "h", "agent_pid": 1, "peer_addr": "h:1"}, job)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reg.node_id = "other"
+    poll = m.parse_poll({"node_id": "n", "version": -1}, newest_version=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        poll.version = 3
+    # Heartbeat and Report stay plain (a frozen __init__ cost the 16K/s heartbeat parse 28%: messages.py)
+    assert not m.Heartbeat.__dataclass_params__.frozen and not m.Report.__dataclass_params__.frozen

@@ -1,5 +1,8 @@
 """Append-only JSON-lines event log: the contract tools and tests read (docs/design.md, "Event contract", names
-every event and its fields)."""
+every event and its fields).
+
+Event names are protocol/names.py's `Event`: a name outside it is a bug (a typo would silently break the tools
+that read the log), refused with a ValueError."""
 from __future__ import annotations
 
 import json
@@ -7,6 +10,8 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+
+from phoenixrun.protocol.names import Event
 
 
 class EventLog:
@@ -16,8 +21,8 @@ class EventLog:
         self.recent: deque[dict] = deque(maxlen=keep)
         self._f = open(self.path, "a", buffering=1)
 
-    def emit(self, event: str, generation: int, **fields) -> dict:
-        rec = {"t": round(time.time(), 6), "event": event, "generation": generation, **fields}
+    def emit(self, event: Event | str, generation: int, **fields) -> dict:
+        rec = {"t": round(time.time(), 6), "event": Event(event).value, "generation": generation, **fields}
         line = json.dumps(rec, default=str)
         with self._lock:
             self._f.write(line + "\n")

@@ -159,7 +159,7 @@ class Handlers:
         with self.job.cv:
             node = self.job.nodes.get(msg.node_id)
             if node is None:
-                return {"error": "unknown node: register first"}
+                raise messages.UnknownNode()     # a restarted master: the agent rejoins (Status.UNKNOWN_NODE)
             fenced = self._fence(node.node_id, "heartbeat")
             if fenced:
                 return fenced
@@ -199,7 +199,7 @@ class Handlers:
         with self.job.cv:
             node = self.job.nodes.get(msg.node_id)
             if node is None:
-                return {"error": "unknown node"}
+                raise messages.UnknownNode()
             fenced = self._fence(msg.node_id, "report")
             if fenced:
                 return fenced

@@ -9,7 +9,7 @@ briefly); the status reads, O(nodes), run in a worker thread so they never stall
 Wire protocol: JSON bodies, bearer secret on every request, checked as soon as the request head
 is in (401 and the connection closed otherwise: an unauthenticated peer never gets a body read), 400
 for malformed bodies and 4xx for invalid messages (protocol/messages.py; nothing of them is applied),
-404 for unknown paths. Refusals are counted (control/rejections.py), not logged one event each.
+404 for unknown paths: one status per outcome, protocol/status.py. Refusals are counted (control/rejections.py), not logged one event each.
 
 What a peer can make the master hold (measured on main at 73f19fc: 60 unauthenticated connections
 sending 16 MiB bodies took it from 233 MB to 1.3 GB): before authentication, at most MAX_HEAD bytes
@@ -31,8 +31,11 @@ from typing import TYPE_CHECKING
 
 from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
-from phoenixrun.protocol.constants import MAX_BODY, MAX_HEAD, MAX_UNAUTHENTICATED, READ_TIMEOUT_S
+from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_BODY, MAX_HEAD, MAX_PARKED_POLL_S,
+                                           MAX_UNAUTHENTICATED, READ_TIMEOUT_S)
 from phoenixrun.protocol.messages import MessageError
+from phoenixrun.protocol.names import Command, Endpoint
+from phoenixrun.protocol.status import REASON_PHRASES, Status
 
 if TYPE_CHECKING:
     from phoenixrun.control.master import Master
@@ -41,9 +44,6 @@ log = logging.getLogger("phoenixrun.master")
 
 BACKLOG = 4096                    # thousands of agents connect at once when a job starts
 WAKE_BATCH = 32768                # directive polls answered per loop iteration (~16 us each, mostly the send)
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-           405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
-           431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 JSON = "application/json"
 
 
@@ -88,33 +88,33 @@ def parse_head(buf: bytearray) -> tuple[Head, int] | None:
     end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
     if end < 0:
         if len(buf) > MAX_HEAD:
-            raise RequestError(431, "request head too large")
+            raise RequestError(Status.HEAD_TOO_LARGE, "request head too large")
         return None
     lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise RequestError(400, f"bad request line {lines[0][:80]!r}")
+        raise RequestError(Status.BAD_REQUEST, f"bad request line {lines[0][:80]!r}")
     headers = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
         if not sep:
-            raise RequestError(400, f"bad header line {line[:80]!r}")
+            raise RequestError(Status.BAD_REQUEST, f"bad header line {line[:80]!r}")
         headers[name.strip().lower()] = value.strip()
     if "chunked" in headers.get("transfer-encoding", ""):
-        raise RequestError(400, "chunked bodies are not supported: send Content-Length")
+        raise RequestError(Status.BAD_REQUEST, "chunked bodies are not supported: send Content-Length")
     try:
         n = int(headers.get("content-length", "0"))
     except ValueError:
-        raise RequestError(400, "bad Content-Length") from None
+        raise RequestError(Status.BAD_REQUEST, "bad Content-Length") from None
     if n < 0:
-        raise RequestError(400, "bad Content-Length")
+        raise RequestError(Status.BAD_REQUEST, "bad Content-Length")
     conn_hdr = headers.get("connection", "").lower()
     keep = "close" not in conn_hdr if parts[2] == "HTTP/1.1" else "keep-alive" in conn_hdr
     return Head(parts[0], parts[1], headers, n, keep), end + 4
 
 
 def render_response(code: int, body: bytes, ctype: str = JSON, close: bool = False) -> bytes:
-    head = (f"HTTP/1.1 {code} {REASONS.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
+    head = (f"HTTP/1.1 {int(code)} {REASON_PHRASES.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n")
     return head.encode("latin-1") + body
 
@@ -168,7 +168,7 @@ class Connection(asyncio.Protocol):
         self.buf += data
         if len(self.buf) > MAX_HEAD + MAX_BODY + 4:
             # a client sending while its request is handled (pipelining) gets no more than one request's room
-            self.fail(413, "too much data sent ahead of the replies", "too_large")
+            self.fail(Status.TOO_LARGE, "too much data sent ahead of the replies", "too_large")
             return
         if self.waiting_since is None:
             self.waiting_since = time.monotonic()
@@ -193,11 +193,11 @@ class Connection(asyncio.Protocol):
                 if not auth.check(self.server.master.secret, head.headers.get("authorization")):
                     log.debug("rejected unauthenticated %s %s from %s", head.method, head.path, self.peer)
                     self.head = head
-                    self.fail(401, "unauthorized: missing or wrong job secret", "unauthorized")
+                    self.fail(Status.UNAUTHORIZED, "unauthorized: missing or wrong job secret", "unauthorized")
                     return
                 if head.length > MAX_BODY:
                     self.head = head
-                    self.fail(413, f"body too large ({head.length} bytes, at most {MAX_BODY})", "too_large")
+                    self.fail(Status.TOO_LARGE, f"body too large ({head.length} bytes, at most {MAX_BODY})", "too_large")
                     return
                 self.head = head
                 if not self.authenticated:
@@ -260,8 +260,8 @@ class ControlServer:
         self._wake_scheduled = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="control-server")
         self._started = threading.Event()
-        self._routes = {"/v1/register": master.register, "/v1/heartbeat": master.heartbeat,
-                        "/v1/report": master.report, "/v1/inject": master.inject}
+        self._routes = {Endpoint.REGISTER: master.register, Endpoint.HEARTBEAT: master.heartbeat,
+                        Endpoint.REPORT: master.report, Endpoint.INJECT: master.inject}
 
     def start(self) -> None:
         self._thread.start()
@@ -282,7 +282,7 @@ class ControlServer:
         now = time.monotonic()
         for c in [c for c in self.connections if c.waiting_since is not None and not c.busy
                   and (c.buf or not c.authenticated) and now - c.waiting_since > READ_TIMEOUT_S]:
-            c.fail(408, f"request not completed within {READ_TIMEOUT_S:g}s", "read_timeout")
+            c.fail(Status.READ_TIMEOUT, f"request not completed within {READ_TIMEOUT_S:g}s", "read_timeout")
         self.loop.call_later(READ_TIMEOUT_S / 4, self._sweep)
 
     def refuse(self, peer: str, path: str, reason: str, detail: str) -> None:
@@ -344,10 +344,10 @@ class ControlServer:
         for poll, d in zip(polls, self.master.answer_polls([poll.payload for poll in polls])):
             if d is not None:
                 if not poll.conn.keep_alive:
-                    poll.conn.respond(200, d.body)
+                    poll.conn.respond(Status.OK, d.body)
                 else:
                     if rendered is None or rendered[0] is not d.body:
-                        rendered = d.body, render_response(200, d.body)
+                        rendered = d.body, render_response(Status.OK, d.body)
                     poll.conn.send_response(rendered[1])
                 sent.append(d)
                 continue
@@ -356,7 +356,8 @@ class ControlServer:
                 # polls again at once) do not all expire together: 16K agents re-polling in one burst every poll
                 # period were, each time, 16K requests in the loop's backlog (and a broadcast then in flight
                 # missed their parked polls).
-                timeout = min(float(poll.payload.get("timeout", 10.0)), 30.0) * random.uniform(0.5, 1.0)
+                timeout = min(float(poll.payload.get("timeout", DEFAULT_POLL_TIMEOUT_S)), MAX_PARKED_POLL_S) \
+                    * random.uniform(0.5, 1.0)
                 poll.timer = self.loop.call_later(max(0.0, timeout), self._expire, poll)
             self._polls.setdefault(poll.payload.get("node_id", ""), []).append(poll)
             poll.conn.poll = poll
@@ -367,7 +368,7 @@ class ControlServer:
         waiting = self._polls.get(poll.payload.get("node_id", ""), [])
         if poll in waiting:
             waiting.remove(poll)
-            poll.conn.respond(200, wire.dumps({"version": poll.known, "command": "noop"}))
+            poll.conn.respond(Status.OK, wire.dumps({"version": poll.known, "command": Command.NOOP}))
 
     def forget(self, conn: Connection) -> None:
         """A connection closed: drop its parked poll, if any."""
@@ -391,47 +392,48 @@ class ControlServer:
         elif req.method == "POST":
             self._post(conn, req)
         else:
-            conn.respond(405, b'{"error": "use GET or POST"}')
+            conn.respond(Status.METHOD_NOT_ALLOWED, b'{"error": "use GET or POST"}')
 
     def _get(self, conn: Connection, path: str) -> None:
-        if path == "/v1/state":
+        if path == Endpoint.STATE:
             render, ctype = (lambda: wire.dumps(self.master.state())), JSON
-        elif path == "/metrics":
+        elif path == Endpoint.METRICS:
             render, ctype = (lambda: metrics.render(self.master.state()).encode()), "text/plain; version=0.0.4"
         else:
-            conn.respond(404, b'{"error": "no such endpoint"}')
+            conn.respond(Status.NO_SUCH_ENDPOINT, b'{"error": "no such endpoint"}')
             return
         fut = self.loop.run_in_executor(None, render)
-        fut.add_done_callback(lambda f: conn.respond(200, f.result(), ctype) if not f.exception()
-                              else conn.respond(500, wire.dumps({"error": str(f.exception())})))
+        fut.add_done_callback(lambda f: conn.respond(Status.OK, f.result(), ctype) if not f.exception()
+                              else conn.respond(Status.MASTER_ERROR, wire.dumps({"error": str(f.exception())})))
 
     def _post(self, conn: Connection, req: Request) -> None:
         fn = self._routes.get(req.path)
-        if fn is None and req.path != "/v1/directive":
-            conn.respond(404, b'{"error": "no such endpoint"}')
+        if fn is None and req.path != Endpoint.DIRECTIVE:
+            conn.respond(Status.NO_SUCH_ENDPOINT, b'{"error": "no such endpoint"}')
             return
         try:
             payload = wire.loads(req.body or b"{}")
             if not isinstance(payload, dict):
                 raise ValueError("body must be a JSON object")
-            if req.path == "/v1/register":
+            if req.path == Endpoint.REGISTER:
                 why = netaddr.loopback_refusal([payload.get("host", ""), netaddr.split_host_port(
                     str(payload.get("peer_addr", "")))[0]], conn.peer)
                 if why:
                     log.warning("refused registration of %s: %s", payload.get("node_id"), why)
-                    conn.respond(400, wire.dumps({"error": why}))
+                    conn.respond(Status.BAD_REQUEST, wire.dumps({"error": why}))
                     return
             if fn is None:
                 poll = self.master.poll_intake(payload)
                 self._answer_or_park([_Poll(conn, {"node_id": poll.node_id, "version": poll.version,
                                                    "timeout": poll.timeout}, poll.version)])
                 return
-            conn.respond(200, wire.dumps(fn(payload)))
+            conn.respond(Status.OK, wire.dumps(fn(payload)))
         except (ValueError, KeyError, TypeError, RecursionError) as e:
-            code, reason = (e.code, e.reason) if isinstance(e, MessageError) else (400, "malformed")
+            code, reason = (e.code, e.reason) if isinstance(e, MessageError) else (Status.BAD_REQUEST, "malformed")
             log.debug("refused %s from %s: %s", req.path, conn.peer, e)
-            self.refuse(conn.peer, req.path, reason, str(e))
+            if getattr(e, "counted", True):
+                self.refuse(conn.peer, req.path, reason, str(e))
             conn.respond(code, wire.dumps({"error": f"refused: {e}", "reason": reason}))
         except Exception as e:   # a bug in a handler: answer, keep serving everyone else
             log.exception("handler for %s failed", req.path)
-            conn.respond(500, wire.dumps({"error": f"master error: {e}"}))
+            conn.respond(Status.MASTER_ERROR, wire.dumps({"error": f"master error: {e}"}))

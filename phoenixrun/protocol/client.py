@@ -2,40 +2,68 @@
 
 Keep-alive: each calling thread keeps one HTTP/1.1 connection to the master (an agent's heartbeat
 and directive poll each reuse theirs), so a 16K-node job does not open 16K connections a second.
+
+A refusal raises ControlError with the answer's status (protocol/status.py): callers decide on the code.
+A `gate` (an injected hook, agents/partition.py's drill) can make calls fail as if the network dropped them.
 """
 from __future__ import annotations
 
 import http.client
 import json
 import threading
+from typing import Callable
 from urllib.parse import urlsplit
 
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S
+from phoenixrun.protocol.status import Status, refused
+
+# None while calls may go out, else why they cannot (checked before a call and again after its answer: a cut
+# that began while the call was in flight loses the reply, as a real partition would)
+Gate = Callable[[], "str | None"]
 
 
 class ControlError(Exception):
     """The master could not be reached or refused the call. `status`: the HTTP status of a refusal (a 4xx: the
-    message itself was refused and sending it again will not help), None if the master was not reached."""
+    message itself was refused), None if the master was not reached; `reason`: the refusal's category."""
 
-    def __init__(self, msg: str, status: int | None = None):
+    def __init__(self, msg: str, status: int | None = None, reason: str | None = None):
         super().__init__(msg)
         self.status = status
+        self.reason = reason
 
     @property
     def refused(self) -> bool:
-        return self.status is not None and 400 <= self.status < 500
+        """Sending the same message again will not help (a 4xx other than UNKNOWN_NODE)."""
+        return refused(self.status)
+
+    @property
+    def unknown_node(self) -> bool:
+        """The master has no record of this node (it restarted): register again, then retry."""
+        return self.status == Status.UNKNOWN_NODE
 
 
 class ControlClient:
-    def __init__(self, endpoint: str, secret: str, timeout: float = CLIENT_TIMEOUT_S):
+    def __init__(self, endpoint: str, secret: str, timeout: float = CLIENT_TIMEOUT_S, gate: Gate | None = None):
         self.base = endpoint if endpoint.startswith("http") else f"http://{endpoint}"
         u = urlsplit(self.base)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.secret = secret
         self.timeout = timeout
+        self.gate = gate
         self._local = threading.local()
 
+    def _check_gate(self) -> None:
+        why = self.gate() if self.gate is not None else None
+        if why:
+            raise ControlError(f"cannot reach master at {self.base}: {why}")
+
     def _request(self, method: str, path: str, payload: dict | None, timeout: float | None) -> bytes:
+        self._check_gate()
+        out = self._exchange(method, path, payload, timeout)
+        self._check_gate()
+        return out
+
+    def _exchange(self, method: str, path: str, payload: dict | None, timeout: float | None) -> bytes:
         data = json.dumps(payload).encode() if payload is not None else None
         headers = {"Authorization": f"Bearer {self.secret}", "Content-Type": "application/json"}
         t = timeout or self.timeout
@@ -63,7 +91,7 @@ class ControlClient:
                 self._drop()
             if resp.status >= 400:
                 raise ControlError(f"master refused {path}: HTTP {resp.status} {body.decode(errors='replace')}",
-                                   status=resp.status)
+                                   status=resp.status, reason=_reason(body))
             return body
         raise AssertionError("unreachable")
 
@@ -85,3 +113,12 @@ class ControlClient:
 
     def get_text(self, path: str) -> str:
         return self._request("GET", path, None, None).decode()
+
+
+def _reason(body: bytes) -> str | None:
+    """The `reason` of a refusal's JSON body, if it has one."""
+    try:
+        r = json.loads(body).get("reason")
+    except (ValueError, AttributeError):
+        return None
+    return r if isinstance(r, str) else None

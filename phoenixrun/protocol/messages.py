@@ -20,6 +20,7 @@ from phoenixrun.faults import Signal
 from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_CLOCK_SKEW_S, MAX_COUNT, MAX_GENERATION,
                                            MAX_ID, MAX_LIST, MAX_POLL_TIMEOUT, MAX_TEXT)
 from phoenixrun.protocol.names import REPORT_KINDS, ReportKind
+from phoenixrun.protocol.status import Status
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+\-]+\Z")
 FAULTS = ("crash-worker", "kill-node", "hang", "ecc", "partition", "comm-timeout", "nan")
@@ -27,12 +28,25 @@ ROLES = ("active", "spare", "unknown")
 
 
 class MessageError(ValueError):
-    """A message the master refuses whole: `code` is the HTTP status to answer (4xx)."""
+    """A message the master refuses whole: `code` is the HTTP status to answer (4xx, protocol/status.py)."""
 
-    def __init__(self, msg: str, code: int = 400, reason: str = "invalid"):
+    counted = True                    # in the master's rejection counters (control/rejections.py)
+
+    def __init__(self, msg: str, code: int = Status.BAD_REQUEST, reason: str = "invalid"):
         super().__init__(msg)
         self.code = code
         self.reason = reason          # the category counted in the master's rejection counters
+
+
+class UnknownNode(MessageError):
+    """A call from a node id the master has no record of: a master that restarted since the node registered.
+    Answered UNKNOWN_NODE (the node registers again, telling the master what it knows, then retries); not
+    counted as a rejection: every agent of a job meets it once after a master restart."""
+
+    counted = False
+
+    def __init__(self, msg: str = "unknown node: register first"):
+        super().__init__(msg, code=Status.UNKNOWN_NODE, reason="unknown_node")
 
 
 @dataclass(frozen=True)
@@ -182,7 +196,7 @@ def valid_fault(fault: str) -> bool:
 
 
 # ------------------------------------------------------------------ messages
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Rejoin:
     """What an agent tells a restarted master about itself (register's `rejoin`)."""
     role: str
@@ -196,7 +210,7 @@ class Rejoin:
     world_slots: dict[int, str]      # slot -> peer address, as the agent knew its world
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Register:
     node_id: str
     host: str
@@ -207,8 +221,9 @@ class Register:
     node_rank: int | None = None   # --node-rank: the slot it asks for (>= nnodes: a spare)
 
 
-# not frozen: with a frozen __init__ (and a generator over worker_pids) parse_heartbeat took 6.0 us of CPU, now
-# 4.7 us (timeit, 4 ranks x 2 steps + protection figures); by_rank, what it replaces, took 1.6 us
+# Heartbeat and Report are not frozen (the others are): with a frozen __init__ (and a generator over worker_pids)
+# parse_heartbeat took 6.0 us of CPU, now 4.7 us (timeit, 4 ranks x 2 steps + protection figures); by_rank, what it
+# replaces, took 1.6 us
 @dataclass(slots=True)
 class Heartbeat:
     node_id: str
@@ -230,13 +245,13 @@ class Report:
     event: dict = field(repr=False)   # the validated report as the controller reads it (a dict, as before)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Inject:
     slot: int
     fault: str
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Poll:
     node_id: str
     token: str | None

@@ -11,6 +11,7 @@ built with literals, and a received string looks its member up with `Command(s)`
 - `WorkerOp`: the node-local channel between an agent and its workers (Unix socket, JSON lines, `op`).
 - `PeerOp`: agent-to-agent requests (agents/peer.py frames, `op`).
 - `Event`: the `event` field of events.jsonl lines (control/events.py): the contract tools and tests read.
+- `Endpoint`: the master's HTTP API paths (control/server.py).
 """
 from __future__ import annotations
 
@@ -118,3 +119,13 @@ class Event(StrEnum):
     FALLBACK_DONE = "fallback_done"
     CHECKPOINT_REJECTED = "checkpoint_rejected"
     REJECTED_REQUEST = "rejected_request"
+
+
+class Endpoint(StrEnum):
+    REGISTER = "/v1/register"            # POST: an agent joins (or rejoins a restarted master)
+    HEARTBEAT = "/v1/heartbeat"          # POST: liveness, inventories; the reply carries injected faults
+    REPORT = "/v1/report"                # POST: a ReportKind
+    DIRECTIVE = "/v1/directive"          # POST: the directive long-poll (answered with a Command)
+    INJECT = "/v1/inject"                # POST: `phoenixrun inject`
+    STATE = "/v1/state"                  # GET: the job's state (`phoenixrun status`)
+    METRICS = "/metrics"                 # GET: Prometheus text

@@ -13,6 +13,8 @@ import socket
 import threading
 from typing import Callable
 
+from phoenixrun.protocol.names import WorkerOp
+
 
 class AgentGone(RuntimeError):
     """The node agent closed the channel: this worker cannot be protected or recovered."""
@@ -75,25 +77,25 @@ class AgentLink:
             for line in f:
                 msg = json.loads(line)
                 op = msg.get("op")
-                if op == "reply":
+                if op == WorkerOp.REPLY:
                     q = self._replies.get(msg.get("id"))
                     if q is not None:
                         q.put(msg)
-                elif op in ("committed", "commit_failed"):
+                elif op in (WorkerOp.COMMITTED, WorkerOp.COMMIT_FAILED):
                     with self.cv:
-                        if op == "committed":
+                        if op == WorkerOp.COMMITTED:
                             self.committed_step = max(self.committed_step, int(msg["step"]))
                             self.last_commit = msg
                         else:
                             self.commit_error = msg.get("error", "replication failed")
                         self.cv.notify_all()
-                elif op == "ping":                  # liveness for the agent's hang watchdog
-                    self.send({"op": "pong"})
-                elif op == "abort_comm":            # `phoenixrun inject --fault comm-timeout|partition`
+                elif op == WorkerOp.PING:                  # liveness for the agent's hang watchdog
+                    self.send({"op": WorkerOp.PONG})
+                elif op == WorkerOp.ABORT_COMM:            # `phoenixrun inject --fault comm-timeout|partition`
                     self.on_abort()
-                elif op == "poison_loss":           # `phoenixrun inject --fault nan`
+                elif op == WorkerOp.POISON_LOSS:           # `phoenixrun inject --fault nan`
                     self.poison_loss = True
-                elif op == "quiesce":
+                elif op == WorkerOp.QUIESCE:
                     g = int(msg["generation"])
                     with self.cv:
                         self.quiesce_generation = max(self.quiesce_generation, g)
@@ -107,4 +109,4 @@ class AgentLink:
         self.closed = True
         with self.cv:
             self.cv.notify_all()
-        self.orders.put({"op": "agent_gone"})
+        self.orders.put({"op": WorkerOp.AGENT_GONE})

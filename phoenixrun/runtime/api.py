@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixrun.faults.classify import is_collective_error_text
+from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
@@ -209,8 +210,8 @@ class _Runtime:
         self.link = AgentLink(sock_path)
         self.link.on_quiesce = self._on_quiesce
         self.link.on_abort = self.abort   # `phoenixrun inject --fault comm-timeout`: fail our collectives now
-        self.link.send({"op": "hello", "local_rank": local_rank, "pid": os.getpid(), "api": True})
-        assign = self.next_order({"assign"})
+        self.link.send({"op": WorkerOp.HELLO, "local_rank": local_rank, "pid": os.getpid(), "api": True})
+        assign = self.next_order({WorkerOp.ASSIGN})
         self.rank, self.world_size = assign["rank"], assign["world_size"]
         self.local_rank = local_rank
         self.master_addr, self.master_port = assign["master_addr"], int(assign["master_port"])
@@ -240,7 +241,7 @@ class _Runtime:
     def next_order(self, ops: set[str]) -> dict:
         while True:
             msg = self.link.orders.get()
-            if msg.get("op") == "agent_gone":
+            if msg.get("op") == WorkerOp.AGENT_GONE:
                 raise AgentGone("the node agent went away")
             if msg.get("op") in ops:
                 return msg
@@ -410,7 +411,7 @@ class Job:
                         self.rt.rank, every, self.current)
             self.every = every
             self._samples.clear()
-            self.link.send({"op": "protection_mode", "every": every, "step": self.current})
+            self.link.send({"op": WorkerOp.PROTECTION_MODE, "every": every, "step": self.current})
 
     def _snapshot(self, step: int) -> None:
         now = time.perf_counter()
@@ -439,13 +440,13 @@ class Job:
 
         def copy() -> None:
             # the agent hands out the non-committed slot, grown first if this layout needs more room
-            reply = link.request({"op": "write", "nbytes": nbytes})
+            reply = link.request({"op": WorkerOp.WRITE, "nbytes": nbytes})
             idx = reply["slot"]
             if slots[idx].path != reply["path"] or slots[idx].nbytes < nbytes:   # grown: a new file
                 writer.copier.release(slots[idx])
                 slots[idx] = SlotMap(reply["path"], reply["nbytes"])
             writer.write_encoded(slots[idx], step, meta, meta_cap, ready)
-            link.send({"op": "written", "slot": idx, "step": step, "stats": stats})
+            link.send({"op": WorkerOp.WRITTEN, "slot": idx, "step": step, "stats": stats})
         self.awaited_step = step
         self.copier.submit(copy)
 
@@ -461,14 +462,14 @@ class Job:
             log.info("rank %d: optimizer state changed: snapshot tensors now %d + %d bytes", self.rt.rank,
                      self.writer.private_len, self.writer.shared_len)
         if not self.slots:
-            paths = self.link.request({"op": "alloc", "nbytes": self.writer.total_len})["paths"]
+            paths = self.link.request({"op": WorkerOp.ALLOC, "nbytes": self.writer.total_len})["paths"]
             self.slots = [SlotMap(p) for p in paths]   # each as large as its file (slots grow one at a time)
 
     # ---------------------------------------------------------------- recovery
     def _recover(self, exc: BaseException | None) -> None:
         t0 = time.time()
         if not self.rt.quiesce_pending:
-            self.link.send({"op": "comm_error", "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.current})
+            self.link.send({"op": WorkerOp.COMM_ERROR, "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.current})
             self.rt.abort()   # let peers blocked on us fail now instead of at their timeout
         self.copier.wait()
         self.copier.error = None
@@ -482,10 +483,10 @@ class Job:
         while True:
             g = self.link.quiesce_generation
             if g > self.rt.generation and g > reported:
-                self.link.send({"op": "quiesced", "generation": g, "next_step": self.next_step})
+                self.link.send({"op": WorkerOp.QUIESCED, "generation": g, "next_step": self.next_step})
                 reported = g
-            order = self.rt.next_order({"rebuild", "quiesce"})
-            if order["op"] == "quiesce" or order["generation"] < self.link.quiesce_generation:
+            order = self.rt.next_order({WorkerOp.REBUILD, WorkerOp.QUIESCE})
+            if order["op"] == WorkerOp.QUIESCE or order["generation"] < self.link.quiesce_generation:
                 continue
             log.warning("rank %d: rejoining as generation %d, restoring step %d", self.rt.rank,
                         order["generation"], order["restore_step"])
@@ -499,7 +500,7 @@ class Job:
                 log.warning("rejoin of generation %s failed (%s); waiting for the next", order["generation"], e)
                 continue
             self._restored(order["restore_step"])
-            self.link.send({"op": "resumed", "generation": order["generation"], "timings": {
+            self.link.send({"op": WorkerOp.RESUMED, "generation": order["generation"], "timings": {
                 "rebuild_s": round(t2 - t1, 4), "optimizer_s": round(t3 - t2, 4), "params_s": round(t3 - t2, 4),
                 "worker_recovery_s": round(t3 - t0, 4)}})
             return
@@ -518,12 +519,12 @@ class Job:
             self._await_rebuild(t0)
             return
         self._restored(restore_step)
-        self.link.send({"op": "resumed", "generation": generation, "timings": {
+        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
             "optimizer_s": round(t1 - t0, 4), "params_s": round(t1 - t0, 4), "rebuild_s": round(time.time() - t1, 4),
             "worker_recovery_s": round(time.time() - t0, 4)}})
 
     def _restore(self, step: int) -> None:
-        paths = self.link.request({"op": "slots"})["paths"]
+        paths = self.link.request({"op": WorkerOp.SLOTS})["paths"]
         for p in paths:
             slot = SlotMap(p)
             found = read_slot(slot, step)
@@ -554,7 +555,7 @@ class _StepScope:
         now = time.monotonic()
         if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog
             job._last_ping = now
-            job.link.send({"op": "progress", "step": self.k})
+            job.link.send({"op": WorkerOp.PROGRESS, "step": self.k})
         return self.k
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -564,11 +565,11 @@ class _StepScope:
             job._snapshot(self.k + 1)
             return False
         if isinstance(exc, NonFiniteLoss):   # never snapshotted; the job must stop, not hot-swap
-            job.link.send({"op": "nan_loss", "text": str(exc), "step": self.k})
+            job.link.send({"op": WorkerOp.NAN_LOSS, "text": str(exc), "step": self.k})
             return False
         if exc is not None and not job.rt.quiesce_pending and not _recoverable(exc):
             # the script's own error: not ours to hide; tell the agent what it was (classification)
-            job.link.send({"op": "error", "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.k})
+            job.link.send({"op": WorkerOp.ERROR, "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.k})
             return False
         job._recover(exc)
         return True

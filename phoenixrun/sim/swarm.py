@@ -1,4 +1,5 @@
-"""Thousands of simulated node agents in one asyncio process, speaking the real agent's protocol.
+"""Thousands of simulated node agents in one asyncio process, speaking the real agent's protocol
+(phoenixrun/protocol: the same names, status codes and timeouts; it imports nothing of the agent).
 
 Each simulated agent registers, heartbeats (`/v1/heartbeat`, with the same payload fields as
 agents/agent.py: worker pids, snapshot and replica inventories, `api`), long-polls its directive
@@ -26,6 +27,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
+from phoenixrun.protocol.names import Command, Endpoint, ReportKind
+from phoenixrun.protocol.status import Status
 from phoenixrun.topology import Layout, place_replicas
 
 
@@ -176,10 +179,10 @@ class Swarm:
         async def worker(conn: HttpConnection) -> None:
             while todo:
                 a = todo.pop(0)
-                status, body = await conn.request(self._raw("/v1/register", {
+                status, body = await conn.request(self._raw(Endpoint.REGISTER, {
                     "node_id": a.node_id, "host": self.cfg.peer_host, "agent_pid": 0, "peer_addr": a.peer_addr,
                     "fault_domain": "", "nproc_per_node": self.cfg.nproc_per_node}))
-                if status != 200:
+                if status != Status.OK:
                     raise RuntimeError(f"register {a.node_id}: HTTP {status} {body[:200]!r}")
                 reg = json.loads(body)
                 a.role, a.slot, a.token = reg["role"], reg["slot"], reg.get("token")
@@ -254,20 +257,20 @@ class Swarm:
                     self.errors.append(f"heartbeat {a.node_id}: {f.exception() if not f.cancelled() else 'cancelled'}")
                 return
             status, _ = f.result()
-            if status == 200:
+            if status == Status.OK:
                 a.last_heartbeat = time.time()
                 self.heartbeats_ok += 1
                 self.heartbeat_latency.append(time.monotonic() - t0)
             else:
                 self.errors.append(f"heartbeat {a.node_id}: HTTP {status}")
             loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
-        conn.send(self._raw("/v1/heartbeat", payload)).add_done_callback(done)
+        conn.send(self._raw(Endpoint.HEARTBEAT, payload)).add_done_callback(done)
 
     async def _poll_loop(self, a: SimAgent) -> None:
         conn = self._polls[a.index]
 
         def poll() -> asyncio.Future:
-            return conn.send(self._raw("/v1/directive", {
+            return conn.send(self._raw(Endpoint.DIRECTIVE, {
                 "node_id": a.node_id, "token": a.token, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
         pending = poll()
         while a.alive and not self._stop.is_set():
@@ -277,7 +280,7 @@ class Swarm:
                 if a.alive:
                     self.errors.append(f"poll {a.node_id}: {e}")
                 return
-            if status != 200:
+            if status != Status.OK:
                 self.errors.append(f"poll {a.node_id}: HTTP {status}")
                 return
             d = json.loads(body)
@@ -289,25 +292,25 @@ class Swarm:
             a.version = d["version"]
             # the next poll goes out before the directive is acted on, as the real agent's poll thread hands
             # the directive to another thread and polls again at once
-            pending = poll() if d["command"] != "stop" else None
-            cmd, g = d["command"], d.get("generation", a.generation)
+            cmd, g = Command(d["command"]), d.get("generation", a.generation)
+            pending = poll() if cmd != Command.STOP else None
             # when the bytes arrived, not when this task got its turn: the swarm's own backlog (it
             # shares the machine's cores with the master) is not the master's broadcast time
             a.received.setdefault((cmd, g), conn.answered_at)
             a.generation = g
             if "slot" in d:
                 a.slot = d["slot"]
-            if cmd == "quiesce":
+            if cmd == Command.QUIESCE:
                 self.recovering = True
-                self._report(a, {"kind": "quiesced", "generation": g, "slot": a.slot, **self._inventory(a),
+                self._report(a, {"kind": ReportKind.QUIESCED, "generation": g, "slot": a.slot, **self._inventory(a),
                                  "next_step": self.step + 1})
-            elif cmd == "restore":
-                self._report(a, {"kind": "resumed", "generation": g, "slot": a.slot, "timings": {}})
-            elif cmd == "run":
+            elif cmd == Command.RESTORE:
+                self._report(a, {"kind": ReportKind.RESUMED, "generation": g, "slot": a.slot, "timings": {}})
+            elif cmd == Command.RUN:
                 a.role = "active"
                 if d.get("resume"):
                     self.recovering = False
-            elif cmd == "stop":
+            elif cmd == Command.STOP:
                 a.alive = False
             self._arrived((cmd, g))
 
@@ -330,9 +333,9 @@ class Swarm:
                 return
             if f.exception() is not None:
                 self.errors.append(f"report {ev['kind']}: {f.exception()}")
-            elif f.result()[0] != 200:
+            elif f.result()[0] != Status.OK:
                 self.errors.append(f"report {ev['kind']}: HTTP {f.result()[0]} {f.result()[1][:100]!r}")
-        conn.send(self._raw("/v1/report", {"node_id": a.node_id, "token": a.token, **ev})).add_done_callback(done)
+        conn.send(self._raw(Endpoint.REPORT, {"node_id": a.node_id, "token": a.token, **ev})).add_done_callback(done)
 
     # ------------------------------------------------------------------ control
     async def fail(self, a: SimAgent) -> float:
