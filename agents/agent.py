@@ -21,8 +21,8 @@ from pathlib import Path
 
 from phoenixrun import netaddr
 from phoenixrun.config import AgentConfig
-from phoenixrun.control.client import ControlError
-from phoenixrun.control.messages import valid_fault
+from phoenixrun.protocol.client import ControlError
+from phoenixrun.protocol.messages import valid_fault
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, Signal, poll_all
 from phoenixrun.slot_format import SlotHeader, crc_shared
 from phoenixrun.testing import pause_point

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.agents.peer import PeerClient, PeerError
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from phoenixrun.control.client import ControlError
+from phoenixrun.protocol.client import ControlError
 from phoenixrun.status import client_for
 from phoenixrun.topology import Layout, place_replicas
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from phoenixrun.control.client import ControlError
+from phoenixrun.protocol.client import ControlError
 from phoenixrun.control.events import read_events
 from phoenixrun.status import client_for, render
 

@@ -131,6 +131,10 @@ def main() -> None:
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
     progress: dict = {"losses": {}, "step_seconds": {}, **({"pad": {}} if args.state_growth else {})}
     job = phoenixrun.protect(model, opt, state=progress)
+
+    @job.on_restore   # after a recovery (never under plain torchrun, which reruns the script instead)
+    def restored(step: int, generation: int) -> None:
+        print(f"rank {rank}: restored step {step} in generation {generation}", flush=True)
     start = load_checkpoint(args, rank, model, opt, progress) if args.ckpt_dir else 0
     log = open(os.path.join(args.progress_dir, f"rank{rank}.log"), "a", buffering=1) if args.progress_dir else None
 

@@ -17,7 +17,7 @@ import click
 
 from phoenixrun import auth, config, netaddr
 from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConfig
-from phoenixrun.control.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
+from phoenixrun.protocol.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
 SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject")
 
@@ -359,7 +359,7 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
                    "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN")
 def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
     """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
-    from phoenixrun.control.client import ControlError
+    from phoenixrun.protocol.client import ControlError
     from phoenixrun.status import client_for
     if not valid_fault(fault):
         raise click.BadParameter(f"unknown fault {fault!r}", param_hint="--fault")

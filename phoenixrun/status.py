@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from phoenixrun import auth
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.protocol.client import ControlClient, ControlError
 
 
 def client_for(run_dir: Path | None, endpoint: str | None, secret_file: Path | None) -> ControlClient:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from phoenixrun.control.client import ControlError
+from phoenixrun.protocol.client import ControlError
 from phoenixrun.status import client_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -125,6 +125,13 @@ SURFACE = {
         ("--plot",): (None, None),
         ("--recovery-fit",): (None, None),
         ("--gpu-mttf",): (108000000, None),
+        ("--sizing",): (FLAG, None),
+        ("--nodes",): (64, None),
+        ("--p-fault",): (None, None),
+        ("--domain-fault",): (0.0, None),
+        ("--domains",): (0, None),
+        ("--window",): (1, None),
+        ("--target",): (0.01, None),
     },
 }
 

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from phoenixrun import auth
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.control.events import read_events
 from phoenixrun.control.master import Master, MasterConfig
 

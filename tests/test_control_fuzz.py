@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from phoenixrun import auth
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
-from phoenixrun.control import messages as m
-from phoenixrun.control.client import ControlClient, ControlError
+from phoenixrun.protocol import messages as m
+from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.rejections import Rejections
 

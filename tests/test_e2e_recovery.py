@@ -82,8 +82,15 @@ def test_two_failures_in_a_row(tmp_path, ref4):
     state = job.wait_for(lambda s: s["recoveries"] >= 1 and (s["step"] or 0) >= 12, what="first recovery")
     kill_node(state, slot=0)
     assert job.finish() == 0, job.log()[-3000:]
-    assert len(_recovered(job, 2)) == 2
+    done = _recovered(job, 2)
+    assert len(done) == 2
     assert_identical(job.out, ref4)
+    # job.on_restore ran on every rank after each recovery: survivors and replacement processes alike
+    log = job.log()
+    for d in done:
+        for rank in range(4):
+            line = f"rank {rank}: restored step {d['restored_step']} in generation {d['generation']}"
+            assert line in log, (line, log[-3000:])
 
 
 def test_spare_killed_during_recovery(tmp_path, ref4):

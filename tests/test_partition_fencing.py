@@ -9,7 +9,7 @@ from phoenixrun import auth
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.cli import valid_fault
-from phoenixrun.control.client import ControlError
+from phoenixrun.protocol.client import ControlError
 from phoenixrun.control.events import read_events
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.recovery import Cascade

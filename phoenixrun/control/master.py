@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from phoenixrun.config import MasterConfig
-from phoenixrun.control import messages, wire
+from phoenixrun.control import wire
+from phoenixrun.protocol import messages
 from phoenixrun.control.directives import Directive, DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.probe import unreachable

@@ -8,7 +8,7 @@ briefly); the status reads, O(nodes), run in a worker thread so they never stall
 
 Wire protocol: JSON bodies, bearer secret on every request, checked as soon as the request head
 is in (401 and the connection closed otherwise: an unauthenticated peer never gets a body read), 400
-for malformed bodies and 4xx for invalid messages (control/messages.py; nothing of them is applied),
+for malformed bodies and 4xx for invalid messages (protocol/messages.py; nothing of them is applied),
 404 for unknown paths. Refusals are counted (control/rejections.py), not logged one event each.
 
 What a peer can make the master hold (measured on main at 73f19fc: 60 unauthenticated connections
@@ -16,7 +16,7 @@ sending 16 MiB bodies took it from 233 MB to 1.3 GB): before authentication, at 
 per connection and at most MAX_UNAUTHENTICATED such connections (more are closed at once); a request
 head or body that does not complete within READ_TIMEOUT_S is dropped (slow senders); authenticated
 bodies are at most MAX_BODY (the largest real message, a rejoin or a quiesce ack of a node with many
-ranks, is a few KiB).
+ranks, is a few KiB). These limits are the protocol's: protocol/constants.py.
 """
 from __future__ import annotations
 
@@ -31,17 +31,14 @@ from typing import TYPE_CHECKING
 
 from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
-from phoenixrun.control.messages import MessageError
+from phoenixrun.protocol.constants import MAX_BODY, MAX_HEAD, MAX_UNAUTHENTICATED, READ_TIMEOUT_S
+from phoenixrun.protocol.messages import MessageError
 
 if TYPE_CHECKING:
     from phoenixrun.control.master import Master
 
 log = logging.getLogger("phoenixrun.master")
 
-MAX_HEAD = 8 * 1024
-MAX_BODY = 1024 * 1024
-MAX_UNAUTHENTICATED = 4096        # connections that have not yet sent an authenticated request head
-READ_TIMEOUT_S = 10.0             # to complete a request once its first byte (or the connection) is there
 BACKLOG = 4096                    # thousands of agents connect at once when a job starts
 WAKE_BATCH = 32768                # directive polls answered per loop iteration (~16 us each, mostly the send)
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -183,6 +183,15 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
 
 
 class PassThroughJob:
+    """Under plain torchrun: a restart reruns the script from its start, so restore callbacks never run."""
+
+    @property
+    def generation(self) -> int:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def on_restore(self, fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        return fn
+
     """Protection off: plain loop, nothing runs per step."""
 
     def steps(self, total: int) -> Iterator[int]:
@@ -298,11 +307,39 @@ class Job:
         self.awaited_step = -1          # step of the last snapshot submitted: opt.step waits for its commit
         self.stall_s = 0.0
         self._submit_t = 0.0
+        self._restore_callbacks: list[Callable[[int, int], None]] = []
+        self._joined_at: int | None = None   # a replacement process: the step protect() restored
+        self._protected = False               # protect() has returned this job
         stats_dir = settings.stats_dir   # per-step protection figures (benchmarks)
         self._stats = open(os.path.join(stats_dir, f"rank{rt.rank}.jsonl"), "a", buffering=1) if stats_dir else None
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         if rt.restore_step is not None:
             self._join(rt.generation, rt.restore_step)
+        self._protected = True
+
+    @property
+    def generation(self) -> int:
+        """The job's process-group generation: 0 at a fresh start, one more for every recovery. Groups the
+        script created are rebuilt in place and stay valid across generations."""
+        return self.rt.generation
+
+    def on_restore(self, fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        """Register `fn(step, generation)`, called after every recovery this process takes part in - on the
+        survivors and in a replacement process alike - once model, optimizer and `state` hold the snapshot
+        of `step` and the new generation's groups are up, before the next step. For what lives outside
+        model and optimizer (a pipeline schedule, a data iterator's position). A replacement process
+        restored inside `protect()`, before it could register anything: there `fn` runs at registration.
+        Usable as a decorator."""
+        self._restore_callbacks.append(fn)
+        if self._joined_at is not None:
+            fn(self._joined_at, self.rt.generation)
+        return fn
+
+    def _restored(self, step: int) -> None:
+        if not self._protected:   # restored inside protect(): nothing can be registered yet
+            self._joined_at = step
+        for fn in self._restore_callbacks:
+            fn(step, self.rt.generation)
 
     # ---------------------------------------------------------------- the loop
     def steps(self, total: int) -> Iterator[int]:
@@ -464,6 +501,7 @@ class Job:
             except (RuntimeError, ValueError) as e:
                 log.warning("rejoin of generation %s failed (%s); waiting for the next", order["generation"], e)
                 continue
+            self._restored(order["restore_step"])
             self.link.send({"op": "resumed", "generation": order["generation"], "timings": {
                 "rebuild_s": round(t2 - t1, 4), "optimizer_s": round(t3 - t2, 4), "params_s": round(t3 - t2, 4),
                 "worker_recovery_s": round(t3 - t0, 4)}})
@@ -482,6 +520,7 @@ class Job:
         except (RuntimeError, ValueError):
             self._await_rebuild(t0)
             return
+        self._restored(restore_step)
         self.link.send({"op": "resumed", "generation": generation, "timings": {
             "optimizer_s": round(t1 - t0, 4), "params_s": round(t1 - t0, 4), "rebuild_s": round(time.time() - t1, 4),
             "worker_recovery_s": round(time.time() - t0, 4)}})

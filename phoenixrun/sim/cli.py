@@ -27,6 +27,7 @@ from phoenixrun.sim.montecarlo import (
     run,
 )
 from phoenixrun.sim.recovery_fit import FitError
+from phoenixrun.sim.sizing import Fleet, exhaustion_probability_exact, loss_probability_exact, size
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
 NON_NEGATIVE = click.FloatRange(min=0)
@@ -155,8 +156,24 @@ def _plot(path: str, name: str, mc: MonteCarloResult) -> None:
                    "per phase and extrapolate recovery time and efficiency to 100K GPUs, instead of the Monte Carlo.")
 @click.option("--gpu-mttf", type=POSITIVE, default=scale_report.DEFAULT_GPU_MTTF_S, show_default=True,
               help="With --recovery-fit: per-GPU MTTF, seconds (job MTTF = this / GPUs).")
+@click.option("--sizing", is_flag=True,
+              help="Instead: how many replicas and spares the job needs (probability of losing a node's private "
+                   "state, of running out of spares), Monte Carlo over --trials runs of --steps steps.")
+@click.option("--nodes", type=click.IntRange(min=1), default=64, show_default=True, help="With --sizing: nodes.")
+@click.option("--p-fault", type=click.FloatRange(0, 1), default=None,
+              help="With --sizing: probability a node fails in one step (default: --t-step / node MTTF, the node "
+                   "MTTF being --mttf x --nodes).")
+@click.option("--domain-fault", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="With --sizing: probability a fault domain (all its nodes) fails in one step.")
+@click.option("--domains", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --sizing: fault domains, dividing --nodes evenly (0: every node its own).")
+@click.option("--window", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --sizing: steps until a failed node's state is protected again.")
+@click.option("--target", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.01,
+              show_default=True, help="With --sizing: acceptable probability over the run.")
 def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: bool, plot: str | None,
-             recovery_fit: Path | None, gpu_mttf: float, **overrides: Any) -> None:
+             recovery_fit: Path | None, gpu_mttf: float, sizing: bool, nodes: int, p_fault: float | None,
+             domain_fault: float, domains: int, window: int, target: float, **overrides: Any) -> None:
     """Checkpoint-restart vs PHOENIX hot swap: closed-form efficiency and a Monte Carlo of lost time."""
     if plot is not None:
         try:
@@ -167,6 +184,15 @@ def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: b
     scenario = dataclasses.replace(PRESETS[example], **{k: v for k, v in overrides.items() if v is not None})
     if recovery_fit is not None:
         _scale(recovery_fit, scenario, gpu_mttf, as_json, plot)
+        return
+    if sizing:
+        if p_fault is None:
+            p_fault = -math.expm1(-scenario.t_step_s / (scenario.mttf_s * nodes))
+        try:
+            fleet = Fleet(nodes, scenario.steps, p_fault, domain_fault, domains, window)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        _sizing(fleet, target, trials, seed, as_json)
         return
     times = None
     if trace is not None:
@@ -186,6 +212,34 @@ def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: b
         _plot(plot, example, mc)
         if not as_json:
             click.echo(f"plot written to {plot}")
+
+
+def _sizing(fleet: Fleet, target: float, trials: int, seed: int, as_json: bool) -> None:
+    r = size(fleet, target, trials, seed)
+    exact = fleet.p_domain == 0 and fleet.window == 1
+    report = {"fleet": dataclasses.asdict(fleet), "target": target, "trials": trials, **r.to_json()}
+    if exact:
+        report["exact_loss_by_replicas"] = {k: loss_probability_exact(fleet, k) for k in r.loss}
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    console = Console()
+    console.print(f"{fleet.nodes} nodes in {fleet.n_domains} fault domains, {fleet.steps} steps, "
+                  f"p(node fault)/step {fleet.p_fault:.3g}, p(domain fault)/step {fleet.p_domain:.3g}, "
+                  f"window {fleet.window} step(s), {trials} runs")
+    t = Table("replicas", "P(state lost) [95% CI]", *(["exact"] if exact else []))
+    for k, e in r.loss.items():
+        t.add_row(str(k), _est(e, ".3g"), *([f"{report['exact_loss_by_replicas'][k]:.3g}"] if exact else []))
+    console.print(t)
+    t = Table("spares", "P(spares run out) [95% CI]", *(["exact"] if fleet.p_domain == 0 else []))
+    shown = sorted(r.exhaustion)[:(r.spares if r.spares is not None else len(r.exhaustion)) + 3]
+    for s in shown:
+        t.add_row(str(s), _est(r.exhaustion[s], ".3g"),
+                  *([f"{exhaustion_probability_exact(fleet, s):.3g}"] if fleet.p_domain == 0 else []))
+    console.print(t)
+    console.print(f"recommended for P <= {target:g}: --replicas "
+                  f"{r.replicas if r.replicas is not None else f'more than {max(r.loss)}'}, --spares "
+                  f"{r.spares if r.spares is not None else '? (more --trials needed to resolve the target)'}")
 
 
 def _scale(path: Path, scenario: model.Scenario, gpu_mttf: float, as_json: bool, plot: str | None) -> None:

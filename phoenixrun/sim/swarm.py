@@ -25,7 +25,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from phoenixrun.agents.agent import DIRECTIVE_POLL_S
+from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
 from phoenixrun.topology import Layout, place_replicas
 
 

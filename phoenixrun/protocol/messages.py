@@ -17,21 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from phoenixrun.faults import Signal
+from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_CLOCK_SKEW_S, MAX_COUNT, MAX_GENERATION,
+                                           MAX_ID, MAX_LIST, MAX_POLL_TIMEOUT, MAX_TEXT)
+from phoenixrun.protocol.names import REPORT_KINDS, ReportKind
 
-MAX_ID = 200                     # node ids, hosts, fault domains
-MAX_TEXT = 8192                  # free text (exception tails): more is cut, not refused
-MAX_LIST = 4096                  # steps per rank, worker pids: a node never has more
-MAX_GENERATION = 1 << 31         # generations count recovery cycles: 2^31 is never reached honestly
-MAX_COUNT = 1 << 31
-MAX_POLL_TIMEOUT = 3600.0
 _ID = re.compile(r"[A-Za-z0-9._:@/+\-]+\Z")
 FAULTS = ("crash-worker", "kill-node", "hang", "ecc", "partition", "comm-timeout", "nan")
 ROLES = ("active", "spare", "unknown")
-# report kinds an agent sends, and whether a stale generation makes the report moot (it is about workers of
-# a generation the master has moved past: acting on it would hit the new generation's healthy workers)
-REPORT_KINDS = {"left": False, "workers_done": True, "worker_exit": True, "worker_hang": True,
-                "restore_failed": False, "resumed": False, "quiesced": False, "comm_error": True,
-                "nan_loss": True, "worker_error": True, "protection_mode": False, "health": False}
 
 
 class MessageError(ValueError):
@@ -233,7 +225,7 @@ class Heartbeat:
 class Report:
     node_id: str
     token: str | None
-    kind: str
+    kind: ReportKind
     generation: int | None
     event: dict = field(repr=False)   # the validated report as the controller reads it (a dict, as before)
 
@@ -331,7 +323,12 @@ def parse_heartbeat(p, job: Job) -> Heartbeat:
                      warm_ready=_bool(p.get("warm_ready"), "warm_ready"))
 
 
-def parse_report(p, job: Job, now: float, max_skew: float = 3600.0) -> Report:
+# report kinds about one rank: they always carry `rank` (null if the agent could not tell)
+_RANKED = frozenset({ReportKind.WORKER_EXIT, ReportKind.WORKER_HANG, ReportKind.COMM_ERROR, ReportKind.NAN_LOSS,
+                     ReportKind.WORKER_ERROR})
+
+
+def parse_report(p, job: Job, now: float, max_skew: float = MAX_CLOCK_SKEW_S) -> Report:
     """A report; its `event` is what the controller gets. `t` (the agent's clock) more than max_skew away
     from the master's is replaced by the master's: a wrong clock must not stretch incident windows."""
     p = _obj(p)
@@ -339,6 +336,7 @@ def parse_report(p, job: Job, now: float, max_skew: float = 3600.0) -> Report:
     kind = _get(p, "kind")
     if kind not in REPORT_KINDS:
         raise MessageError(f"unknown report kind {_show(kind)} (one of {', '.join(sorted(REPORT_KINDS))})")
+    kind = ReportKind(kind)
     ev: dict[str, Any] = {"node_id": node_id, "kind": kind}
     gen = _int(p.get("generation"), "generation", 0, MAX_GENERATION, none=True)
     if gen is not None:
@@ -346,32 +344,32 @@ def parse_report(p, job: Job, now: float, max_skew: float = 3600.0) -> Report:
     ev["slot"] = _slot(p.get("slot"), "slot", job)
     t = _num(p["t"], "t") if p.get("t") is not None else now
     ev["t"] = t if abs(t - now) <= max_skew else now
-    if "rank" in p or kind in ("worker_exit", "worker_hang", "comm_error", "nan_loss", "worker_error"):
+    if "rank" in p or kind in _RANKED:
         ev["rank"] = _int(p.get("rank"), "rank", 0, job.world_size, none=True)
     for name in ("detail", "text", "reason"):
         if name in p:
             ev[name] = _str(p[name], name, limit=MAX_TEXT)
     if "step" in p:
         ev["step"] = _int(p["step"], "step", 0, MAX_COUNT, none=True)
-    if kind == "worker_exit":
+    if kind == ReportKind.WORKER_EXIT:
         ev["returncode"] = _int(p.get("returncode"), "returncode", -255, 256)
-    elif kind == "restore_failed":
+    elif kind == ReportKind.RESTORE_FAILED:
         if "persist_step" in p:
             ev["persist_step"] = _int(p["persist_step"], "persist_step", 0, MAX_COUNT, none=True)
         # the fetched state is not the lost rank's (checksum mismatch): the same plan cannot succeed
         ev["integrity"] = _bool(p.get("integrity"), "integrity")
-    elif kind == "resumed":
+    elif kind == ReportKind.RESUMED:
         timings = p.get("timings") or {}
         if not isinstance(timings, dict) or len(timings) > 64:
             raise MessageError(f"timings must be an object of phase -> seconds, got {_show(timings)}")
         ev["timings"] = {_str(k, "timings key"): _num(v, f"timings[{k!r}]") for k, v in timings.items()}
-    elif kind == "quiesced":
+    elif kind == ReportKind.QUIESCED:
         ev["snapshots"] = inventory(p.get("snapshots"), "snapshots", job)
         ev["replicas"] = inventory(p.get("replicas"), "replicas", job)
         ev["next_step"] = _int(p.get("next_step", 0), "next_step", 0, MAX_COUNT)
-    elif kind == "protection_mode":
+    elif kind == ReportKind.PROTECTION_MODE:
         ev["every"] = _int(p.get("every"), "every", 1, MAX_COUNT)
-    elif kind == "health":
+    elif kind == ReportKind.HEALTH:
         ev["signal"] = _signal(p.get("signal"), job)
     return Report(node_id=node_id, token=_token(p), kind=kind, generation=gen, event=ev)
 
@@ -409,7 +407,7 @@ def parse_poll(p, newest_version: int) -> Poll:
     version = p.get("version", -1)
     if type(version) is not int or not -1 <= version <= newest_version:
         raise MessageError(f"version {_show(version)} was never issued by this master (newest {newest_version})")
-    timeout = _num(p.get("timeout", 10.0), "timeout")
+    timeout = _num(p.get("timeout", DEFAULT_POLL_TIMEOUT_S), "timeout")
     if not 0 <= timeout <= MAX_POLL_TIMEOUT:
         raise MessageError(f"timeout {timeout} is out of range [0, {MAX_POLL_TIMEOUT:g}]")
     return Poll(node_id=_str(p.get("node_id", ""), "node_id", ident=True), token=_token(p), version=version,

@@ -10,6 +10,8 @@ import json
 import threading
 from urllib.parse import urlsplit
 
+from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S
+
 
 class ControlError(Exception):
     """The master could not be reached or refused the call. `status`: the HTTP status of a refusal (a 4xx: the
@@ -25,7 +27,7 @@ class ControlError(Exception):
 
 
 class ControlClient:
-    def __init__(self, endpoint: str, secret: str, timeout: float = 5.0):
+    def __init__(self, endpoint: str, secret: str, timeout: float = CLIENT_TIMEOUT_S):
         self.base = endpoint if endpoint.startswith("http") else f"http://{endpoint}"
         u = urlsplit(self.base)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
