@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import uuid
+from dataclasses import MISSING
 from pathlib import Path
 
 import click
@@ -47,7 +48,7 @@ def _field(cls: type, name: str, *, help: str | None = None, env: str | None = N
     else:
         kw["type"] = {"int": click.IntRange(s.min, s.max), "float": click.FloatRange(s.min, s.max),
                       "Path": click.Path(file_okay=False, path_type=Path), "str": None, "ranks": RANKS}[k]
-        if default is config.MISSING:
+        if default is MISSING:
             kw["required"] = True
         else:
             kw["default"] = default
