@@ -1,61 +1,401 @@
 """Every setting of a phoenixrun job, defined once: validated frozen dataclasses with one doc per field.
 
 - `MasterConfig`: the job as the master runs it (size, layout, recovery policy, persistence).
-- `AgentConfig`: one node's agent.
+- `AgentConfig`: one node's agent (and what its workers are told).
+- `LaunchConfig`: what `phoenixrun` (the torchrun-style launcher) starts: a master and/or agents.
+- `WorkerSettings`: what a worker's runtime (phoenixrun.init/protect) reads from its environment.
+
+Each field carries a `Setting`: its doc (the `--help` text), its command-line flag and/or environment
+variable, and its bounds. From that one definition come the validation (`__post_init__`: a bad value raises
+`ConfigError` naming the flag or variable and what to give instead), `to_argv()` (the launcher starts
+`phoenixrun master` / `phoenixrun agent` with it), `from_options()` (the CLI builds a config from its parsed
+flags; phoenixrun/cli.py generates those flags from the same fields), and `to_env()` / `from_env()` (the
+worker settings). tests/test_config.py checks config -> argv -> config and config -> env -> config.
 
 Torch-free and side-effect free: the master imports it (`import phoenixrun.control.master` pulls no torch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import os
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:   # the agent's worker spec: agents/workers.py (psutil), only a type here
     from phoenixrun.agents.workers import WorkerSpec
 
 
-@dataclass(frozen=True)
-class MasterConfig:
-    run_dir: Path
-    nnodes: int
-    nproc_per_node: int
-    run_id: str = "phoenixrun"
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
-    max_restarts: int = 0
-    host: str = "127.0.0.1"
-    port: int = 0
-    store_port: int = 0
-    node_timeout: float = 5.0
-    spare_wait: float = 30.0
-    recovery_timeout: float = 60.0
-    correlation_window: float = 0.5
-    max_local_resets: int = 3
-    fault_domains: dict[int, str] = field(default_factory=dict)
-    persist_dir: Path | None = None    # persistent checkpoints (written by the agents); None: none
-    persist_every: int = 0
-    persist_keep: int = 2
-    max_fallbacks: int = 3             # restarts from a persistent checkpoint before giving up
-    spares: int | None = None          # spare nodes admitted at a time (None: any number)
+class ConfigError(ValueError):
+    """A setting with a bad value. The message names the flag (or variable) and what to give instead."""
+
+
+_SAME = object()   # Setting.cli_default: the command line's default is the field's
 
 
 @dataclass(frozen=True)
-class AgentConfig:
-    endpoint: str                  # master host:port
-    secret: str
-    spec: WorkerSpec
-    nproc_per_node: int
-    host: str = "127.0.0.1"        # address peers and workers use to reach this node
-    fault_domain: str = ""
-    heartbeat_interval: float = 0.5
-    log_dir: Path | None = None
-    tee: bool = True
-    node_id: str = ""
-    # a worker with no progress this long (outside recovery) is hung. 20, as the CLI (`phoenixrun` and
-    # `phoenixrun agent --hang-timeout`) and docs/cli.md have always said; this class said 30, unused by the CLI
-    hang_timeout: float = 20.0
-    node_rank: int | None = None   # the slot this node asks for (torchrun's --node-rank); None: any
-    local_ranks_filter: frozenset[int] | None = None   # local ranks whose output reaches the console (None: all)
-    shutdown_timeout: float = 2.0  # SIGTERM -> SIGKILL grace when workers are stopped
+class Setting:
+    """What one config field is: its doc, where it is set from, its bounds."""
+    doc: str                          # one line of help: the flag's --help text
+    flag: str | None = None           # the long flag that sets it (None: not settable from the command line)
+    env: str | None = None            # the environment variable that sets it (worker settings)
+    min: float | None = None          # inclusive bounds of a number
+    max: float | None = None
+    cli_default: Any = _SAME          # the flag's default, where it deliberately differs from the field's
+    negate: bool = False              # a boolean field set by a flag that turns it off (--no-tee)
+    travels: str = ""                 # how a field without a flag reaches a process started with to_argv()
+
+
+def setting(default: Any = MISSING, *, doc: str, factory: Any = MISSING, **kw: Any) -> Any:
+    """A dataclass field with its Setting (doc, flag, env, bounds)."""
+    meta = {"setting": Setting(doc=" ".join(doc.split()), **kw)}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def setting_of(f) -> Setting:
+    return f.metadata["setting"]
+
+
+def kind(f) -> str:
+    """The field's base type, from its annotation: int, float, str, bool, Path, ranks, mapping or object."""
+    base = [t.strip() for t in str(f.type).split("|") if t.strip() != "None"][0]
+    return {"int": "int", "float": "float", "str": "str", "bool": "bool", "Path": "Path",
+            "frozenset[int]": "ranks", "dict[int, str]": "mapping"}.get(base, "object")
+
+
+def optional(f) -> bool:
+    return "None" in [t.strip() for t in str(f.type).split("|")]
+
+
+def default_of(f) -> Any:
+    """The field's default (MISSING when required)."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+def cli_default(f) -> Any:
+    """The flag's default: the field's, unless the command line deliberately defaults otherwise."""
+    s = setting_of(f)
+    return default_of(f) if s.cli_default is _SAME else s.cli_default
+
+
+def where(cls: type, f) -> str:
+    """How a user names the setting: its flag, else its variable, else Class.field."""
+    s = setting_of(f)
+    return s.flag or s.env or f"{cls.__name__}.{f.name}"
+
+
+def _bound_text(s: Setting) -> str:
+    if s.min is not None and s.max is not None:
+        return f"between {s.min:g} and {s.max:g}"
+    return f"of at least {s.min:g}" if s.min is not None else f"of at most {s.max:g}"
+
+
+def _check(cls: type, f, v: Any) -> Any:
+    """The value, normalised (int -> float, str -> Path, iterable -> frozenset), or ConfigError."""
+    s, k, name = setting_of(f), kind(f), where(cls, f)
+    if v is None:
+        if optional(f):
+            return None
+        raise ConfigError(f"{name}: a value is required")
+    if k == "float":
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            raise ConfigError(f"{name}: {v!r} is not a number; give a number of seconds")
+        v = float(v)
+    elif k == "int":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{name}: {v!r} is not a whole number; give an integer")
+    elif k in ("str", "bool") and not isinstance(v, {"str": str, "bool": bool}[k]):
+        raise ConfigError(f"{name}: {v!r} is not a {k}")
+    elif k == "Path":
+        if not isinstance(v, (str, os.PathLike)):
+            raise ConfigError(f"{name}: {v!r} is not a path")
+        v = Path(v)
+    elif k == "ranks":
+        try:
+            v = frozenset(v)
+        except TypeError:
+            raise ConfigError(f"{name}: {v!r} is not a set of local ranks") from None
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in v):
+            raise ConfigError(f"{name}: {sorted(v, key=str)!r}: local ranks are integers >= 0")
+    elif k == "mapping":
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"{name}: {v!r} is not a mapping")
+        v = dict(v)
+    if k in ("int", "float") and ((s.min is not None and v < s.min) or (s.max is not None and v > s.max)):
+        raise ConfigError(f"{name}: {v!r} is out of range; give a value {_bound_text(s)}")
+    return v
+
+
+class _Settings:
+    """Validation, argv and env for a frozen dataclass whose fields are `setting(...)`s."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _check(type(self), f, getattr(self, f.name)))
+
+    @classmethod
+    def settings(cls) -> dict[str, Any]:
+        """name -> dataclass Field, every field (each has a Setting)."""
+        return {f.name: f for f in fields(cls)}
+
+    @classmethod
+    def flag_fields(cls) -> list:
+        return [f for f in fields(cls) if setting_of(f).flag]
+
+    def to_argv(self) -> list[str]:
+        """The flags that give exactly this config (every flag-settable field, in field order). A field that no
+        flag sets must be at its default: ConfigError otherwise (a command line would silently drop it)."""
+        argv: list[str] = []
+        for f in fields(self):
+            s, v = setting_of(f), getattr(self, f.name)
+            if s.flag is None:
+                if not s.travels and v != default_of(f):
+                    raise ConfigError(f"{type(self).__name__}.{f.name} = {v!r} has no command-line flag: "
+                                      "a process started with this config's argv would not get it")
+                continue
+            if v is None:
+                continue
+            if kind(f) == "bool":
+                argv += [s.flag] if v != s.negate else []
+                continue
+            if kind(f) == "ranks" and not v:
+                raise ConfigError(f"{s.flag}: an empty set of local ranks cannot be given on a command line "
+                                  "(an empty value means every rank)")
+            argv += [s.flag, _text(f, v)]
+        return argv
+
+    @classmethod
+    def from_options(cls, params: Mapping[str, Any], **given: Any):
+        """The config from parsed CLI options (click's params: the flag's name with underscores), plus `given`
+        for fields the caller derives itself. A flag that is not among `params` leaves its field's default."""
+        kw: dict[str, Any] = {}
+        for f in cls.flag_fields():
+            s = setting_of(f)
+            key = s.flag[2:].replace("-", "_")
+            if key in params:
+                kw[f.name] = (not params[key]) if s.negate else params[key]
+        kw.update(given)
+        return cls(**kw)
+
+    def to_env(self, *names: str) -> dict[str, str]:
+        """The environment variables that give exactly this config (fields with a variable; None: unset), or
+        only those of the fields `names`."""
+        return {setting_of(f).env: _text(f, getattr(self, f.name)) for f in fields(self)
+                if setting_of(f).env and getattr(self, f.name) is not None and (not names or f.name in names)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None):
+        """The config from the environment (os.environ by default); an unset or empty variable: the default.
+        A value that does not parse raises ConfigError naming the variable."""
+        env = os.environ if env is None else env
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            s = setting_of(f)
+            raw = env.get(s.env) if s.env else None
+            if raw is None or (raw == "" and kind(f) != "str"):
+                continue
+            kw[f.name] = _parse(cls, f, raw)
+        return cls(**kw)
+
+
+def _text(f, v: Any) -> str:
+    k = kind(f)
+    if k == "bool":
+        return "1" if v else "0"
+    if k == "float":
+        return repr(v)          # repr round-trips a float exactly
+    if k == "ranks":
+        return ",".join(map(str, sorted(v)))
+    return str(v)
+
+
+def _parse(cls: type, f, raw: str) -> Any:
+    k = kind(f)
+    try:
+        if k == "bool":
+            return raw != "0"   # as the runtime always read PHOENIXRUN_PROTECT / PHOENIXRUN_ADAPTIVE
+        if k == "int":
+            return int(raw)
+        if k == "float":
+            return float(raw)
+        if k == "ranks":
+            return frozenset(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{where(cls, f)}={raw!r} is not {'a whole number' if k == 'int' else 'a number'}; "
+                          f"set it to one or unset it") from None
+    return raw
+
+
+# The workers' process-group timeout, seconds: `phoenixrun --collective-timeout`, `phoenixrun agent
+# --collective-timeout` and the runtime's default when the variable is unset. 60, as the CLI always said (the
+# runtime alone said 30, and only where `phoenixrun agent` ran without the flag).
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class MasterConfig(_Settings):
+    """The job as the master runs it. `phoenixrun master` takes these as flags; `phoenixrun` builds one."""
+    run_dir: Path = setting(
+        flag="--run-dir", doc="Events, master.json and the job secret go here.")
+    nnodes: int = setting(flag="--nnodes", min=1, doc="Active nodes.")
+    nproc_per_node: int = setting(flag="--nproc-per-node", min=1, doc="Workers per node.")
+    run_id: str = setting(
+        "phoenixrun", flag="--rdzv-id", doc="Job id (TORCHELASTIC_RUN_ID).")
+    tp: int = setting(1, flag="--tp", min=1, doc="Tensor-parallel size.")
+    pp: int = setting(1, flag="--pp", min=1, doc="Pipeline-parallel size.")
+    replicas: int = setting(1, flag="--replicas", min=0, doc="Peer copies of each rank's optimizer shard.")
+    max_restarts: int = setting(
+        0, flag="--max-restarts", min=0,
+        doc="Full restarts allowed when in-memory recovery is impossible (and for scripts without the API).")
+    # library default loopback (tests run masters in-process); the command's: every interface
+    host: str = setting(
+        "127.0.0.1", flag="--host", cli_default="0.0.0.0",
+        doc="Address to listen on (the default: every interface, so that other machines' nodes reach it).")
+    # library default 0 (any free port); the command's: torchrun's 29500
+    port: int = setting(0, flag="--port", min=0, max=65535, cli_default=29500, doc="Port to listen on.")
+    store_port: int = setting(0, flag="--store-port", min=0, max=65535, doc="TCPStore port (0: any).")
+    node_timeout: float = setting(
+        5.0, flag="--node-timeout", min=0.1, doc="A node whose agent misses heartbeats this long is lost.")
+    spare_wait: float = setting(
+        30.0, flag="--spare-wait", min=0,
+        doc="How long a recovery waits for a spare to register before giving up.")
+    recovery_timeout: float = setting(60.0, flag="--recovery-timeout", min=1, doc="Deadline of each recovery phase.")
+    correlation_window: float = setting(
+        0.5, min=0, doc="Seconds the master waits for more reports of a fault before it decides.")
+    max_local_resets: int = setting(
+        3, flag="--max-local-resets", min=0, doc="Local resets of one node before it is replaced instead.")
+    fault_domains: dict[int, str] = setting(
+        factory=dict, doc="Fault-domain label of each slot, for replica placement (agents also report theirs).")
+    persist_dir: Path | None = setting(
+        None, flag="--persist-dir",
+        doc="Persistent checkpoints (DCP format, one directory per step) [default: RUN_DIR/checkpoints when "
+            "--persist-every is set]. Must be reachable from every node.")
+    persist_every: int = setting(
+        0, flag="--persist-every", min=0,
+        doc="Agents write each rank's committed snapshot to --persist-dir every N steps, in the background (0: "
+            "only when an agent gets SIGTERM). The fallback when in-memory recovery is impossible, and what a "
+            "job started on the same directory resumes from.")
+    persist_keep: int = setting(
+        2, flag="--persist-keep", min=1, doc="Complete checkpoints kept; older ones are pruned.")
+    max_fallbacks: int = setting(
+        3, flag="--max-fallbacks", min=0, doc="Restarts from the persistent checkpoint before the job gives up.")
+    spares: int | None = setting(
+        None, flag="--spares", min=0,
+        doc="Spare nodes admitted at a time; more are told they are not needed [default: any number].")
+
+    def to_argv(self) -> list[str]:
+        """`phoenixrun master` flags that give exactly this config."""
+        if self.persist_every and self.persist_dir is None:
+            raise ConfigError("--persist-every without --persist-dir: `phoenixrun master` would write to "
+                              "RUN_DIR/checkpoints, this config to nowhere; set persist_dir")
+        return super().to_argv()
+
+
+@dataclass(frozen=True)
+class AgentConfig(_Settings):
+    """One node's agent. `phoenixrun agent` takes these as flags (the secret from a file or the environment)."""
+    endpoint: str = setting(flag="--rdzv-endpoint", doc="host:port of the master.")
+    secret: str = setting(travels="the environment", doc="The job secret ($PHOENIXRUN_SECRET or --secret-file).")
+    spec: WorkerSpec = setting(travels="SCRIPT [ARGS]", doc="What every worker runs: SCRIPT [ARGS] after the flags.")
+    nproc_per_node: int = setting(flag="--nproc-per-node", min=1, doc="Workers on this node.")
+    host: str = setting(
+        "127.0.0.1", flag="--host", cli_default=None,
+        doc="Address the master and peers use to reach this node [default: the local address that routes to "
+            "the master].")
+    fault_domain: str = setting("", flag="--fault-domain", doc="Fault-domain label of this node (replicas avoid "
+                                                               "sharing one).")
+    heartbeat_interval: float = setting(
+        0.5, flag="--heartbeat-interval", min=0.01, doc="Seconds between agent heartbeats.")
+    log_dir: Path | None = setting(None, flag="--log-dir", doc="Write each worker's output under this directory.")
+    tee: bool = setting(True, flag="--no-tee", negate=True, doc="With --log-dir, do not also print worker output.")
+    node_id: str = setting("", doc="This agent's id [default: host-pid-random].")
+    # 20, as the CLI (`phoenixrun`, `phoenixrun agent`) and docs/cli.md always said; the class said 30
+    hang_timeout: float = setting(
+        20.0, flag="--hang-timeout", min=0.1,
+        doc="A worker making no progress this long (outside a recovery) is hung: its agent kills it and the "
+            "node gets a local reset.")
+    node_rank: int | None = setting(
+        None, flag="--node-rank", min=0,
+        doc="Slot this node asks for (as torchrun's --node-rank); a rank >= nnodes joins as a spare [default: the "
+            "lowest free slot, in order of registration].")
+    local_ranks_filter: frozenset[int] | None = setting(
+        None, flag="--local-ranks-filter",
+        doc="Only these local ranks' output reaches the console, e.g. 0 or 0,1 (log files get all).")
+    shutdown_timeout: float = setting(
+        2.0, flag="--shutdown-timeout", min=0, doc="Seconds from SIGTERM to SIGKILL when workers are stopped.")
+    collective_timeout: float = setting(
+        COLLECTIVE_TIMEOUT_S, flag="--collective-timeout", min=1,
+        doc="Timeout of the workers' process groups, seconds (keep it above --hang-timeout); the workers get it "
+            "as $PHOENIXRUN_COLLECTIVE_TIMEOUT.")
+
+    def to_argv(self) -> list[str]:
+        """`phoenixrun agent` flags, then -m/--no-python and `-- SCRIPT ARGS`. The secret is not among them: it
+        travels in the environment ($PHOENIXRUN_SECRET)."""
+        spec = self.spec
+        return (super().to_argv() + (["-m"] if spec.module else []) + (["--no-python"] if spec.no_python else [])
+                + ["--", spec.entrypoint, *spec.args])
+
+    def worker_env(self) -> dict[str, str]:
+        """What this agent's workers read from it through their environment (WorkerSettings)."""
+        return WorkerSettings(collective_timeout=self.collective_timeout).to_env("collective_timeout")
+
+
+@dataclass(frozen=True)
+class LaunchConfig(_Settings):
+    """What `phoenixrun` starts on this machine: a master (standalone, node rank 0 or the rendezvous host) and
+    this node's agent(s). The torchrun flags are parsed into it by phoenixrun/cli.py."""
+    master: MasterConfig = setting(doc="The job as the master runs it.")
+    agent: AgentConfig = setting(
+        doc="This node's agent, as the launcher starts it (the endpoint is replaced by the master's once it is "
+            "up; standalone agents get fault domains local0, local1, ... when none is given).")
+    standalone: bool = setting(
+        False, doc="Run the master and nnodes + spares agents on this machine (each agent simulates one node).")
+    spares: int = setting(0, min=0, doc="Warm spare agents started here (standalone).")
+    endpoint: str | None = setting(None, doc="host:port of the master (not standalone).")
+    host_master: bool = setting(
+        False, doc="Run the master here (standalone, node rank 0, or the rendezvous host).")
+    extra_env: dict[str, str] = setting(factory=dict, doc="Added to the environment of every process started.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.master, MasterConfig) or not isinstance(self.agent, AgentConfig):
+            raise ConfigError("LaunchConfig: master must be a MasterConfig and agent an AgentConfig")
+
+    def agent_for(self, endpoint: str, index: int) -> AgentConfig:
+        """The agent the launcher starts as number `index` on this machine, once the master is at `endpoint`."""
+        domain = self.agent.fault_domain or (f"local{index}" if self.standalone else "")
+        return replace(self.agent, endpoint=endpoint, fault_domain=domain)
+
+
+@dataclass(frozen=True)
+class WorkerSettings(_Settings):
+    """What a worker's runtime (phoenixrun.init / protect) reads from its environment, set by its agent (or by
+    the user: PHOENIXRUN_PROTECT=0, PHOENIXRUN_PROTECT_EVERY, PHOENIXRUN_ADAPTIVE, PHOENIXRUN_STATS_DIR)."""
+    agent_sock: str = setting(
+        "", env="PHOENIXRUN_AGENT_SOCK", doc="The agent's worker-channel socket (empty: not under a phoenixrun agent).")
+    protect: bool = setting(
+        True, env="PHOENIXRUN_PROTECT",
+        doc="0: no protection: init() is dist.init_process_group and protect() a pass-through (plain torchrun).")
+    tp: int = setting(1, env="PHOENIXRUN_TP", min=1, doc="Tensor-parallel size of the job.")
+    pp: int = setting(1, env="PHOENIXRUN_PP", min=1, doc="Pipeline-parallel size of the job.")
+    collective_timeout: float = setting(
+        COLLECTIVE_TIMEOUT_S, env="PHOENIXRUN_COLLECTIVE_TIMEOUT", min=1,
+        doc="Timeout of the workers' process groups, seconds.")
+    protect_every: int | None = setting(
+        None, env="PHOENIXRUN_PROTECT_EVERY", min=1,
+        doc="Snapshot every N steps, overriding protect(every=...) [default: the script's].")
+    adaptive: bool = setting(
+        True, env="PHOENIXRUN_ADAPTIVE", doc="0: keep the snapshot interval fixed (no adaptive protection).")
+    stats_dir: Path | None = setting(
+        None, env="PHOENIXRUN_STATS_DIR", doc="Write per-step protection figures to DIR/rank{R}.jsonl (benchmarks).")
+
+    @property
+    def managed(self) -> bool:
+        """Running under a phoenixrun agent with protection on."""
+        return bool(self.agent_sock) and self.protect

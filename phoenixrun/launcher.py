@@ -12,34 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from phoenixrun import auth
-from phoenixrun.config import MasterConfig
-
-
-@dataclass
-class LaunchConfig:
-    master: MasterConfig               # the job as the master runs it: size, layout, timeouts, persistence
-    entry: list[str]                   # script/module and its args, after the launcher flags
-    module: bool = False
-    no_python: bool = False
-    standalone: bool = False
-    spares: int = 0
-    endpoint: str | None = None        # host:port of the master (non-standalone)
-    node_rank: int | None = None       # given: this node's slot (torchrun's --node-rank); node 0 runs the master
-    host_master: bool = False          # run the master here (standalone, node rank 0, or the rendezvous host)
-    local_addr: str = "127.0.0.1"      # how peers reach this node's agent
-    fault_domain: str = ""
-    log_dir: str | None = None
-    tee: bool = True
-    heartbeat_interval: float = 0.5
-    collective_timeout: float = 60.0
-    hang_timeout: float = 20.0
-    local_ranks_filter: str = ""       # comma-separated local ranks shown on the console ("": all)
-    shutdown_timeout: float | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
+from phoenixrun.config import AgentConfig, LaunchConfig, MasterConfig
 
 
 MAX_MASTER_RESTARTS = 10
@@ -59,36 +36,12 @@ def _py() -> list[str]:
 
 def master_argv(m: MasterConfig) -> list[str]:
     """`phoenixrun master ...` running with exactly this config."""
-    argv = _py() + ["master", "--nnodes", str(m.nnodes), "--nproc-per-node", str(m.nproc_per_node),
-                    "--run-dir", str(m.run_dir), "--rdzv-id", m.run_id, "--host", m.host, "--port", str(m.port),
-                    "--store-port", str(m.store_port), "--replicas", str(m.replicas), "--tp", str(m.tp),
-                    "--pp", str(m.pp), "--max-restarts", str(m.max_restarts), "--node-timeout", str(m.node_timeout),
-                    "--spare-wait", str(m.spare_wait), "--recovery-timeout", str(m.recovery_timeout),
-                    "--max-local-resets", str(m.max_local_resets), "--persist-every", str(m.persist_every),
-                    "--persist-keep", str(m.persist_keep), "--max-fallbacks", str(m.max_fallbacks)]
-    argv += ["--spares", str(m.spares)] if m.spares is not None else []
-    return argv + (["--persist-dir", str(m.persist_dir)] if m.persist_dir else [])
+    return _py() + ["master"] + m.to_argv()
 
 
-def agent_argv(c: LaunchConfig, endpoint: str, domain: str) -> list[str]:
-    argv = _py() + ["agent", "--rdzv-endpoint", endpoint, "--nproc-per-node", str(c.master.nproc_per_node),
-                    "--host", c.local_addr, "--heartbeat-interval", str(c.heartbeat_interval),
-                    "--hang-timeout", str(c.hang_timeout)]
-    if domain:
-        argv += ["--fault-domain", domain]
-    if c.log_dir:
-        argv += ["--log-dir", c.log_dir] + ([] if c.tee else ["--no-tee"])
-    if c.local_ranks_filter:
-        argv += ["--local-ranks-filter", c.local_ranks_filter]
-    if c.shutdown_timeout is not None:
-        argv += ["--shutdown-timeout", str(c.shutdown_timeout)]
-    if c.node_rank is not None and not c.standalone:
-        argv += ["--node-rank", str(c.node_rank)]
-    if c.module:
-        argv.append("-m")
-    if c.no_python:
-        argv.append("--no-python")
-    return argv + ["--"] + c.entry
+def agent_argv(a: AgentConfig) -> list[str]:
+    """`phoenixrun agent ... -- SCRIPT ARGS` running with exactly this config (the secret: in the environment)."""
+    return _py() + ["agent"] + a.to_argv()
 
 
 def wait_for_master(run_dir: Path, proc: subprocess.Popen, timeout: float = 60.0) -> dict:
@@ -161,8 +114,7 @@ def run(c: LaunchConfig) -> int:
     secret = auth.read_secret(secret_file=run_dir / auth.SECRET_FILE) if not c.standalone else None
     secret = secret or os.environ.get(auth.SECRET_ENV) or auth.new_secret()
     auth.write_secret(run_dir, secret)
-    env = {**os.environ, **c.extra_env, auth.SECRET_ENV: secret,
-           "PHOENIXRUN_COLLECTIVE_TIMEOUT": str(c.collective_timeout)}
+    env = {**os.environ, **c.extra_env, auth.SECRET_ENV: secret}
     procs = ProcessSet()
     master = None
     stop = {"sig": None}
@@ -176,7 +128,7 @@ def run(c: LaunchConfig) -> int:
             try:
                 info = wait_for_master(run_dir, master)
             except RuntimeError:
-                if c.standalone or c.node_rank is not None or not _listening(c.endpoint):
+                if c.standalone or c.agent.node_rank is not None or not _listening(c.endpoint):
                     raise
                 # every node runs the same command and another one on this host got the port first
                 master = None
@@ -189,8 +141,7 @@ def run(c: LaunchConfig) -> int:
         count = c.master.nnodes + c.spares if c.standalone else 1
         agents = []
         for i in range(count):
-            domain = c.fault_domain or (f"local{i}" if c.standalone else "")
-            agents.append(procs.start(agent_argv(c, endpoint, domain), env))
+            agents.append(procs.start(agent_argv(c.agent_for(endpoint, i)), env))
         watched = master if master is not None else agents[0]
         master_restarts = 0
         job_started = False

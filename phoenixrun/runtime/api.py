@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from phoenixrun.config import WorkerSettings
 from phoenixrun.faults.classify import is_collective_error_text
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check
@@ -104,7 +105,7 @@ _runtime: "_Runtime | None" = None
 
 
 def _protection_enabled() -> bool:
-    return bool(os.environ.get("PHOENIXRUN_AGENT_SOCK")) and os.environ.get("PHOENIXRUN_PROTECT", "1") != "0"
+    return WorkerSettings.from_env().managed
 
 
 def init(backend: str = "gloo") -> Context:
@@ -112,7 +113,8 @@ def init(backend: str = "gloo") -> Context:
     global _ctx, _runtime
     if _ctx is not None:
         return _ctx
-    tp, pp = int(os.environ.get("PHOENIXRUN_TP", "1")), int(os.environ.get("PHOENIXRUN_PP", "1"))
+    settings = WorkerSettings.from_env()
+    tp, pp = settings.tp, settings.pp
     if not _protection_enabled():
         if not dist.is_initialized():
             dist.init_process_group(backend)
@@ -120,7 +122,7 @@ def init(backend: str = "gloo") -> Context:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         managed = False
     else:
-        _runtime = _Runtime(os.environ["PHOENIXRUN_AGENT_SOCK"], int(os.environ.get("LOCAL_RANK", "0")))
+        _runtime = _Runtime(settings.agent_sock, int(os.environ.get("LOCAL_RANK", "0")))
         rank, world, local = _runtime.rank, _runtime.world_size, _runtime.local_rank
         managed = True
     layout = _plan_layout(world, tp, pp)
@@ -218,7 +220,7 @@ class _Runtime:
         self.generation = assign["generation"]
         self.store_prefix = assign.get("store_prefix")
         self.restore_step = assign["restore_step"]
-        self.timeout = timedelta(seconds=float(os.environ.get("PHOENIXRUN_COLLECTIVE_TIMEOUT", "30")))
+        self.timeout = timedelta(seconds=WorkerSettings.from_env().collective_timeout)
         # a warm spare learns its identity only now: give the script what torchrun would have
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
                            "GROUP_RANK": str(assign["slot"]), "ROLE_RANK": str(self.rank),
@@ -289,8 +291,9 @@ class Job:
                  every: int):
         self.rt, self.link = rt, rt.link
         self.model, self.optimizer, self.state = model, optimizer, state
-        self.every = max(1, int(os.environ.get("PHOENIXRUN_PROTECT_EVERY", every)))
-        self.adaptive = os.environ.get("PHOENIXRUN_ADAPTIVE", "1") != "0"
+        settings = WorkerSettings.from_env()
+        self.every = max(1, settings.protect_every or every)
+        self.adaptive = settings.adaptive
         self._samples: deque[Sample] = deque(maxlen=20)
         self._iteration_t = 0.0
         self._last_ping = 0.0
@@ -308,7 +311,7 @@ class Job:
         self._restore_callbacks: list[Callable[[int, int], None]] = []
         self._joined_at: int | None = None   # a replacement process: the step protect() restored
         self._protected = False               # protect() has returned this job
-        stats_dir = os.environ.get("PHOENIXRUN_STATS_DIR")   # per-step protection figures (benchmarks)
+        stats_dir = settings.stats_dir   # per-step protection figures (benchmarks)
         self._stats = open(os.path.join(stats_dir, f"rank{rt.rank}.jsonl"), "a", buffering=1) if stats_dir else None
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         if rt.restore_step is not None:

@@ -1,0 +1,200 @@
+"""phoenixrun/config.py: validation, config -> argv -> config and config -> env -> config, and the CLI generated
+from the same fields (the launcher starts `phoenixrun master` / `phoenixrun agent` with to_argv())."""
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import click
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phoenixrun import config
+from phoenixrun.agents.workers import WorkerSpec
+from phoenixrun.cli import agent_cmd, from_argv, launch, launch_config, master_cmd
+from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConfig, WorkerSettings
+from tests.harness import BIN, EXAMPLE, env
+
+# what a command line can hold: no NUL; the rest is fair game (values starting with '-', spaces, unicode)
+text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
+words = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=12)
+# absolute, no '..' or symlinks: `phoenixrun master` resolves --persist-dir, as the launcher always has
+abs_paths = st.lists(st.text("abc_-. 0", min_size=1, max_size=6).filter(lambda s: s not in (".", "..")),
+                     min_size=1, max_size=3).map(lambda parts: Path("/phx-config-test", *parts))
+seconds = st.floats(min_value=0.0, max_value=1e7, allow_nan=False, allow_infinity=False)
+
+
+def secs(lo: float) -> st.SearchStrategy[float]:
+    return seconds.filter(lambda x: x >= lo)
+
+
+masters = st.builds(
+    MasterConfig, run_dir=abs_paths, nnodes=st.integers(1, 1 << 20), nproc_per_node=st.integers(1, 1024),
+    run_id=text, tp=st.integers(1, 64), pp=st.integers(1, 64), replicas=st.integers(0, 8),
+    max_restarts=st.integers(0, 100), host=text, port=st.integers(0, 65535), store_port=st.integers(0, 65535),
+    node_timeout=secs(0.1), spare_wait=secs(0), recovery_timeout=secs(1), max_local_resets=st.integers(0, 100),
+    persist_dir=st.none() | abs_paths, persist_every=st.integers(0, 1000), persist_keep=st.integers(1, 100),
+    max_fallbacks=st.integers(0, 100), spares=st.none() | st.integers(0, 100))
+
+specs = st.builds(WorkerSpec, entrypoint=words, args=st.lists(text, max_size=4).map(tuple), module=st.booleans(),
+                  no_python=st.booleans())
+agents = st.builds(
+    AgentConfig, endpoint=text, secret=st.just("s3cret"), spec=specs, nproc_per_node=st.integers(1, 1024),
+    host=words, fault_domain=text, heartbeat_interval=secs(0.01), log_dir=st.none() | abs_paths, tee=st.booleans(),
+    hang_timeout=secs(0.1), node_rank=st.none() | st.integers(0, 1 << 20),
+    local_ranks_filter=st.none() | st.frozensets(st.integers(0, 1024), min_size=1),
+    shutdown_timeout=secs(0), collective_timeout=secs(1))
+
+workers = st.builds(
+    WorkerSettings, agent_sock=text, protect=st.booleans(), tp=st.integers(1, 64), pp=st.integers(1, 64),
+    collective_timeout=secs(1), protect_every=st.none() | st.integers(1, 1000), adaptive=st.booleans(),
+    stats_dir=st.none() | abs_paths)
+
+
+@settings(max_examples=150, deadline=None)
+@given(masters)
+def test_master_config_argv_round_trip(cfg):
+    """The launcher's `phoenixrun master` command line gives the master exactly the launcher's config - or,
+    where a command line cannot say it, to_argv refuses instead of dropping a setting."""
+    try:
+        argv = cfg.to_argv()
+    except ConfigError as e:
+        assert cfg.persist_every and cfg.persist_dir is None, e
+        return
+    assert from_argv("master", argv) == cfg
+
+
+@settings(max_examples=150, deadline=None)
+@given(agents)
+def test_agent_config_argv_round_trip(cfg):
+    argv = cfg.to_argv()
+    assert "s3cret" not in argv   # the secret travels in the environment, never on a command line (ps shows it)
+    assert from_argv("agent", argv, secret="s3cret") == cfg
+
+
+@settings(max_examples=150, deadline=None)
+@given(workers)
+def test_worker_settings_env_round_trip(s):
+    assert WorkerSettings.from_env(s.to_env()) == s
+
+
+def test_settings_without_a_flag_are_refused_by_to_argv():
+    base = MasterConfig(run_dir="/r", nnodes=2, nproc_per_node=1)
+    for change in ({"correlation_window": 0.1}, {"fault_domains": {0: "rack1"}}):
+        with pytest.raises(ConfigError, match="no command-line flag"):
+            dataclasses.replace(base, **change).to_argv()
+    agent = AgentConfig(endpoint="h:1", secret="s", spec=WorkerSpec("t.py"), nproc_per_node=1)
+    with pytest.raises(ConfigError, match="empty set of local ranks"):
+        dataclasses.replace(agent, local_ranks_filter=frozenset()).to_argv()
+    with pytest.raises(ConfigError, match="no command-line flag"):
+        dataclasses.replace(agent, node_id="n1").to_argv()
+
+
+@pytest.mark.parametrize("cls,kw,needle", [
+    (MasterConfig, {"nnodes": 0}, "--nnodes: 0 is out of range; give a value of at least 1"),
+    (MasterConfig, {"node_timeout": 0.05}, "--node-timeout: 0.05 is out of range; give a value of at least 0.1"),
+    (MasterConfig, {"port": 70000}, "--port: 70000 is out of range; give a value between 0 and 65535"),
+    (MasterConfig, {"nnodes": "2"}, "--nnodes: '2' is not a whole number"),
+    (MasterConfig, {"tp": True}, "--tp: True is not a whole number"),
+    (MasterConfig, {"spare_wait": float("nan")}, "--spare-wait: nan is not a number"),
+    (MasterConfig, {"correlation_window": -1.0}, "MasterConfig.correlation_window: -1.0 is out of range"),
+    (MasterConfig, {"run_dir": None}, "--run-dir: a value is required"),
+    (AgentConfig, {"hang_timeout": 0}, "--hang-timeout: 0.0 is out of range; give a value of at least 0.1"),
+    (AgentConfig, {"local_ranks_filter": [0, -1]}, "--local-ranks-filter: [-1, 0]: local ranks are integers >= 0"),
+    (AgentConfig, {"collective_timeout": 0.5}, "--collective-timeout: 0.5 is out of range"),
+    (WorkerSettings, {"tp": 0}, "PHOENIXRUN_TP: 0 is out of range; give a value of at least 1"),
+])
+def test_bad_values_name_the_setting(cls, kw, needle):
+    base = {MasterConfig: {"run_dir": "/r", "nnodes": 1, "nproc_per_node": 1},
+            AgentConfig: {"endpoint": "h:1", "secret": "s", "spec": WorkerSpec("t.py"), "nproc_per_node": 1},
+            WorkerSettings: {}}[cls]
+    with pytest.raises(ConfigError) as e:
+        cls(**{**base, **kw})
+    assert needle in str(e.value)
+
+
+def test_values_are_normalised():
+    m = MasterConfig(run_dir="r", nnodes=1, nproc_per_node=1, node_timeout=2, persist_dir="p")
+    assert m.run_dir == Path("r") and m.persist_dir == Path("p") and type(m.node_timeout) is float
+    a = AgentConfig(endpoint="h:1", secret="s", spec=WorkerSpec("t.py"), nproc_per_node=1, local_ranks_filter=[1, 0])
+    assert a.local_ranks_filter == frozenset({0, 1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.nnodes = 2
+
+
+@pytest.mark.parametrize("env_,needle", [
+    ({"PHOENIXRUN_TP": "two"}, "PHOENIXRUN_TP='two' is not a whole number"),
+    ({"PHOENIXRUN_COLLECTIVE_TIMEOUT": "soon"}, "PHOENIXRUN_COLLECTIVE_TIMEOUT='soon' is not a number"),
+    ({"PHOENIXRUN_PROTECT_EVERY": "0"}, "PHOENIXRUN_PROTECT_EVERY: 0 is out of range"),
+])
+def test_bad_environment_names_the_variable(env_, needle):
+    with pytest.raises(ConfigError) as e:
+        WorkerSettings.from_env(env_)
+    assert needle in str(e.value)
+
+
+def test_worker_settings_read_as_the_runtime_always_did():
+    """Unset or empty: the default; PHOENIXRUN_PROTECT / _ADAPTIVE are off only for '0'."""
+    s = WorkerSettings.from_env({})
+    assert (s.agent_sock, s.protect, s.tp, s.pp, s.protect_every, s.adaptive, s.stats_dir) == \
+        ("", True, 1, 1, None, True, None) and not s.managed
+    s = WorkerSettings.from_env({"PHOENIXRUN_AGENT_SOCK": "/a.sock", "PHOENIXRUN_PROTECT": "yes",
+                                 "PHOENIXRUN_ADAPTIVE": "0", "PHOENIXRUN_STATS_DIR": "", "PHOENIXRUN_PP": "2"})
+    assert s.managed and not s.adaptive and s.stats_dir is None and s.pp == 2
+    assert not WorkerSettings.from_env({"PHOENIXRUN_AGENT_SOCK": "/a.sock", "PHOENIXRUN_PROTECT": "0"}).managed
+
+
+def test_collective_timeout_has_one_default():
+    """The drift this module removed: the CLI said 60, the runtime used 30 where `phoenixrun agent` ran without
+    the flag. Now the agent always exports its value, and every copy is the one constant."""
+    agent = AgentConfig(endpoint="h:1", secret="s", spec=WorkerSpec("t.py"), nproc_per_node=1)
+    assert agent.collective_timeout == WorkerSettings().collective_timeout == config.COLLECTIVE_TIMEOUT_S == 60.0
+    assert WorkerSettings.from_env(agent.worker_env()).collective_timeout == 60.0
+    assert WorkerSettings.from_env(dataclasses.replace(agent, collective_timeout=7.5).worker_env()) \
+        .collective_timeout == 7.5
+
+
+@pytest.mark.parametrize("cls,cmd", [(MasterConfig, master_cmd), (AgentConfig, agent_cmd)])
+def test_each_flag_field_is_its_commands_option(cls, cmd):
+    """Every field a flag sets is an option of its command, with the field's doc as help and the field's
+    (command-line) default: the options are generated from the fields, and this keeps it so."""
+    opts = {p.opts[0]: p for p in cmd.params if isinstance(p, click.Option)}
+    for f in cls.flag_fields():
+        s = config.setting_of(f)
+        opt = opts.get(s.flag)
+        assert opt is not None, f"{cls.__name__}.{f.name}: {s.flag} is not an option of `phoenixrun {cmd.name}`"
+        assert opt.help == s.doc
+        if opt.is_flag:   # absent, the field keeps its default: on for --no-tee's tee
+            assert config.default_of(f) is s.negate
+        elif opt.required:
+            assert config.default_of(f) is dataclasses.MISSING
+        else:
+            assert opt.get_default(click.Context(cmd), call=False) == config.cli_default(f), f.name
+
+
+def test_launcher_starts_processes_with_its_config(tmp_path):
+    """`phoenixrun ...` -> LaunchConfig -> the argv of the master and the agents it starts -> the configs those
+    commands parse: the same (the four copies this replaced drifted: hang_timeout 30 vs 20)."""
+    argv = ["--standalone", "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1", "--hang-timeout", "3",
+            "--collective-timeout", "45", "--local-ranks-filter", "1,0", "--log-dir", str(tmp_path / "logs"),
+            "--tee", "0", "--redirects", "3", "--persist-every", "5", "--run-dir", str(tmp_path / "run"),
+            "--node-timeout", "2.5", str(EXAMPLE), "--steps", "3"]
+    c = launch_config(launch.make_context("phoenixrun", argv).params, (str(EXAMPLE), "--steps", "3"))
+    assert isinstance(c, LaunchConfig) and c.standalone and c.spares == 1 and c.master.spares is None
+    assert c.master.persist_dir == (tmp_path / "run" / "checkpoints").resolve() and c.master.node_timeout == 2.5
+    assert from_argv("master", c.master.to_argv()) == c.master
+    for i in range(3):
+        a = c.agent_for("127.0.0.1:1234", i)
+        assert a.fault_domain == f"local{i}" and a.endpoint == "127.0.0.1:1234" and a.hang_timeout == 3.0
+        assert a.collective_timeout == 45.0 and a.local_ranks_filter == {0, 1} and not a.tee
+        assert from_argv("agent", a.to_argv(), secret="") == a
+
+
+def test_bad_collective_timeout_from_the_environment_is_one_line():
+    """A user mistake through an environment variable the agent reads: one line naming the flag, exit 2."""
+    r = subprocess.run([str(BIN / "phoenixrun"), "agent", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node",
+                        "1", str(EXAMPLE)], capture_output=True, text=True, timeout=60,
+                       env=env(PHOENIXRUN_COLLECTIVE_TIMEOUT="0.5", PHOENIXRUN_SECRET="x"))
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--collective-timeout" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
