@@ -19,6 +19,7 @@ FSDP2 = DTensorFacts("model/0.weight", ("dp_shard",), ("Shard(dim=0)",))
 HSDP = DTensorFacts("model/0.weight", ("replicate", "shard"), ("Replicate()", "Shard(dim=0)"))
 TP = DTensorFacts("model/w1.weight", ("tp",), ("Shard(dim=1)",))
 REPL = DTensorFacts("model/b", ("dp",), ("Replicate()",))
+PARTIAL = DTensorFacts("optim/3/exp_avg", ("tp",), ("Partial(sum)",))
 
 
 @pytest.mark.parametrize("facts, expect", [
@@ -34,12 +35,14 @@ REPL = DTensorFacts("model/b", ("dp",), ("Replicate()",))
     # DDP over a mesh dimension without --tp/--pp: ranks 2, 3 are "peers" of rank 0 but hold another stage/shard
     (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1, 2, 3)),
      r"DDP on rank 0 replicates over ranks \[0, 1\].*--tp 1 --pp 1.*ranks \[0, 1, 2, 3\].*rank\(s\) \[2, 3\]"),
-    (LayoutFacts(0, "FSDPModule", dtensors=(FSDP2,), plan_peers=(0, 1)),
-     r"model/0.weight is sharded over \['dp_shard'\] \(FSDP2 fully_shard or tensor parallelism\).*Shard\(dim=0\)"),
-    (LayoutFacts(0, "FSDPModule", dtensors=(HSDP, FSDP2), plan_peers=(0, 1)),
-     r"sharded over \['shard'\] and replicated over \['replicate'\] \(HSDP.*and 1 more DTensors"),
-    (LayoutFacts(0, "Transformer", dtensors=(TP,), plan_peers=(0, 1)), r"mesh dims \['tp'\]"),
-    (LayoutFacts(0, "Module", dtensors=(REPL,), plan_peers=(0, 1)), r"a DTensor replicated over \['dp'\]"),
+    # DTensor state (FSDP2, HSDP, TP, replicated DTensors): every local shard is rank-private, never taken from a peer
+    (LayoutFacts(0, "FSDPModule", dtensors=(FSDP2,), plan_peers=(0, 1)), None),
+    (LayoutFacts(0, "FSDPModule", dtensors=(HSDP, FSDP2), plan_peers=(0, 1)), None),
+    (LayoutFacts(0, "Transformer", dtensors=(TP,), plan_peers=(0, 1)), None),
+    (LayoutFacts(0, "Module", dtensors=(REPL,), plan_peers=(0, 1)), None),
+    # a pending reduction is not state: refused, naming the tensor
+    (LayoutFacts(0, "Module", dtensors=(FSDP2, PARTIAL), plan_peers=(0, 1)),
+     r"optim/3/exp_avg is a DTensor with a pending reduction; placements \(Partial\(sum\)\).*Redistribute"),
     (LayoutFacts(0, "FullyShardedDataParallel", plan_peers=(0, 1)), r"FSDP \(FullyShardedDataParallel\)"),
     (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1), local_stats=("module.1",)),
      r"\['module.1'\] keep running statistics.*SyncBatchNorm"),
@@ -97,51 +100,62 @@ def test_dp_groups_follow_the_plan(layout, expect):
 
 
 def test_describe_names_the_layout():
-    assert "FSDP2" in describe(FSDP2) and "HSDP" in describe(HSDP)
+    assert "FSDP2" in describe(FSDP2) and "HSDP" in describe(HSDP) and "pending reduction" in describe(PARTIAL)
 
 
 OBSERVE = textwrap.dedent("""
     import json, os, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from phoenixrun.runtime.layout_check import observe, local_refusal
+    from phoenixrun.runtime.layout_check import observe, local_refusal, describe
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = {}
+    def check(name, m):
+        f = observe(m, torch.optim.SGD(m.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1")
+        out[name] = {"refusal": local_refusal(f), "described": [describe(d) for d in f.dtensors]}
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
     from torch.distributed.fsdp import fully_shard
     m = torch.nn.Sequential(torch.nn.Linear(4, 4))
     fully_shard(m, mesh=mesh)
-    out["fsdp2"] = local_refusal(observe(m, torch.optim.SGD(m.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    check("fsdp2", m)
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     tp_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
     t = parallelize_module(torch.nn.Linear(4, 4), tp_mesh, ColwiseParallel())
-    out["tp"] = local_refusal(observe(t, torch.optim.SGD(t.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    check("tp", t)
     mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
     tf = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh2["tp"], {"0": ColwiseParallel()})
     fully_shard(tf, mesh=mesh2["dp"])
-    out["tp_fsdp2"] = local_refusal(observe(tf, torch.optim.SGD(tf.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    check("tp_fsdp2", tf)
+    p = torch.nn.Linear(4, 4)
+    p.weight = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 4), tp_mesh, [Partial()]))
+    check("partial", p)
     b = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
-    out["bn"] = local_refusal(observe(b, torch.optim.SGD(b.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    check("bn", b)
     s = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4),   # DDP wraps SyncBatchNorm on GPU only
                             torch.nn.BatchNorm1d(4, track_running_stats=False))
-    out["syncbn"] = local_refusal(observe(s, torch.optim.SGD(s.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    check("syncbn", s)
     d = DDP(torch.nn.Linear(4, 4))
-    out["ddp"] = local_refusal(observe(d, torch.optim.SGD(d.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1"))
+    check("ddp", d)
     print(json.dumps(out))
     dist.destroy_process_group()
 """)
 
 
 def test_facts_are_read_from_real_fsdp2_tp_and_ddp_objects(tmp_path):
-    """One process, a world of 1 (gloo): the refusal comes from the objects torch builds, not from a fake."""
+    """One process, a world of 1 (gloo): the facts and the refusal come from the objects torch builds, not a fake."""
     r = subprocess.run([sys.executable, "-c", OBSERVE], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "FSDP2" in out["fsdp2"] and "Shard(dim=0)" in out["fsdp2"] and "dp_shard" in out["fsdp2"]
-    assert "Shard(dim=0)" in out["tp"] and "'tp'" in out["tp"]
-    assert "sharded over ['dp', 'tp']" in out["tp_fsdp2"], out["tp_fsdp2"]   # _StridedShard counted as a shard
-    assert "['module.1'] keep running statistics" in out["bn"], out["bn"]
-    assert out["syncbn"] is None and out["ddp"] is None
+    # DTensor state is protected (rank-private shards): seen, described, not refused
+    assert out["fsdp2"]["refusal"] is None and len(out["fsdp2"]["described"]) == 2
+    assert "FSDP2" in out["fsdp2"]["described"][0] and "Shard(dim=0)" in out["fsdp2"]["described"][0]
+    assert out["tp"]["refusal"] is None and "Shard(dim=0)" in out["tp"]["described"][0]
+    assert out["tp_fsdp2"]["refusal"] is None
+    assert "sharded over ['dp', 'tp']" in out["tp_fsdp2"]["described"][0]   # _StridedShard counted as a shard
+    assert "model/weight is a DTensor with a pending reduction" in out["partial"]["refusal"], out["partial"]
+    assert "['module.1'] keep running statistics" in out["bn"]["refusal"], out["bn"]
+    assert out["syncbn"]["refusal"] is None and out["ddp"]["refusal"] is None
 
 
 PP = Path(__file__).resolve().parent / "scripts" / "pp_two_stages.py"

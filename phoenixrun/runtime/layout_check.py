@@ -1,18 +1,19 @@
 """What `phoenixrun.protect()` refuses, before training: state it could not restore correctly today.
 
-A hot swap restores a lost rank's parameters (and a plain optimizer's state) from a rank the plan
-takes for its data-parallel peer: the ranks with the same (tp, pp) coordinates of the `--tp/--pp`
-layout, over all ranks when no flags are given. That is only correct when those ranks hold the same
-bytes: DDP-replicated parameters. Anything else is refused here, with the layout named and the way
-out, rather than recovered into a wrong state:
+A hot swap restores a lost rank's shared state - its plain (non-DTensor) parameters, buffers and a plain
+optimizer's state - from a rank the plan takes for its data-parallel peer: the ranks with the same (tp, pp)
+coordinates of the `--tp/--pp` layout, over all ranks when no flags are given. That is only correct when
+those ranks hold the same bytes: DDP-replicated parameters. DTensor state (FSDP2 `fully_shard`, HSDP, tensor
+parallelism) is not shared: the local shard of every DTensor is rank-private, snapshotted with the
+replicated part and restored from the rank's own replica, never from a peer (runtime/snapshot.py). What
+cannot be restored correctly is refused here, with the layout named and the way out:
 
-- DTensor parameters, buffers or optimizer state (FSDP2 `fully_shard`, tensor parallelism, HSDP):
-  each rank holds its own shard, which the snapshot does not capture and no peer holds;
-- FSDP1 (`FullyShardedDataParallel`): flat sharded parameters, likewise;
+- a DTensor with a Partial placement: a pending reduction, not state;
+- FSDP1 (`FullyShardedDataParallel`): flat sharded plain parameters that a DP peer does not hold;
 - a DDP whose process group does not include every rank the plan takes for a DP peer (DDP over a
   mesh dimension or a subgroup, without matching `--tp/--pp`): the peers' parameters diverge;
-- ranks in the DP-peer relation whose parameters differ at protect() time (pipeline stages,
-  per-rank models): compared with one all-gather of a checksum per rank;
+- ranks in the DP-peer relation whose shared (non-DTensor) state differs at protect() time (pipeline
+  stages, per-rank models): compared with one all-gather of a checksum per rank;
 - BatchNorm running statistics: each rank's forward updates them from its own batch, so DP peers
   never hold a replaced rank's values (SyncBatchNorm's are identical on every rank).
 
@@ -64,18 +65,21 @@ def describe(d: DTensorFacts) -> str:
         kind = f"sharded over {shard} and replicated over {rep} (HSDP, or TP x DP)"
     elif shard:
         kind = f"sharded over {shard} (FSDP2 fully_shard or tensor parallelism)"
-    else:
+    elif rep or not any(p.startswith("Partial") for p in d.placements):
         kind = f"a DTensor replicated over {rep or list(d.mesh_dims)}"
+    else:
+        kind = "a DTensor with a pending reduction"
     return f"{d.name} is {kind}; placements ({', '.join(d.placements)}) on mesh dims {list(d.mesh_dims)}"
 
 
 def local_refusal(f: LayoutFacts) -> str | None:
     """Why this rank's state cannot be protected, from what it sees locally; None: nothing against it."""
-    if f.dtensors:
-        more = f" (and {len(f.dtensors) - 1} more DTensors)" if len(f.dtensors) > 1 else ""
-        return (f"phoenixrun.protect: {describe(f.dtensors[0])}{more}. Sharded DTensor state (FSDP2, HSDP, tensor "
-                "parallelism) is not protected yet: the snapshot holds plain tensors only and the recovery plan "
-                "would restore a replaced rank's shard from a rank that holds another shard. Use DDP, or " + WAY_OUT)
+    partial = [d for d in f.dtensors if any(p.startswith("Partial") for p in d.placements)]
+    if partial:
+        more = f" (and {len(partial) - 1} more)" if len(partial) > 1 else ""
+        return (f"phoenixrun.protect: {describe(partial[0])}{more}. A Partial placement is a reduction still "
+                "pending: its local tensor is not state a snapshot can restore. Redistribute it to Shard or "
+                "Replicate before protect() (and keep it so between steps), or " + WAY_OUT)
     if f.wrapper == "FullyShardedDataParallel":
         return ("phoenixrun.protect: the model is FSDP (FullyShardedDataParallel): each rank holds a different "
                 "flat shard of the parameters, and the recovery plan would restore a replaced rank's shard from a "
@@ -163,11 +167,14 @@ def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
 
 
 def shared_checksum(model: torch.nn.Module) -> int:
-    """crc32 over the model's state (names, dtypes, shapes and bytes): what DP peers must hold identically."""
+    """crc32 over the model's shared state (names, dtypes, shapes and bytes): what DP peers must hold identically.
+
+    DTensors are left out: their local shards are rank-private (snapshotted and restored from the rank's own
+    replica, never taken from a peer), and a peer holding another shard is expected."""
     c = 0
     for name, t in model.state_dict().items():
-        if _is_dtensor(t):
-            continue          # refused anyway; its local shard says nothing about a peer
+        if is_dtensor(t):
+            continue
         t = t.detach()
         c = zlib.crc32(f"{name}:{t.dtype}:{tuple(t.shape)};".encode(), c)
         if t.numel():
@@ -183,7 +190,7 @@ def _optimizer_state(optimizer) -> dict:
         return {}
 
 
-def _is_dtensor(t) -> bool:
+def is_dtensor(t) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -192,14 +199,14 @@ def _is_dtensor(t) -> bool:
 
 
 def _dtensor_facts(name: str, t) -> DTensorFacts | None:
-    if not _is_dtensor(t):
+    if not is_dtensor(t):
         return None
     mesh = t.device_mesh
     dims = tuple(mesh.mesh_dim_names or (f"dim_{i}" for i in range(mesh.ndim)))
-    return DTensorFacts(name, dims, tuple(_placement(p) for p in t.placements))
+    return DTensorFacts(name, dims, tuple(placement_name(p) for p in t.placements))
 
 
-def _placement(p) -> str:
+def placement_name(p) -> str:
     # str(Shard(0)) is "S(0)" in torch 2.13: spell them the way the APIs are written. FSDP2 over a TP-sharded
     # parameter shards it again as _StridedShard, which is_shard() does not count
     if type(p).__name__ == "_StridedShard":

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from phoenixrun.runtime.layout_check import is_dtensor, placement_name
 from phoenixrun.testing import pause_point
 from phoenixrun.slot_format import (HEADER_SIZE, Entry, SlotHeader, crc_private, crc_shared, grown_capacity,
                                     slot_bytes)
@@ -42,7 +43,14 @@ def local_optimizer(optimizer):
 
 
 class StateBinding:
-    """Where each live tensor of the rank goes: private (replicated) or shared (DP-redundant)."""
+    """Where each live tensor of the rank goes: private (replicated) or shared (DP-redundant).
+
+    DTensors (FSDP2 / HSDP / tensor-parallel parameters, buffers and optimizer state): their local shard is
+    rank-private, whatever the placements. A recovery takes shared state from a rank the plan takes for a
+    data-parallel peer, and for a sharded DTensor that rank holds another shard; so every local shard is
+    snapshotted into the private region, replicated with it, and restored in place from the rank's own
+    replica, never from a peer. `dtensors` records each one's global shape, stride and placements, so the
+    restore can check it lands in the same layout and re-wrap optimizer state with its parameter's mesh."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -53,16 +61,17 @@ class StateBinding:
         self.private: list[tuple[str, torch.Tensor]] = []
         self.shared: list[tuple[str, torch.Tensor]] = []
         self.scalars: dict[str, Any] = {}
+        self.dtensors: dict[str, dict] = {}
         opt_sd = self.local_opt.state_dict()
         opt_list = self.private if self.optimizer_private else self.shared
         for idx, st in opt_sd["state"].items():
             for k, v in st.items():
                 if torch.is_tensor(v):
-                    opt_list.append((f"optim/{idx}/{k}", v))
+                    self._add(f"optim/{idx}/{k}", v, opt_list)
                 else:
                     self.scalars[f"{idx}/{k}"] = v
         for name, t in model.state_dict().items():
-            self.shared.append((f"model/{name}", t))
+            self._add(f"model/{name}", t, self.shared)
         self.private.append(("rng/cpu", torch.get_rng_state()))
         self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
         if self._cuda_rng:
@@ -74,6 +83,19 @@ class StateBinding:
         self.shared_entries = _entries(self.shared)
         self.signature = (tuple(e.to_json().__repr__() for e in self.private_entries),
                           tuple(e.to_json().__repr__() for e in self.shared_entries))
+
+    def _add(self, name: str, t: torch.Tensor, otherwise: list[tuple[str, torch.Tensor]]) -> None:
+        """A DTensor's local shard goes to the private region (see the class doc); any other tensor to `otherwise`."""
+        if not is_dtensor(t):
+            otherwise.append((name, t))
+            return
+        placements = [placement_name(p) for p in t.placements]
+        partial = [p for p in placements if p.startswith("Partial")]
+        if partial:   # protect() refuses these first (layout_check); a binding must never snapshot one either
+            raise ValueError(f"{name} is a DTensor with a pending reduction ({', '.join(partial)}): its local "
+                             "tensor is not state that can be restored")
+        self.dtensors[name] = {"placements": placements, "shape": list(t.shape), "stride": list(t.stride())}
+        self.private.append((name, t.to_local()))
 
     def state_count(self) -> tuple[int, int]:
         """How many parameters have optimizer state, and how many entries in all (cheap: no tensors touched)."""
@@ -145,7 +167,7 @@ class SnapshotWriter:
         # the part of the metadata fixed by the binding, encoded once (per step only the state dict and the
         # param groups are)
         self._meta_tail = json.dumps({
-            "scalars": binding.scalars, "optimizer_private": binding.optimizer_private,
+            "scalars": binding.scalars, "optimizer_private": binding.optimizer_private, "dtensors": binding.dtensors,
             "private": [e.to_json() for e in binding.private_entries],
             "shared": [e.to_json() for e in binding.shared_entries]})[1:]
         cuda = [t for _, t in binding.private + binding.shared if t.is_cuda]
@@ -258,25 +280,52 @@ def read_slot(slot: SlotMap, step: int) -> tuple[SlotHeader, dict] | None:
 
 def restore_into(slot: SlotMap, h: SlotHeader, meta: dict, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
-    """Load S_step from a slot into the live model/optimizer/RNG (survivor or replacement alike)."""
+    """Load S_step from a slot into the live model/optimizer/RNG (survivor or replacement alike).
+
+    DTensor entries (meta["dtensors"]) are local shards: a parameter's or buffer's is copied in place into the live
+    DTensor's local tensor (the objects FSDP2 and the optimizer hold stay the same); optimizer state is re-wrapped
+    with its parameter's mesh and placements. Each must land in the layout it was taken from: a different mesh
+    layout or shard shape is an error, never a restore."""
+    reset_fsdp(model)
     private = [Entry.from_json(j) for j in meta["private"]]
     shared = [Entry.from_json(j) for j in meta["shared"]]
+    dtensors: dict[str, dict] = meta.get("dtensors", {})
     tensors = {e.name: slot.view(h.private_off, e).clone() for e in private}
     tensors.update({e.name: slot.view(h.shared_off, e).clone() for e in shared})
     model_sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
-    model.load_state_dict(model_sd)
+    sharded = {k for k in model_sd if f"model/{k}" in dtensors}
+    if sharded:
+        live = model.state_dict()          # FSDP2's state-dict hook swaps its sharded parameters in first
+        with torch.no_grad():
+            for k in sorted(sharded):
+                target = live.get(k)
+                _check_dtensor(f"model/{k}", target, dtensors[f"model/{k}"])
+                local = target.to_local()
+                if tuple(local.shape) != tuple(model_sd[k].shape):
+                    raise ValueError(f"restore: model/{k} holds a local shard of shape {tuple(local.shape)}, the "
+                                     f"snapshot one of {tuple(model_sd[k].shape)}")
+                local.copy_(model_sd.pop(k))
+        missing, unexpected = model.load_state_dict(model_sd, strict=False)
+        if set(missing) != sharded or unexpected:
+            raise ValueError(f"restore: the snapshot does not match the model's state: missing "
+                             f"{sorted(set(missing) - sharded)}, unexpected {sorted(unexpected)}")
+    else:
+        model.load_state_dict(model_sd)
+    local_opt = local_optimizer(optimizer)
+    params = [p for g in local_opt.param_groups for p in g["params"]]   # state_dict() numbers them in this order
     state: dict[int, dict[str, Any]] = {}
     for k, v in tensors.items():
         if k.startswith("optim/"):
             _, idx, name = k.split("/", 2)
+            if k in dtensors:
+                v = _rewrap(k, v, params[int(idx)], dtensors[k])
             state.setdefault(int(idx), {})[name] = v
     for k, v in meta["scalars"].items():
         idx, name = k.split("/", 1)
         state.setdefault(int(idx), {})[name] = v
-    local = local_optimizer(optimizer)
-    local.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    if local is not optimizer:  # ZeRO syncs outer -> inner at every step: make the outer agree
-        for outer, inner in zip(optimizer.param_groups, local.param_groups):
+    local_opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    if local_opt is not optimizer:  # ZeRO syncs outer -> inner at every step: make the outer agree
+        for outer, inner in zip(optimizer.param_groups, local_opt.param_groups):
             for key, value in inner.items():
                 if key != "params":
                     outer[key] = value
@@ -284,6 +333,46 @@ def restore_into(slot: SlotMap, h: SlotHeader, meta: dict, model: torch.nn.Modul
     cuda_rng = [tensors[k] for k in sorted(tensors) if k.startswith("rng/cuda")]
     if cuda_rng:
         torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def reset_fsdp(model: torch.nn.Module) -> None:
+    """Put FSDP2 back into its between-iterations state (`FSDPModule.reset_iter_state()` on each root), as torch
+    documents after a forward or backward that raised. Without it, a survivor whose step was abandoned mid-forward
+    kept its iteration state (which groups are unsharded, what to prefetch) and issued other all-gathers than the
+    fresh replacement: gloo aborted with "op.preamble.length <= op.nbytes. 24992 vs 8768" (FSDP2, 4 ranks, node
+    killed at step 4)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    roots: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule) and not any(name == r or name.startswith(r + ".") if r else True for r in roots):
+            roots.append(name)
+            # a root that never ran a forward (a replacement process restoring inside protect()) has nothing to
+            # reset, and reset_iter_state() needs FSDP's lazy init: it raised AttributeError ('FSDPCommContext'
+            # has no 'all_gather_state') there; `_is_root` stays None until that init
+            if getattr(m._get_fsdp_state(), "_is_root", None) is not None:
+                m.reset_iter_state()
+
+
+def _check_dtensor(name: str, live, recorded: dict, shape: bool = True) -> None:
+    """The live tensor a DTensor snapshot entry is restored into must have the layout it was taken with."""
+    if not is_dtensor(live):
+        raise ValueError(f"restore: {name} was a DTensor when snapshotted but the live model holds "
+                         f"{type(live).__name__}: the script must build the same mesh and wrappers before protect()")
+    placements = [placement_name(p) for p in live.placements]
+    if placements != recorded["placements"] or (shape and list(live.shape) != recorded["shape"]):
+        raise ValueError(f"restore: {name} was snapshotted as {recorded['shape']} with placements "
+                         f"{recorded['placements']}, the live one is {list(live.shape)} with {placements}")
+
+
+def _rewrap(name: str, local: torch.Tensor, param, recorded: dict):
+    """Optimizer state of a DTensor parameter: its local shard, wrapped with the parameter's mesh and placements."""
+    from torch.distributed.tensor import DTensor
+    _check_dtensor(name, param, recorded, shape=False)   # state may be shaped unlike its parameter; placed alike
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=torch.Size(recorded["shape"]), stride=tuple(recorded["stride"]))
 
 
 class BackgroundCopier:
