@@ -39,7 +39,7 @@ def main() -> int:
         m = Master(MasterConfig(run_dir=Path(tmp), nnodes=args.nodes, nproc_per_node=4), "secret")
         m.store_port = 1                      # no TCPStore: nothing here rendezvouses
         srv = ControlServer(m, "127.0.0.1", 0)
-        m._wake = srv.wake
+        m.orders.wake = srv.wake
         srv.start()
         ids = [f"n{i}" for i in range(args.nodes)]
         tokens = {nid: m.register({"node_id": nid, "host": "127.0.0.1", "agent_pid": 0,
@@ -81,7 +81,7 @@ def main() -> int:
         m.directives.on_sent = lambda rollout, t: sent.set()   # the broadcast reached every connection
         t0 = time.perf_counter()
         with m.cv:
-            m._direct(ids, command="quiesce")
+            m.orders.direct(ids, command="quiesce")
         if not sent.wait(60):
             print("error: the broadcast was not sent to every poll within 60 s", file=sys.stderr)
             return 1

@@ -32,14 +32,7 @@ KNOWN_ONLY = {"tests": "tests"}     # resolvable import targets, not scanned (te
 # Reach-ins still left, each needing a public name in a file being split right now (master.py,
 # recovery.py, agent.py belong to the master and agent redesign): remove an entry when its file offers
 # the name; the test fails on an entry that no longer occurs, so the list only shrinks.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
-    # (reaching module, private name)
-    # the benchmark drives a Master with its own ControlServer: needs a public way to hand the master the
-    # transport's wake-up (Master sets `_wake = self.http.wake` only when it builds its own server) ...
-    ("benchmarks.directive_drain", "_wake"),
-    # ... and a public way to set one directive for a list of nodes (a broadcast), which is `Master._direct`
-    ("benchmarks.directive_drain", "_direct"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()    # (reaching module, private name): none today
 
 
 @dataclass

@@ -6,7 +6,7 @@ fails here. After a deliberate change, also regenerate docs/cli.md (python tools
 """
 import click
 
-from phoenixrun.cli import _register_simulate, commands, launch
+from phoenixrun.cli import register_simulate, commands, launch
 
 REQUIRED, FLAG = "<required>", "<flag>"
 
@@ -154,7 +154,7 @@ def surface(cmd: click.Command) -> dict:
 
 
 def commands_by_name() -> dict[str, click.Command]:
-    _register_simulate()
+    register_simulate()
     group = click.Context(commands)
     return {"phoenixrun": launch, **{n: commands.get_command(group, n) for n in SURFACE if n != "phoenixrun"}}
 
@@ -176,5 +176,5 @@ def test_no_new_cli_options():
 def test_every_subcommand_is_frozen():
     """A new subcommand must be added to SURFACE too."""
     group = click.Context(commands)
-    _register_simulate()
+    register_simulate()
     assert set(commands.list_commands(group)) == set(SURFACE) - {"phoenixrun"}

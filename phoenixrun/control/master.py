@@ -21,7 +21,6 @@ import resource
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 from phoenixrun.config import MasterConfig
 from phoenixrun.control.coordinator import Coordinator
@@ -159,18 +158,6 @@ class Master:
     @endpoint.setter
     def endpoint(self, value: str) -> None:
         self.job.endpoint = value
-
-    @property
-    def _wake(self) -> Callable[[list[str]], None]:
-        return self.orders.wake
-
-    @_wake.setter
-    def _wake(self, fn: Callable[[list[str]], None]) -> None:
-        self.orders.wake = fn
-
-    def _direct(self, node_ids, **fields) -> None:
-        """Call with cv held (control/orders.py)."""
-        self.orders.direct(node_ids, **fields)
 
     def _pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
         self.recovery.pump(timeout, lost, acks)

@@ -351,9 +351,11 @@ def reset_fsdp(model: torch.nn.Module) -> None:
             roots.append(name)
             # a root that never ran a forward (a replacement process restoring inside protect()) has nothing to
             # reset, and reset_iter_state() needs FSDP's lazy init: it raised AttributeError ('FSDPCommContext'
-            # has no 'all_gather_state') there; `_is_root` stays None until that init
-            if getattr(m._get_fsdp_state(), "_is_root", None) is not None:
+            # has no 'all_gather_state') there. Asked through the public method, not FSDP's private state
+            try:
                 m.reset_iter_state()
+            except AttributeError:
+                pass
 
 
 def _check_dtensor(name: str, live, recorded: dict, shape: bool = True) -> None:
