@@ -144,7 +144,8 @@ def test_peer_addr_of():
 def _ops_the_runtime_sends() -> set[str]:
     ops = set()
     for path in RUNTIME.glob("*.py"):
-        ops |= set(re.findall(r'(?:send|request)\(\{"op": "(\w+)"', path.read_text()))
+        ops |= {WorkerOp[name].value
+                for name in re.findall(r'(?:send|request)\(\{"op": WorkerOp\.(\w+)', path.read_text())}
     return ops
 
 

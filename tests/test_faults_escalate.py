@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phoenixrun.faults.escalate import LADDER, Attempt, Limits, committed_step, escalate, rung
+from phoenixrun.faults.escalate import LADDER, Attempt, Limits, committed_step, escalate, rung, settle
 from phoenixrun.faults.taxonomy import Action, Classification, FaultClass
 
 LR, NR, XF = Action.LOCAL_RESET, Action.NODE_REPLACE, Action.EXTERNAL_FALLBACK
@@ -110,3 +110,24 @@ def test_a_fault_repeating_at_one_step_stops_within_the_bound(first, lim, later,
 ])
 def test_committed_step(newest, restored, expected):
     assert committed_step(newest, 4, restored) == expected
+
+
+@pytest.mark.parametrize("attempts, restored, expected", [
+    ([], 5, []),
+    ([Attempt(3, Action.LOCAL_RESET)], 5, [Attempt(5, Action.LOCAL_RESET)]),     # a stale view moves up
+    ([Attempt(None, Action.LOCAL_RESET)], 5, [Attempt(5, Action.LOCAL_RESET)]),    # unknown then: now known
+    ([Attempt(6, Action.LOCAL_RESET)], 5, [Attempt(6, Action.LOCAL_RESET)]),     # never moved down
+    ([Attempt(1, Action.NODE_REPLACE), Attempt(2, Action.LOCAL_RESET)], 4,
+     [Attempt(1, Action.NODE_REPLACE), Attempt(4, Action.LOCAL_RESET)]),         # only the newest one
+])
+def test_settle_records_the_step_the_recovery_restored(attempts, restored, expected):
+    assert settle(attempts, restored) == expected
+
+
+def test_a_settled_stale_attempt_counts_as_a_repeat():
+    """The CI case: the first attempt was recorded at a stale step 3 while the recovery restored step 5;
+    settled, the repeats at step 5 climb past node replace instead of stalling there."""
+    stale = at(3, LR)
+    lim = Limits(local_resets=1)
+    assert escalate(TRANSIENT, 5, stale + at(5, NR), lim).action == NR         # unsettled: the first is missed
+    assert escalate(TRANSIENT, 5, settle(stale, 5) + at(5, NR), lim).action == XF

@@ -25,6 +25,7 @@ from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, by_rank, pick_spare, plan_recovery
 from phoenixrun.faults import Action
+from phoenixrun.faults.escalate import settle
 from phoenixrun.protocol.names import Command, Event, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
@@ -294,6 +295,7 @@ class Recoveries:
             plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh)
             self.job.phase = Phase.RESTORE
             self.job.restored_step = plan.restore_step
+            self.job.attempts = settle(self.job.attempts, plan.restore_step)
             phases["plan_s"] = round(time.time() - t, 4)
             self.events.emit(Event.RECOVERY_PLAN, g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
                              fetch={r: vars(s) for r, s in plan.fetch.items()})
