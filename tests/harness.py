@@ -82,7 +82,7 @@ class Job:
 
 def launch(tmp: Path, name: str, nnodes: int = 2, nproc: int = 2, spares: int = 0, steps: int = 30,
            extra_flags: list[str] | None = None, script_args: list[str] | None = None, preexec_fn=None,
-           script: Path = EXAMPLE, **env_extra: str) -> Job:
+           script: Path = EXAMPLE, model_args: list[str] = SMALL, **env_extra: str) -> Job:
     """A standalone phoenixrun job of `script` (train_gpt.py by default; any script taking --steps, --out and
     the SMALL model flags)."""
     run_dir, out = tmp / f"{name}-run", tmp / f"{name}-out"
@@ -92,16 +92,16 @@ def launch(tmp: Path, name: str, nnodes: int = 2, nproc: int = 2, spares: int = 
     cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
            "--spares", str(spares), "--run-dir", str(run_dir), "--heartbeat-interval", "0.1", *(extra_flags or []),
            str(script),
-           "--steps", str(steps), "--out", str(out), *SMALL, *(script_args or [])]
+           "--steps", str(steps), "--out", str(out), *model_args, *(script_args or [])]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=tmp, preexec_fn=preexec_fn)
     return Job(run_dir, out, proc)
 
 
 def torchrun(tmp: Path, name: str, nproc: int, steps: int, script_args: list[str] | None = None,
-             script: Path = EXAMPLE) -> Path:
+             script: Path = EXAMPLE, model_args: list[str] = SMALL) -> Path:
     out = tmp / f"{name}-out"
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script),
-           "--steps", str(steps), "--out", str(out), *SMALL, *(script_args or [])]
+           "--steps", str(steps), "--out", str(out), *model_args, *(script_args or [])]
     subprocess.run(cmd, check=True, env=env(), cwd=tmp, capture_output=True, timeout=300)
     return out
 

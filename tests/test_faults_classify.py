@@ -2,7 +2,8 @@ import signal
 
 import pytest
 
-from phoenixrun.faults.classify import COLLECTIVE_ERROR_PATTERNS, classify, count_incidents, exit_signal_number
+from phoenixrun.faults.classify import (COLLECTIVE_ERROR_PATTERNS, classify, collective_cause, count_incidents,
+                                       exit_signal_number)
 from phoenixrun.faults.taxonomy import Action, FaultClass, Signal, SignalKind
 
 K = SignalKind
@@ -160,3 +161,44 @@ def test_enum_values_are_stable():
     assert [c.value for c in FaultClass] == [
         "transient_comm", "gpu_memory", "host_pcie", "network_storage", "software_unknown"]
     assert [a.value for a in Action] == ["local_reset", "node_replace", "external_fallback"]
+
+
+class _Own(Exception):
+    pass
+
+
+def _raised_from(cause: BaseException, outer: BaseException, explicit: bool = True) -> BaseException:
+    try:
+        try:
+            raise cause
+        except BaseException as e:
+            if explicit:
+                raise outer from e
+            raise outer
+    except BaseException as wrapped:
+        return wrapped
+
+
+GLOO_CLOSED = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:25253")
+
+
+def test_collective_cause_finds_a_wrapped_collective_error():
+    # torch.distributed.pipelining's wrapping of a lost neighbour (seen in tests/test_e2e_3d.py)
+    wrapped = _raised_from(GLOO_CLOSED, RuntimeError("[Stage 1] failed to run forward:\n args: (...)"))
+    assert collective_cause(wrapped) is GLOO_CLOSED
+    assert collective_cause(_raised_from(GLOO_CLOSED, ValueError("bad"), explicit=False)) is GLOO_CLOSED
+    assert collective_cause(GLOO_CLOSED) is GLOO_CLOSED
+
+
+def test_collective_cause_is_none_for_the_scripts_own_errors():
+    assert collective_cause(None) is None
+    assert collective_cause(ValueError("shape mismatch")) is None
+    assert collective_cause(_raised_from(KeyError("x"), RuntimeError("failed to run forward"))) is None
+    e = RuntimeError("loop")
+    e.__cause__ = e                       # a cycle ends the walk
+    assert collective_cause(e) is None
+
+
+def test_collective_cause_takes_the_callers_own_kinds():
+    own = _Own("quiesced")
+    assert collective_cause(_raised_from(own, RuntimeError("wrapper")), (_Own,)) is own

@@ -76,6 +76,18 @@ def test_calls_that_cannot_be_rebuilt_are_clear_errors():
     assert pg.group_name == "7" and "ranks [0, 1]" in repr(pg)
 
 
+def test_a_replacement_before_protect_completes_a_tp_scatter_locally():
+    """distribute_tensor (TP's parallelize_module) scatters the root's shards while a replacement is still
+    restoring: the root keeps its own chunk, the others zeros (either is overwritten by the restore)."""
+    root = ReconfigurableProcessGroup(1, 2, (4, 5))
+    out = [torch.full((2,), -1.0)]
+    root.scatter(out, [[torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]]).wait()
+    assert out[0].tolist() == [3.0, 4.0]
+    other = ReconfigurableProcessGroup(0, 2, (4, 5))
+    other.scatter(out, []).wait()
+    assert out[0].tolist() == [0.0, 0.0]
+
+
 def test_a_group_created_after_protect_is_refused():
     """A replacement runs the script up to protect() only: a later group would exist on the survivors alone."""
     from torch._C._distributed_c10d import _DistributedBackendOptions

@@ -85,6 +85,20 @@ def is_collective_error_text(text: str) -> bool:
     return _matches(text, COLLECTIVE_ERROR_PATTERNS)
 
 
+def collective_cause(exc: BaseException | None, kinds: tuple[type, ...] = ()) -> BaseException | None:
+    """The collective failure `exc` is or was raised from (an exception of `kinds`, or a RuntimeError whose text
+    is a collective error), walking `raise ... from` and implicit chaining; None if it has none. Libraries wrap
+    them: torch.distributed.pipelining re-raises a neighbour's closed connection as
+    `RuntimeError("[Stage 1] failed to run forward ...") from e`."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, kinds) or (isinstance(exc, RuntimeError) and is_collective_error_text(str(exc))):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def exit_signal_number(code: int) -> int | None:
     """The signal that killed a worker, from a Popen returncode (-N) or a shell wrapper's 128+N; else None."""
     if code < 0:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixrun.config import WorkerSettings
-from phoenixrun.faults.classify import is_collective_error_text
+from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check
 from phoenixrun.runtime.adaptive import Sample, choose_interval
@@ -472,7 +472,8 @@ class Job:
     def _recover(self, exc: BaseException | None) -> None:
         t0 = time.time()
         if not self.rt.quiesce_pending:
-            self.link.send({"op": WorkerOp.COMM_ERROR, "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.current})
+            cause = _collective_cause(exc) or exc
+            self.link.send({"op": WorkerOp.COMM_ERROR, "text": f"{type(cause).__name__}: {cause}"[:2000], "step": self.current})
             self.rt.abort()   # let peers blocked on us fail now instead of at their timeout
         self.copier.wait()
         self.copier.error = None
@@ -579,6 +580,10 @@ class _StepScope:
 
 
 def _recoverable(exc: BaseException) -> bool:
-    if isinstance(exc, (Quiesced, dist.DistError)):
-        return True
-    return isinstance(exc, RuntimeError) and is_collective_error_text(str(exc))
+    """A collective failure, also one a library wrapped (a pipeline stage that lost its neighbour node must recover
+    like any other survivor, not stop as a user error)."""
+    return _collective_cause(exc) is not None
+
+
+def _collective_cause(exc: BaseException | None) -> BaseException | None:
+    return collective_cause(exc, (Quiesced, dist.DistError))

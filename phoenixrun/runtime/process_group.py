@@ -122,7 +122,8 @@ class ReconfigurableProcessGroup(ProcessGroup):
     trampoline's virtual methods) is forwarded to the current generation's gloo backend of this
     group. Without a backend (a replacement that is still restoring) the few collectives a model
     wrapper's constructor issues complete locally: DDP's constructor checks parameter shapes and
-    broadcasts rank 0's weights, and the replacement's weights are overwritten by the restore anyway.
+    broadcasts rank 0's weights, tensor parallelism's `distribute_tensor` scatters the root's shards, and the
+    replacement's weights are overwritten by the restore anyway.
     """
 
     def __init__(self, rank: int, world_size: int, ranks: tuple[int, ...] | None = None):
@@ -221,6 +222,10 @@ class ReconfigurableProcessGroup(ProcessGroup):
         elif name in ("_allgather_base", "all_gather_single"):
             out, inp = args[0], args[1]
             out.copy_(inp.repeat(self.size(), *([1] * (inp.dim() - 1))).view_as(out))
+        elif name == "scatter":            # DTensor's distribute_tensor (TP's parallelize_module) before protect():
+            outputs, inputs = args[0], args[1]  # the root keeps its own chunk; the others get zeros. Either way the
+            for i, out in enumerate(outputs):   # values are the model's, overwritten by the restore that follows
+                out.copy_(inputs[i][self.rank()]) if inputs else out.zero_()
         elif name not in ("broadcast", "barrier"):
             raise RuntimeError(f"phoenixrun: collective {name} called while this rank is still restoring; "
                                "call phoenixrun.protect() before any collective of your own")
