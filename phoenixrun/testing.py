@@ -2,7 +2,10 @@
 
 PHOENIXRUN_TEST_PAUSE="point:step" makes the first process that reaches `point` at `step` write
 PHOENIXRUN_TEST_PAUSE_DIR/paused-<point> (its pid) and stop there until it is killed, so a test
-can SIGKILL it at exactly that moment. One-shot per run directory.
+can SIGKILL it at exactly that moment. One-shot per run directory. Several points may be given,
+comma-separated; a point written "point+" (or "point:step+") holds only until the test creates
+PHOENIXRUN_TEST_PAUSE_DIR/release-<point>, so a test can act while a recovery is held at that point
+(a recovery takes ~30 ms on an idle machine: no fixed delay lands inside it reliably).
 """
 from __future__ import annotations
 
@@ -12,11 +15,24 @@ import time
 _SPEC = os.environ.get("PHOENIXRUN_TEST_PAUSE", "")
 
 
+def _points(spec: str) -> dict[str, tuple[int | None, bool]]:
+    """point -> (step or None, held until released)."""
+    out: dict[str, tuple[int | None, bool]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        release = item.endswith("+")
+        name, _, at = item.rstrip("+").partition(":")
+        out[name] = (int(at) if at else None, release)
+    return out
+
+
+_POINTS = _points(_SPEC)
+
+
 def pause_point(point: str, step: int | None = None) -> None:
-    if not _SPEC:
+    if point not in _POINTS:
         return
-    name, _, at = _SPEC.partition(":")
-    if name != point or (at and step is not None and int(at) != step):
+    at, release = _POINTS[point]
+    if at is not None and step is not None and at != step:
         return
     d = os.environ.get("PHOENIXRUN_TEST_PAUSE_DIR", "/tmp")
     try:
@@ -25,5 +41,6 @@ def pause_point(point: str, step: int | None = None) -> None:
         return
     os.write(fd, str(os.getpid()).encode())
     os.close(fd)
-    while True:
-        time.sleep(3600)
+    released = os.path.join(d, f"release-{point}")
+    while not (release and os.path.exists(released)):
+        time.sleep(0.01 if release else 3600)

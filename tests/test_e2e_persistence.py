@@ -76,19 +76,21 @@ def test_preempted_job_resumes_from_its_run_directory_skipping_a_damaged_checkpo
 
 
 def test_owner_and_replica_holder_killed_apart_fall_back_with_warm_workers(tmp_path, ref3):
-    """The second loss arrives while the first is being recovered (0.2 s apart): the cascade finds rank 0's
-    shard nowhere in memory and falls back to disk; the promoted spares keep their warm workers."""
+    """The second loss arrives while the first is being recovered: the cascade finds rank 0's shard nowhere in
+    memory and falls back to disk; the promoted spares keep their warm workers."""
     # training holds at step 30 (one worker's snapshot copy pauses; the others wait for it in a collective):
-    # the kills land mid-job however fast or slow this machine is
+    # the kills land mid-job however fast or slow this machine is. The first recovery is held while the spare
+    # fetches rank 0's state from slot 1 (on an idle machine it takes ~30 ms: a kill 0.2 s later missed it)
     job = launch(tmp_path, "apart", nnodes=3, nproc=1, spares=2, steps=STEPS, extra_flags=["--persist-every", "10"],
-                 PHOENIXRUN_TEST_PAUSE="d2h:30")
+                 PHOENIXRUN_TEST_PAUSE="d2h:30,fetch+")
     job.wait_file(tmp_path / "paused-d2h")
     wait_checkpoint(job, 3, at_least=20)
     state = job.wait_for(lambda s: sum(n["role"] == "spare" and n["warm_ready"] for n in s["nodes"]) == 2,
                          what="warm spares ready")
     kill_node(state, 0)
-    time.sleep(0.2)
+    job.wait_file(tmp_path / "paused-fetch")
     kill_node(state, 1)
+    (tmp_path / "release-fetch").touch()
     assert job.finish() == 0, job.log()[-3000:]
     ev = job.events()
     fb, done = by_event(ev, "fallback_restart"), by_event(ev, "fallback_done")
