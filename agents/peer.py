@@ -36,6 +36,11 @@ class PeerError(Exception):
     pass
 
 
+class PeerBusy(PeerError):
+    """The peer refused the request for a passing reason (its handler raised an exception marked `retry_later`,
+    e.g. its replicas are frozen while a recovery reads them): the same request may succeed shortly."""
+
+
 def _tune(sock: socket.socket, io_timeout: float) -> None:
     sock.settimeout(io_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -197,7 +202,7 @@ class PeerServer:
                     reply, out = fn(header, payload)
                     reply = {"ok": True, **reply, "nbytes": len(out), "crc32c": checksum(out, "crc32c")}
                 except Exception as e:  # report to the caller, keep serving
-                    reply, out = {"ok": False, "error": str(e)}, b""
+                    reply, out = {"ok": False, "error": str(e), "busy": bool(getattr(e, "retry_later", False))}, b""
                 try:
                     send_frame(conn, reply, out)
                 except OSError:
@@ -236,7 +241,8 @@ class PeerClient:
                 self._drop(addr)
                 raise PeerError(f"peer {addr}: {e}") from None
         if not reply.get("ok"):
-            raise PeerError(f"peer {addr} refused {header.get('op')}: {reply.get('error')}")
+            raise (PeerBusy if reply.get("busy") else PeerError)(f"peer {addr} refused {header.get('op')}: "
+                                                                 f"{reply.get('error')}")
         if checksum(data, "crc32c") != reply.get("crc32c"):   # (a peer that sent none is refused too)
             raise PeerError(f"peer {addr}: payload checksum mismatch")
         return reply, data

@@ -36,6 +36,13 @@ class IntegrityError(SlotError):
     """Fetched state does not match the checksum its owner recorded: never restored from."""
 
 
+class FrozenError(SlotError):
+    """Snapshots or replicas are frozen while a recovery reads them: a passing state, not a fault. A peer answers
+    a put refused for it as busy (agents/peer.py `retry_later`), and the sender tries again."""
+
+    retry_later = True
+
+
 class SlotSpaceError(SlotError):
     """Snapshot memory cannot be created or grown on this host (shared memory full, a file-size limit)."""
 def _alive(pid: int) -> bool:
@@ -189,7 +196,7 @@ class LocalSlots:
         never touched. SlotSpaceError: the slot cannot grow on this host."""
         with self._lock:
             if self.frozen:
-                raise SlotError("snapshots are frozen for recovery")
+                raise FrozenError("snapshots are frozen for recovery")
             rs = self._get(rank)
             idx = 0 if rs.committed is None else 1 - rs.committed
             rs.steps[idx] = None
@@ -354,7 +361,7 @@ class ReplicaStore:
             raise SlotError(f"replica of rank {rank}: header says step {h.step}/{h.replicated_len} bytes")
         with self._lock:
             if self.frozen:
-                raise SlotError("replicas are frozen for recovery")
+                raise FrozenError("replicas are frozen for recovery")
             steps = self._steps.setdefault(rank, [None, None])
             bufs = self._bufs.setdefault(rank, [None, None])
             newest = max((i for i in (0, 1) if steps[i] is not None), key=lambda i: steps[i], default=None)

@@ -226,3 +226,45 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
         assert bytes(got[h.shared_off:h.shared_off + 100]) == b"s" * 100
     finally:
         link.close()
+
+
+def _write_snapshot(link: AgentLink, step: int) -> SlotHeader:
+    h = SlotHeader(step=step, meta_cap=64, meta_len=2, private_len=100, shared_len=100)
+    w = link.request({"op": "write", "nbytes": h.total_len}, timeout=30)
+    with open(w["path"], "r+b") as f, mmap.mmap(f.fileno(), w["nbytes"]) as mm:
+        mm[64:66] = b"{}"
+        mm[h.private_off:h.private_off + 200] = b"x" * 200
+        mm[:64] = h.pack()
+    link.send({"op": "written", "slot": w["slot"], "step": step, "stats": {}})
+    return h
+
+
+def test_a_holder_still_frozen_by_a_recovery_is_waited_for_not_reported(two_agents):
+    """The resume reaches nodes one by one: node 0 may commit its next snapshot while its holder (node 1) is still
+    frozen. That put is answered busy and retried until node 1 thaws - no comm_error (which started a needless
+    local reset after a recovery); once node 0 is frozen itself, the commit fails quietly."""
+    import threading
+    (a, b), _ = two_agents
+    link = AgentLink(a.sock_path)
+    try:
+        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+        link.orders.get(timeout=30)
+        link.request({"op": "alloc", "nbytes": SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
+                                                          shared_len=100).total_len}, timeout=30)
+        b.replicator.freeze(True)
+        threading.Timer(0.3, b.replicator.freeze, (False,)).start()   # the fault: node 1 thaws 0.3 s later
+        _write_snapshot(link, 7)
+        with link.cv:
+            assert link.cv.wait_for(lambda: link.committed_step == 7 or link.commit_error, timeout=30)
+        assert link.commit_error is None and b.replicas.available() == {0: [7]}
+        assert a.reporter.outbox.empty()
+
+        b.replicator.freeze(True)          # a new recovery: the holder frozen, then this node too
+        threading.Timer(0.3, a.replicator.freeze, (True,)).start()
+        _write_snapshot(link, 8)
+        with link.cv:
+            assert link.cv.wait_for(lambda: link.commit_error is not None, timeout=30)
+        assert "frozen" in link.commit_error and link.committed_step == 7
+        assert a.reporter.outbox.empty()   # quiet: the recovery under way is the event, not this
+    finally:
+        link.close()

@@ -21,14 +21,17 @@ def ref_3d(tmp_path_factory):
     return torchrun(tmp_path_factory.mktemp("ref_3d"), "ref", nproc=8, steps=STEPS, script=SCRIPT, model_args=MODEL)
 
 
-@pytest.mark.parametrize("slot, at_step", [(3, 4), (0, 1)], ids=["last-stage-node", "rank0-node-at-step-1"])
-def test_3d_node_kill_is_bit_identical(tmp_path, ref_3d, slot, at_step):
-    job = launch(tmp_path, "3d", nnodes=4, spares=1, steps=STEPS, script=SCRIPT, model_args=MODEL)
-    kill_node(job.wait_step(at_step, timeout=240), slot=slot)
+def test_3d_node_kills_are_bit_identical(tmp_path, ref_3d):
+    """Rank 0's node (first stage) killed at step 1, then a last-stage node at step 4: two hot swaps, one run."""
+    job = launch(tmp_path, "3d", nnodes=4, spares=2, steps=STEPS, script=SCRIPT, model_args=MODEL)
+    for n, (slot, at_step) in enumerate([(0, 1), (3, 4)], start=1):
+        kill_node(job.wait_step(at_step, timeout=240), slot=slot)
+        job.wait_for(lambda _: len(by_event(job.events(), "recovery_done")) >= n, timeout=240,
+                     what=f"recovery {n} done")
     assert job.finish(timeout=300) == 0, job.log()[-3000:]
     ev = job.events()
-    done = by_event(ev, "recovery_done")
-    assert len(done) == 1, job.log()[-3000:]
-    assert done[0]["replayed_steps"] <= 1
-    assert done[0]["replaced_slots"] == {str(slot): by_event(ev, "spare_promoted")[0]["node"]}
+    done, promoted = by_event(ev, "recovery_done"), by_event(ev, "spare_promoted")
+    assert len(done) == 2, job.log()[-3000:]
+    assert all(d["replayed_steps"] <= 1 for d in done)
+    assert [d["replaced_slots"] for d in done] == [{"0": promoted[0]["node"]}, {"3": promoted[1]["node"]}]
     assert_identical(job.out, ref_3d)

@@ -1,5 +1,6 @@
-"""What protect() refuses: table tests of the pure decisions, the facts read from real FSDP2/TP/DDP objects, and
-the refusal end to end (a pipeline whose stages phoenixrun would take for DP peers)."""
+"""What protect() refuses and what it lets a recovery take from a peer: table tests of the pure decisions, the facts
+read from real FSDP2/TP/DDP objects, and end to end a pipeline whose stages phoenixrun would take for DP peers
+(protected: each stage's weights are rank-private, restored from the stage's own replica)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from phoenixrun.runtime.layout_check import (DTensorFacts, LayoutFacts, describe, dp_groups, local_refusal,
-                                             peer_mismatch, verdict)
+from phoenixrun.runtime.layout_check import (DTensorFacts, LayoutFacts, Verdict, describe, dp_groups, local_refusal,
+                                             peer_mismatch, unshared_reason, verdict)
 from phoenixrun.topology import Layout
 from tests.harness import by_event
 
@@ -23,18 +24,11 @@ PARTIAL = DTensorFacts("optim/3/exp_avg", ("tp",), ("Partial(sum)",))
 
 
 @pytest.mark.parametrize("facts, expect", [
-    # plain DDP over the world, no flags: every rank is a DP peer of every other, DDP replicates over all: protected
+    # plain DDP, DDP over a subgroup, a plain module: nothing that no snapshot can restore
     (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1, 2, 3), plan_peers=(0, 1, 2, 3)), None),
-    # DDP over a DP subgroup with matching --pp 2: the plan's peers are inside DDP's group
-    (LayoutFacts(1, "DistributedDataParallel", ddp_group=(1, 3), plan_peers=(1, 3), flags="--tp 1 --pp 2"), None),
-    # DDP over the world with --tp 2: the plan's peers are a subset of DDP's replicas: still identical bytes
-    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1, 2, 3), plan_peers=(0, 2), flags="--tp 2 --pp 1"),
-     None),
-    # a plain module (hand-written pipeline, manual all-reduce): nothing local against it; the checksum decides
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1, 2, 3)), None),
     (LayoutFacts(0, "Sequential", plan_peers=(0, 1)), None),
-    # DDP over a mesh dimension without --tp/--pp: ranks 2, 3 are "peers" of rank 0 but hold another stage/shard
-    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1, 2, 3)),
-     r"DDP on rank 0 replicates over ranks \[0, 1\].*--tp 1 --pp 1.*ranks \[0, 1, 2, 3\].*rank\(s\) \[2, 3\]"),
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1), local_stats=("module.1",)), None),
     # DTensor state (FSDP2, HSDP, TP, replicated DTensors): every local shard is rank-private, never taken from a peer
     (LayoutFacts(0, "FSDPModule", dtensors=(FSDP2,), plan_peers=(0, 1)), None),
     (LayoutFacts(0, "FSDPModule", dtensors=(HSDP, FSDP2), plan_peers=(0, 1)), None),
@@ -43,9 +37,7 @@ PARTIAL = DTensorFacts("optim/3/exp_avg", ("tp",), ("Partial(sum)",))
     # a pending reduction is not state: refused, naming the tensor
     (LayoutFacts(0, "Module", dtensors=(FSDP2, PARTIAL), plan_peers=(0, 1)),
      r"optim/3/exp_avg is a DTensor with a pending reduction; placements \(Partial\(sum\)\).*Redistribute"),
-    (LayoutFacts(0, "FullyShardedDataParallel", plan_peers=(0, 1)), r"FSDP \(FullyShardedDataParallel\)"),
-    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1), local_stats=("module.1",)),
-     r"\['module.1'\] keep running statistics.*SyncBatchNorm"),
+    (LayoutFacts(0, "FullyShardedDataParallel", plan_peers=(0, 1)), r"FSDP \(FullyShardedDataParallel\).*collective"),
 ])
 def test_local_refusal(facts, expect):
     got = local_refusal(facts)
@@ -56,6 +48,34 @@ def test_local_refusal(facts, expect):
         import re
         assert re.search(expect, got), got
         assert "PHOENIXRUN_PROTECT=0" in got and "torchrun" in got      # the way out is always named
+
+
+
+
+@pytest.mark.parametrize("facts, expect", [
+    # plain DDP over the world, no flags: every rank is a DP peer of every other, DDP replicates over all: shared
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1, 2, 3), plan_peers=(0, 1, 2, 3)), None),
+    # DDP over a DP subgroup with matching --pp 2: the plan's peers are inside DDP's group
+    (LayoutFacts(1, "DistributedDataParallel", ddp_group=(1, 3), plan_peers=(1, 3), flags="--tp 1 --pp 2"), None),
+    # DDP over the world with --tp 2: the plan's peers are a subset of DDP's replicas: still identical bytes
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1, 2, 3), plan_peers=(0, 2), flags="--tp 2 --pp 1"),
+     None),
+    # a plain module (hand-written pipeline, manual all-reduce): nothing proves its peers hold its bytes
+    (LayoutFacts(0, "Sequential", plan_peers=(0, 1)), r"Sequential, not DDP.*ranks \[0, 1\]"),
+    # DDP over a mesh dimension without --tp/--pp: ranks 2, 3 are "peers" of rank 0 but hold another stage/shard
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1, 2, 3)),
+     r"DDP on rank 0 replicates over ranks \[0, 1\].*--tp 1 --pp 1.*ranks \[0, 1, 2, 3\].*rank\(s\) \[2, 3\]"),
+    # BatchNorm statistics are each rank's own
+    (LayoutFacts(0, "DistributedDataParallel", ddp_group=(0, 1), plan_peers=(0, 1), local_stats=("module.1",)),
+     r"\['module.1'\] keep running statistics.*SyncBatchNorm"),
+])
+def test_unshared_reason(facts, expect):
+    got = unshared_reason(facts)
+    if expect is None:
+        assert got is None
+    else:
+        import re
+        assert got is not None and re.search(expect, got), got
 
 
 @pytest.mark.parametrize("checksums, groups, expect", [
@@ -74,19 +94,22 @@ def test_peer_mismatch(checksums, groups, expect):
         assert got is not None and re.search(expect, got), got
 
 
-@pytest.mark.parametrize("own, refused, checksums, expect", [
-    (None, [], [1, 1], None),
-    ("mine", [], [1, 2], "mine"),                              # its own reason first
-    (None, [1], [1, 1], r"rank\(s\) \[1\] cannot be protected"),   # another rank refused: stop too, never wait
-    (None, [], [1, 2], "different parameters"),
+@pytest.mark.parametrize("own, refused, checksums, unshared, expect", [
+    (None, [], [1, 1], [], Verdict()),                                         # DDP replicas: shared
+    ("mine", [], [1, 2], [], Verdict("mine", False)),                          # its own reason first
+    (None, [1], [1, 1], [], r"rank\(s\) \[1\] cannot be protected"),        # another rank refused: stop too
+    (None, [], [1, 2], [], Verdict(None, False, "x")),                        # peers differ: private, not refused
+    (None, [], [1, 1], [(1, "not DDP")], Verdict(None, False, "rank 1: not DDP")),   # one rank unproven: all private
 ])
-def test_verdict_is_the_same_decision_on_every_rank(own, refused, checksums, expect):
-    got = verdict(own, refused, checksums, [(0, 1)])
-    if expect is None:
-        assert got is None
-    else:
+def test_verdict_is_the_same_decision_on_every_rank(own, refused, checksums, unshared, expect):
+    got = verdict(own, refused, checksums, [(0, 1)], unshared)
+    if isinstance(expect, str):
         import re
-        assert got is not None and re.search(expect, got), got
+        assert got.refusal is not None and re.search(expect, got.refusal) and not got.peer_shared, got
+    elif expect.private_why == "x":
+        assert (got.refusal, got.peer_shared) == (None, False) and "different parameters" in got.private_why
+    else:
+        assert got == expect
 
 
 @pytest.mark.parametrize("layout, expect", [
@@ -108,12 +131,13 @@ OBSERVE = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from phoenixrun.runtime.layout_check import observe, local_refusal, describe
+    from phoenixrun.runtime.layout_check import observe, local_refusal, describe, unshared_reason
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = {}
     def check(name, m):
         f = observe(m, torch.optim.SGD(m.parameters(), lr=0.1), 0, [], "--tp 1 --pp 1")
-        out[name] = {"refusal": local_refusal(f), "described": [describe(d) for d in f.dtensors]}
+        out[name] = {"refusal": local_refusal(f), "described": [describe(d) for d in f.dtensors],
+                     "unshared": unshared_reason(f)}
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
     from torch.distributed.fsdp import fully_shard
     m = torch.nn.Sequential(torch.nn.Linear(4, 4))
@@ -154,22 +178,36 @@ def test_facts_are_read_from_real_fsdp2_tp_and_ddp_objects(tmp_path):
     assert out["tp_fsdp2"]["refusal"] is None
     assert "sharded over ['dp', 'tp']" in out["tp_fsdp2"]["described"][0]   # _StridedShard counted as a shard
     assert "model/weight is a DTensor with a pending reduction" in out["partial"]["refusal"], out["partial"]
-    assert "['module.1'] keep running statistics" in out["bn"]["refusal"], out["bn"]
-    assert out["syncbn"]["refusal"] is None and out["ddp"]["refusal"] is None
+    assert out["bn"]["refusal"] is None and "['module.1'] keep running statistics" in out["bn"]["unshared"], out["bn"]
+    assert out["syncbn"]["refusal"] is None and out["ddp"]["refusal"] is None and out["ddp"]["unshared"] is None
+    assert "not DDP" in out["syncbn"]["unshared"]
 
 
 PP = Path(__file__).resolve().parent / "scripts" / "pp_two_stages.py"
 
 
+def pipeline_hot_swap_matches_torchrun(tmp_path, args: list[str]) -> list[dict]:
+    """Pure PP, 2 stages, no --pp: phoenixrun's plan takes the other stage for a DP peer. Kill stage 1's node; the
+    job must hot-swap and end bit-identical to a fault-free torchrun run (stage 1 restored from its own replica,
+    never from stage 0). Returns the job's events."""
+    from tests.harness import BIN, env, kill_node
+    from tests.test_process_groups import launch_script
+    subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(PP), *args, "--out",
+                    str(tmp_path / "ref")], check=True, env=env(), cwd=tmp_path, capture_output=True, timeout=300)
+    job = launch_script(tmp_path, "pp", PP, [*args, "--step-seconds", "0.1"], nnodes=2, nproc=1, spares=1)
+    kill_node(job.wait_step(4), slot=1)
+    assert job.finish() == 0, job.log()[-3000:]
+    ev = job.events()
+    assert len(by_event(ev, "recovery_done")) == 1 and not by_event(ev, "recovery_failed"), job.log()[-3000:]
+    for r in (0, 1):
+        ref = json.loads((tmp_path / "ref" / f"rank{r}.json").read_text())
+        got = json.loads((job.out / f"rank{r}.json").read_text())
+        assert (got["param_sha256"], got["losses"]) == (ref["param_sha256"], ref["losses"]), f"stage {r} differs"
+    return ev
+
+
 @pytest.mark.e2e
-def test_pipeline_stages_taken_for_dp_peers_are_refused_at_protect(tmp_path):
-    """Pure PP, 2 stages seeded differently, no --pp: refused before the first step, on both ranks."""
-    from tests.test_process_groups import launch_script, probe_results
-    job = launch_script(tmp_path, "pp", PP, ["--steps", "5"], nnodes=2, nproc=1)
-    code = job.finish()
-    log = job.log()
-    assert code != 0, log[-3000:]
-    assert log.count("ProtectionRefused: phoenixrun.protect: ranks [0, 1] are data-parallel peers") == 2, log[-3000:]
-    assert "PHOENIXRUN_PROTECT=0" in log
-    assert by_event(job.events(), "job_finished")[-1]["exit_code"] == code
-    assert not probe_results(job.out)
+def test_pipeline_stages_taken_for_dp_peers_are_protected_as_rank_private(tmp_path):
+    """Stages seeded differently: protect() sees the "peers" differ and snapshots their weights as rank-private."""
+    pipeline_hot_swap_matches_torchrun(tmp_path, ["--steps", "12"])
+    assert "snapshotted as rank-private and replicated" in (tmp_path / "pp-run.log").read_text()

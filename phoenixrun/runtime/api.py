@@ -154,33 +154,46 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
             "phoenixrun.protect: wrap the model with DDP(..., find_unused_parameters=True). DDP otherwise "
             "rebuilds its gradient buckets after the first step, and a replacement process would start with "
             "a different bucket layout than the survivors (gloo then aborts on a size mismatch).")
-    _check_layout(ctx, model, optimizer, fresh_start=_runtime.restore_step is None)
+    decided = _check_layout(ctx, model, optimizer, fresh_start=_runtime.restore_step is None)
     GROUPS.sealed = True
-    return Job(_runtime, model, optimizer, state if state is not None else {}, every)
+    return Job(_runtime, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared)
 
 
-def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fresh_start: bool) -> None:
-    """Refuse (ProtectionRefused) state a hot swap would restore wrongly; see runtime/layout_check.py.
+def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  fresh_start: bool) -> layout_check.Verdict:
+    """Refuse (ProtectionRefused) what no snapshot can restore, and decide whether plain state may be taken from
+    DP peers on recovery; see runtime/layout_check.py.
 
-    At a fresh start every rank is here: one all-gather of (checksum, refused) per rank lets every rank take the
-    same decision, so a refusal stops all ranks at once instead of leaving the others in a collective. A
-    replacement joining a running job checks only what it sees locally (its peers passed at the start)."""
+    At a fresh start every rank is here: one all-gather of (checksum, refused, unshared) per rank lets every rank
+    take the same decision, so a refusal stops all ranks at once instead of leaving the others in a collective. A
+    replacement joining a running job checks only what it sees locally (its peers passed at the start) and takes
+    the sharing decision recorded in the snapshot it restores."""
     layout = _plan_layout(ctx.world_size, ctx.tp, ctx.pp)
     flags = f"--tp {ctx.tp} --pp {ctx.pp}"
     facts = layout_check.observe(model, optimizer, ctx.rank, layout.dp_peers(ctx.rank), flags)
     own = layout_check.local_refusal(facts)
-    if fresh_start:
-        mine = torch.tensor([0 if own else layout_check.shared_checksum(model), 1 if own else 0], dtype=torch.int64)
-        gathered = torch.zeros(2 * ctx.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(gathered, mine)
-        pairs = gathered.view(ctx.world_size, 2).tolist()
-        reason = layout_check.verdict(own, [r for r, (_, bad) in enumerate(pairs) if bad and r != ctx.rank],
-                                      [c for c, _ in pairs],
-                                      layout_check.dp_groups(ctx.world_size, layout.dp_peers), flags)
-    else:
-        reason = own
-    if reason:
-        raise layout_check.ProtectionRefused(reason)
+    if not fresh_start:
+        if own:
+            raise layout_check.ProtectionRefused(own)
+        return layout_check.Verdict()
+    unshared = layout_check.unshared_reason(facts)
+    mine = torch.tensor([0 if own else layout_check.shared_checksum(model), 1 if own else 0, 1 if unshared else 0],
+                        dtype=torch.int64)
+    gathered = torch.zeros(3 * ctx.world_size, dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, mine)
+    rows = gathered.view(ctx.world_size, 3).tolist()
+    flagged = [(ctx.rank, unshared)] if unshared else []
+    flagged += [(r, "its plain state is not provably its peers' (that rank's log says why)")
+                for r, (_, _, u) in enumerate(rows) if u and r != ctx.rank]
+    decided = layout_check.verdict(own, [r for r, (_, bad, _) in enumerate(rows) if bad and r != ctx.rank],
+                                   [c for c, _, _ in rows], layout_check.dp_groups(ctx.world_size, layout.dp_peers),
+                                   flagged, flags)
+    if decided.refusal:
+        raise layout_check.ProtectionRefused(decided.refusal)
+    if not decided.peer_shared and ctx.rank == 0 and layout_check.has_plain_state(model, optimizer):
+        log.warning("phoenixrun.protect: plain (non-DTensor) state is snapshotted as rank-private and replicated, not "
+                 "taken from data-parallel peers: %s", decided.private_why)
+    return decided
 
 
 class PassThroughJob:
@@ -288,9 +301,11 @@ class Job:
     """A protected training loop (see the module doc)."""
 
     def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-                 every: int):
+                 every: int, peer_shared: bool = True):
         self.rt, self.link = rt, rt.link
         self.model, self.optimizer, self.state = model, optimizer, state
+        # plain state taken from DP peers on recovery (layout_check.verdict); a replacement takes its snapshot's
+        self.peer_shared = peer_shared
         settings = WorkerSettings.from_env()
         self.every = max(1, settings.protect_every or every)
         self.adaptive = settings.adaptive
@@ -455,7 +470,7 @@ class Job:
 
     def _bind(self) -> None:
         old = self.writer
-        self.binding = StateBinding(self.model, self.optimizer)
+        self.binding = StateBinding(self.model, self.optimizer, peer_shared=self.peer_shared)
         # The metadata capacity only grows: what the last layout (or the restored snapshot) needed, else a
         # first guess. The slots themselves grow when a snapshot needs more (the `write` request).
         meta_cap = max(64 * 1024 + 256 * (len(self.binding.private) + len(self.binding.shared)),
@@ -540,6 +555,7 @@ class Job:
             self.state.clear()
             self.state.update(meta["extra"])
             self.every = meta.get("every", self.every)   # a replacement takes the job's interval
+            self.peer_shared = meta.get("peer_shared", True)   # and the job's sharing decision (all ranks agree)
             self.next_step = step
             self.binding = None             # optimizer state tensors were replaced: bind again
             self.slots = []

@@ -1,26 +1,29 @@
-"""What `phoenixrun.protect()` refuses, before training: state it could not restore correctly today.
+"""What `phoenixrun.protect()` refuses, and which state a recovery may take from a peer, decided before training.
 
-A hot swap restores a lost rank's shared state - its plain (non-DTensor) parameters, buffers and a plain
+A hot swap restores a lost rank's *shared* state - its plain (non-DTensor) parameters, buffers and a plain
 optimizer's state - from a rank the plan takes for its data-parallel peer: the ranks with the same (tp, pp)
-coordinates of the `--tp/--pp` layout, over all ranks when no flags are given. That is only correct when
-those ranks hold the same bytes: DDP-replicated parameters. DTensor state (FSDP2 `fully_shard`, HSDP, tensor
-parallelism) is not shared: the local shard of every DTensor is rank-private, snapshotted with the
-replicated part and restored from the rank's own replica, never from a peer (runtime/snapshot.py). What
-cannot be restored correctly is refused here, with the layout named and the way out:
+coordinates of the `--tp/--pp` layout, over all ranks when no flags are given. That is only correct when those
+ranks hold the same bytes, and the one thing that keeps them so is DDP (its all-reduce makes every replica's
+update identical). Everything else is *rank-private*: snapshotted into the rank's private region, copied to
+`--replicas` holders on other nodes and restored from the rank's own replica, never taken from a peer:
 
+- every DTensor's local shard (FSDP2 `fully_shard`, HSDP, tensor parallelism), whatever its placements
+  (runtime/snapshot.py StateBinding);
+- all plain state of every rank, when any rank's plain state is not provably held by its plan peers: a model
+  that is not DDP (a hand-written pipeline stage, per-rank models, manual all-reduce), DDP over a group that
+  does not include every rank the plan takes for a peer (DDP over a mesh dimension or a subgroup without
+  matching `--tp/--pp`), BatchNorm running statistics (each rank's forward updates them from its own batch),
+  or plan peers whose plain state differs at protect() time (one all-gather of a checksum per rank).
+  Correct by construction, at the cost of replicating those bytes; `--tp/--pp` matching the layout (DDP over
+  true replicas) makes them shared again.
+
+Refused, with the layout named and the way out, is only what no snapshot can restore:
 - a DTensor with a Partial placement: a pending reduction, not state;
-- FSDP1 (`FullyShardedDataParallel`): flat sharded plain parameters that a DP peer does not hold;
-- a DDP whose process group does not include every rank the plan takes for a DP peer (DDP over a
-  mesh dimension or a subgroup, without matching `--tp/--pp`): the peers' parameters diverge;
-- ranks in the DP-peer relation whose shared (non-DTensor) state differs at protect() time (pipeline
-  stages, per-rank models): compared with one all-gather of a checksum per rank;
-- BatchNorm running statistics: each rank's forward updates them from its own batch, so DP peers
-  never hold a replaced rank's values (SyncBatchNorm's are identical on every rank).
+- FSDP1 (`FullyShardedDataParallel`): its state_dict() is a collective, not a rank's own tensors.
 
-The decisions are pure functions of observed facts (`local_refusal`, `peer_mismatch`); `observe`
-and `shared_checksum` read them from the live objects. Parameters that start equal and diverge
-later (two stages seeded alike) pass here; the restore then refuses them (the fetched bytes must
-match the checksum the lost rank recorded: agents/slots.py).
+The decisions are pure functions of observed facts (`local_refusal`, `unshared_reason`, `peer_mismatch`,
+`verdict`); `observe` and `shared_checksum` read them from the live objects. Every rank takes the same decision
+from the same gathered facts, and a replacement process takes the one recorded in the snapshot it restores.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Sequence
 import torch
 
 WAY_OUT = ("run it without protect() (PHOENIXRUN_PROTECT=0, or plain torchrun: a failure restarts the job, "
-           "--max-restarts) - protecting this layout is tracked in issue 15.")
+           "--max-restarts).")
 
 
 class ProtectionRefused(ValueError):
@@ -73,7 +76,7 @@ def describe(d: DTensorFacts) -> str:
 
 
 def local_refusal(f: LayoutFacts) -> str | None:
-    """Why this rank's state cannot be protected, from what it sees locally; None: nothing against it."""
+    """Why this rank's state cannot be protected at all, from what it sees locally; None: nothing against it."""
     partial = [d for d in f.dtensors if any(p.startswith("Partial") for p in d.placements)]
     if partial:
         more = f" (and {len(partial) - 1} more)" if len(partial) > 1 else ""
@@ -81,22 +84,28 @@ def local_refusal(f: LayoutFacts) -> str | None:
                 "pending: its local tensor is not state a snapshot can restore. Redistribute it to Shard or "
                 "Replicate before protect() (and keep it so between steps), or " + WAY_OUT)
     if f.wrapper == "FullyShardedDataParallel":
-        return ("phoenixrun.protect: the model is FSDP (FullyShardedDataParallel): each rank holds a different "
-                "flat shard of the parameters, and the recovery plan would restore a replaced rank's shard from a "
-                "data-parallel peer that holds another. Use DDP, or " + WAY_OUT)
+        return ("phoenixrun.protect: the model is FSDP (FullyShardedDataParallel): its state_dict() is a collective "
+                "over flat sharded parameters, not state a per-step snapshot can take. Use FSDP2 (fully_shard) or "
+                "DDP, or " + WAY_OUT)
+    return None
+
+
+def unshared_reason(f: LayoutFacts) -> str | None:
+    """Why this rank's plain (non-DTensor) state may not be taken from the ranks the plan takes for its DP peers
+    (None: DDP keeps them identical). Not a refusal: such state is snapshotted as rank-private and replicated."""
     if f.local_stats:
         # measured: DDP broadcasts buffers before the forward, BatchNorm then updates them from the local batch, so
         # after one step running_mean differs between two DDP ranks (torchrun, 2 ranks, gloo)
-        return (f"phoenixrun.protect: {list(f.local_stats)} keep running statistics that each rank's own forward "
-                "updates (BatchNorm): they differ between data-parallel peers after every step, so a replaced rank "
-                "could only get another rank's values. Use torch.nn.SyncBatchNorm (its statistics are the same on "
-                "every rank), or " + WAY_OUT)
-    if f.ddp_group is not None and not set(f.plan_peers) <= set(f.ddp_group):
+        return (f"{list(f.local_stats)} keep running statistics that each rank's own forward updates (BatchNorm): "
+                "they differ between data-parallel peers (torch.nn.SyncBatchNorm keeps them identical)")
+    if f.ddp_group is None:
+        return (f"the model on rank {f.rank} is {f.wrapper}, not DDP: nothing keeps its parameters identical on "
+                f"ranks {list(f.plan_peers)}, which phoenixrun takes for its data-parallel peers ({f.flags})")
+    if not set(f.plan_peers) <= set(f.ddp_group):
         outside = sorted(set(f.plan_peers) - set(f.ddp_group))
-        return (f"phoenixrun.protect: DDP on rank {f.rank} replicates over ranks {list(f.ddp_group)}, but with "
-                f"{f.flags} phoenixrun takes ranks {list(f.plan_peers)} for its data-parallel peers: rank(s) "
-                f"{outside} hold other parameters (another stage or shard), and a replaced rank would be restored "
-                "from one of them. Pass --tp/--pp so that the DP peers are exactly DDP's group, or " + WAY_OUT)
+        return (f"DDP on rank {f.rank} replicates over ranks {list(f.ddp_group)}, but with {f.flags} phoenixrun "
+                f"takes ranks {list(f.plan_peers)} for its data-parallel peers: rank(s) {outside} hold other "
+                "parameters (another stage or shard); --tp/--pp matching the layout make them true replicas")
     return None
 
 
@@ -114,7 +123,7 @@ def dp_groups(world_size: int, peers_of) -> list[tuple[int, ...]]:
 
 
 def peer_mismatch(checksums: Sequence[int], groups: Sequence[Sequence[int]], flags: str = "--tp 1 --pp 1") -> str | None:
-    """None when every DP-peer class holds identical replicated state; else why not (the first class that differs)."""
+    """None when every DP-peer class holds identical plain state; else why not (the first class that differs)."""
     for g in groups:
         values = {checksums[r] for r in g}
         if len(values) > 1:
@@ -122,23 +131,37 @@ def peer_mismatch(checksums: Sequence[int], groups: Sequence[Sequence[int]], fla
             for r in g:
                 by_value.setdefault(checksums[r], []).append(r)
             split = " vs ".join(str(rs) for rs in by_value.values())
-            return (f"phoenixrun.protect: ranks {list(g)} are data-parallel peers in phoenixrun's plan ({flags}), "
-                    f"so a replaced rank's parameters would be taken from one of them, but they hold different "
-                    f"parameters at protect() time ({split}): pipeline stages or per-rank models are not plain "
-                    "DDP replicas. Pass --pp/--tp so that only true replicas are DP peers, or " + WAY_OUT)
+            return (f"ranks {list(g)} are data-parallel peers in phoenixrun's plan ({flags}) but hold different "
+                    f"parameters at protect() time ({split}): pipeline stages or per-rank models, not replicas")
     return None
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The decision every rank takes at protect(): refuse (with the reason), or protect - taking plain state from
+    DP peers on recovery (`peer_shared`) or snapshotting it as rank-private (`private_why` says why)."""
+    refusal: str | None = None
+    peer_shared: bool = True
+    private_why: str | None = None
+
+
 def verdict(own: str | None, refused: Sequence[int], checksums: Sequence[int], groups: Sequence[Sequence[int]],
-            flags: str = "--tp 1 --pp 1") -> str | None:
+            unshared: Sequence[tuple[int, str]] = (), flags: str = "--tp 1 --pp 1") -> Verdict:
     """The decision every rank takes from the same gathered facts (so all of them stop, none waits on the others):
-    its own refusal, else another rank's, else a DP-peer class whose state differs."""
+    its own refusal, else another rank's; else plain state is shared unless some rank's is not provably held by
+    its plan peers (`unshared`: (rank, reason) pairs) or a DP-peer class differs - then it is private on every
+    rank (a replaced rank and the peer it would fetch from must agree on what the shared region holds)."""
     if own is not None:
-        return own
+        return Verdict(refusal=own, peer_shared=False)
     if refused:
-        return (f"phoenixrun.protect: rank(s) {list(refused)} cannot be protected (their error says why); "
-                "every rank stops before training")
-    return peer_mismatch(checksums, groups, flags)
+        return Verdict(refusal=f"phoenixrun.protect: rank(s) {list(refused)} cannot be protected (their error says "
+                               "why); every rank stops before training", peer_shared=False)
+    if unshared:
+        rank, why = unshared[0]
+        more = f" (and {len(unshared) - 1} more rank(s))" if len(unshared) > 1 else ""
+        return Verdict(peer_shared=False, private_why=f"rank {rank}: {why}{more}")
+    mismatch = peer_mismatch(checksums, groups, flags)
+    return Verdict(peer_shared=mismatch is None, private_why=mismatch)
 
 
 def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, plan_peers: Sequence[int],
@@ -180,6 +203,14 @@ def shared_checksum(model: torch.nn.Module) -> int:
         if t.numel():
             c = zlib.crc32(t.cpu().contiguous().view(-1).view(torch.uint8).numpy(), c)   # the buffer, no copy
     return c
+
+
+def has_plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any model or optimizer tensor is not a DTensor (what the sharing decision is about)."""
+    if any(not is_dtensor(t) for t in model.state_dict().values()):
+        return True
+    return any(torch.is_tensor(v) and not is_dtensor(v) and v.dim() > 0
+               for st in _optimizer_state(optimizer).values() for v in st.values())
 
 
 def _optimizer_state(optimizer) -> dict:

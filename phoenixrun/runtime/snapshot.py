@@ -52,12 +52,15 @@ class StateBinding:
     replica, never from a peer. `dtensors` records each one's global shape, stride and placements, so the
     restore can check it lands in the same layout and re-wrap optimizer state with its parameter's mesh."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, peer_shared: bool = True):
         self.model, self.optimizer = model, optimizer
         self.local_opt = local_optimizer(optimizer)
+        # peer_shared=False (protect() found plain state its DP peers may not hold: runtime/layout_check.py):
+        # every tensor is rank-private and the shared region is empty
+        self.peer_shared = peer_shared
         # Optimizer state is rank-private only when it is sharded (ZeRO); a plain optimizer under DDP
         # is identical on every DP peer, so it travels with the parameters and is never replicated.
-        self.optimizer_private = _is_zero(optimizer)
+        self.optimizer_private = _is_zero(optimizer) or not peer_shared
         self.private: list[tuple[str, torch.Tensor]] = []
         self.shared: list[tuple[str, torch.Tensor]] = []
         self.scalars: dict[str, Any] = {}
@@ -71,7 +74,7 @@ class StateBinding:
                 else:
                     self.scalars[f"{idx}/{k}"] = v
         for name, t in model.state_dict().items():
-            self._add(f"model/{name}", t, self.shared)
+            self._add(f"model/{name}", t, self.shared if peer_shared else self.private)
         self.private.append(("rng/cpu", torch.get_rng_state()))
         self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
         if self._cuda_rng:
@@ -168,6 +171,7 @@ class SnapshotWriter:
         # param groups are)
         self._meta_tail = json.dumps({
             "scalars": binding.scalars, "optimizer_private": binding.optimizer_private, "dtensors": binding.dtensors,
+            "peer_shared": binding.peer_shared,
             "private": [e.to_json() for e in binding.private_entries],
             "shared": [e.to_json() for e in binding.shared_entries]})[1:]
         cuda = [t for _, t in binding.private + binding.shared if t.is_cuda]
