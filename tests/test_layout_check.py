@@ -10,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from phoenixrun.runtime.layout_check import (DTensorFacts, LayoutFacts, Verdict, describe, dp_groups, local_refusal,
                                              peer_mismatch, unshared_reason, verdict)
@@ -211,3 +213,60 @@ def test_pipeline_stages_taken_for_dp_peers_are_protected_as_rank_private(tmp_pa
     """Stages seeded differently: protect() sees the "peers" differ and snapshots their weights as rank-private."""
     pipeline_hot_swap_matches_torchrun(tmp_path, ["--steps", "12"])
     assert "snapshotted as rank-private and replicated" in (tmp_path / "pp-run.log").read_text()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def _jobs(draw):
+    """A job: nodes x ranks, the script's real (tp, pp) layout (its DDP groups: ranks at the same tp/pp coordinate,
+    or no DDP at all), the --tp/--pp flags the user gave (right or wrong), whether every rank starts from the same
+    weights (stages seeded alike: equal at protect(), different later), a failed node set."""
+    nnodes, nproc = draw(st.integers(2, 4)), draw(st.integers(1, 3))
+    world = nnodes * nproc
+    real_tp = draw(st.sampled_from(_divisors(world)))
+    real_pp = draw(st.sampled_from(_divisors(world // real_tp)))
+    flag_tp = draw(st.sampled_from(_divisors(world)))
+    flag_pp = draw(st.sampled_from(_divisors(world // flag_tp)))
+    ddp, same_init = draw(st.booleans()), draw(st.booleans())
+    lost = draw(st.sets(st.integers(0, nnodes - 1), min_size=1, max_size=nnodes - 1))
+    return Layout(nnodes, nproc, real_tp, real_pp), Layout(nnodes, nproc, flag_tp, flag_pp), ddp, same_init, lost
+
+
+@given(_jobs())
+@settings(max_examples=300, deadline=None)
+def test_shared_state_is_only_ever_fetched_from_a_rank_holding_the_same_bytes(job):
+    """Whatever the script's real layout and whatever --tp/--pp say: when the decision every rank takes makes plain
+    state shared, the recovery plan's source for every lost rank's shared region is a true replica of it (the same
+    DDP group, the same real stage and TP shard); otherwise the shared region is empty and nothing is fetched from a
+    peer that matters."""
+    from phoenixrun.control.state import NodeRecord, Role, plan_recovery
+    from phoenixrun.topology import place_replicas
+    real, flags, ddp, same_init, lost = job
+    world = real.world_size
+    key = lambda r: (real.coords(r).tp, real.coords(r).pp)                       # noqa: E731 - what DDP replicates
+    group_of = {r: tuple(p for p in range(world) if key(p) == key(r)) for r in range(world)}
+    facts = [LayoutFacts(r, "DistributedDataParallel" if ddp else "Stage", ddp_group=group_of[r] if ddp else None,
+                         plan_peers=tuple(sorted({r, *flags.dp_peers(r)})), flags=f"--tp {flags.tp} --pp {flags.pp}")
+             for r in range(world)]
+    # at protect(): replicas' bytes equal, other stages' differ - unless all were seeded alike
+    checksums = [0 if same_init else hash(key(r)) for r in range(world)]
+    unshared = [(f.rank, why) for f in facts if (why := unshared_reason(f))]
+    decided = verdict(None, [], checksums, dp_groups(world, flags.dp_peers), unshared)
+    assert decided.refusal is None
+    if not decided.peer_shared:
+        return
+    nodes = {f"n{s}": NodeRecord(f"n{s}", "h", 1, f"n{s}:1", f"n{s}", Role.ACTIVE, slot=s,
+                                 snapshots={r: [5] for r in flags.ranks_of_slot(s)},
+                                 replicas={r: [5] for r in range(world)}) for s in range(real.nnodes)}
+    spares = {s: f"spare{s}" for s in lost}
+    nodes.update({nid: NodeRecord(nid, "h", 1, f"{nid}:1", nid, Role.SPARE) for nid in spares.values()})
+    try:
+        plan = plan_recovery(flags, nodes, {s: f"n{s}" for s in range(real.nnodes)}, lost,
+                             place_replicas(flags, 1), spares)
+    except Exception:                                             # no surviving peer: a refusal, never a restore
+        return
+    for r, src in plan.fetch.items():
+        assert src.shared_rank in group_of[r] and src.shared_rank != r and key(src.shared_rank) == key(r)

@@ -191,8 +191,8 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
     if decided.refusal:
         raise layout_check.ProtectionRefused(decided.refusal)
     if not decided.peer_shared and ctx.rank == 0 and layout_check.has_plain_state(model, optimizer):
-        log.warning("phoenixrun.protect: plain (non-DTensor) state is snapshotted as rank-private and replicated, not "
-                 "taken from data-parallel peers: %s", decided.private_why)
+        log.warning("phoenixrun.protect: plain (non-DTensor) state is snapshotted as rank-private and replicated, "
+                    "not taken from data-parallel peers: %s", decided.private_why)
     return decided
 
 
