@@ -12,7 +12,12 @@ the model to find the knee where the transfer no longer hides behind compute.
 With --persist-every N a third arm runs protection plus the agents' persistent checkpoints every
 N steps, so both ratios come from the same run.
 
+--layouts adds other parallelisms, each at its example's default model, with the same arms: `fsdp2`
+(examples/train_fsdp2.py, 2 nodes x 2: every DTensor shard rank-private, so the parameters and moments
+are replicated) and `3d` (examples/train_3d.py, TP 2 x PP 2 x FSDP2 2 on 4 nodes x 2).
+
     python benchmarks/overhead.py [--pairs 3] [--steps 40] [--sizes 256,512,768] [--persist-every 10]
+                                  [--layouts ddp,fsdp2,3d]
 """
 from __future__ import annotations
 
@@ -29,14 +34,19 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+# layout -> (example, nnodes, ranks per node)
+LAYOUTS = {"ddp": ("train_gpt.py", 2, 2), "fsdp2": ("train_fsdp2.py", 2, 2), "3d": ("train_3d.py", 4, 2)}
+
+
 def run_job(tmp: Path, name: str, protect: bool, steps: int, model: list[str], persist: list[str],
-            spares: int = 0) -> dict:
+            spares: int = 0, layout: str = "ddp") -> dict:
     out, stats = tmp / f"{name}-out", tmp / f"{name}-stats"
     stats.mkdir(parents=True)
     env = {**os.environ, "PHOENIXRUN_PROTECT": "1" if protect else "0", "PHOENIXRUN_STATS_DIR": str(stats),
            "PHOENIXRUN_LOG_LEVEL": "WARNING"}
-    cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", "2", "--nproc-per-node", "2",
-           "--spares", str(spares), "--run-dir", str(tmp / f"{name}-run"), *persist, str(ROOT / "examples" / "train_gpt.py"),
+    script, nnodes, nproc = LAYOUTS[layout]
+    cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+           "--spares", str(spares), "--run-dir", str(tmp / f"{name}-run"), *persist, str(ROOT / "examples" / script),
            "--steps", str(steps), "--out", str(out), *model]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -60,7 +70,8 @@ def trimmed(xs: list[float], warmup: int) -> list[float]:
     return xs[: max(1, int(len(xs) * 0.95))]
 
 
-def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: list[str], persist: list[str]) -> dict:
+def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: list[str], persist: list[str],
+            layout: str = "ddp") -> dict:
     """Arms: protection off, on, on + a warm spare, and (with --persist-every) on + persistent checkpoints,
     rotated per round."""
     arms = [("off", False, [], 0), ("on", True, [], 0), ("spare", True, [], 1)] + \
@@ -71,7 +82,7 @@ def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: l
     for i in range(pairs):
         # rotate which goes first so drift in machine load hits every arm alike
         for tag, protect, flags, spares in arms[i % len(arms):] + arms[:i % len(arms)]:
-            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps, model, flags, spares)
+            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps, model, flags, spares, layout)
             load.append(os.getloadavg()[0])
             times[tag].extend(trimmed(r["steps"], warmup))
             if tag == "on":
@@ -103,18 +114,30 @@ def main() -> int:
     p.add_argument("--knee-pairs", type=int, default=None, help="rounds for the larger sizes (default: --pairs)")
     p.add_argument("--persist-every", type=int, default=0,
                    help="add a third arm: protection on + persistent checkpoints every N steps")
+    p.add_argument("--layouts", default="ddp",
+                   help=f"comma-separated, of {', '.join(LAYOUTS)}: ddp over --sizes, the others at their defaults")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    layouts = [x for x in args.layouts.split(",") if x]
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown:
+        p.error(f"unknown layout(s) {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
     persist = ["--persist-every", str(args.persist_every)] if args.persist_every else []
-    rows = []
+    rows, others = [], []
     with tempfile.TemporaryDirectory(prefix="phoenixrun-overhead-") as tmp:
-        for i, d in enumerate(int(x) for x in args.sizes.split(",")):
-            model = ["--d-model", str(d), "--layers", "2"]
-            rows.append(measure(Path(tmp), f"d{d}", args.pairs if i == 0 or args.knee_pairs is None else args.knee_pairs, args.steps,
-                                args.warmup, model, persist))
-            print(_fmt(rows[-1]), flush=True)
+        if "ddp" in layouts:
+            for i, d in enumerate(int(x) for x in args.sizes.split(",")):
+                model = ["--d-model", str(d), "--layers", "2"]
+                rows.append(measure(Path(tmp), f"d{d}", args.pairs if i == 0 or args.knee_pairs is None else args.knee_pairs, args.steps,
+                                    args.warmup, model, persist))
+                print(_fmt(rows[-1]), flush=True)
+        for layout in (x for x in layouts if x != "ddp"):
+            others.append(measure(Path(tmp), layout, args.pairs, args.steps, args.warmup, [], persist, layout))
+            print(_fmt(others[-1]), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(rows + others, indent=2))
+    if not rows:
+        return 0
     # the knee: the first size whose D2H + H2H no longer fits in the compute window
     knee = next((r["model"] for r in rows if r["d2h_s"] + r["h2h_s"] > r["window_s"]), None)
     print(f"default config ratio {rows[0]['ratio']:.3f} without a spare, {rows[0]['ratio_spare']:.3f} with a warm "

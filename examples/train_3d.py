@@ -25,6 +25,7 @@ import gc
 import hashlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -138,7 +139,9 @@ def main() -> None:
         pipe = schedule()
 
     first, last = pp_rank == 0, pp_rank == args.pp - 1
+    step_seconds: dict[int, float] = {}   # the whole iteration, phoenixrun's end-of-step work included (benchmarks)
     for step in job.steps(args.steps):
+        t0 = time.perf_counter()
         with job.step(step):
             x, y = batch(step, dp_rank, args)
             losses: list[torch.Tensor] = []
@@ -154,6 +157,7 @@ def main() -> None:
                 loss = torch.stack(losses).mean()
                 job.observe_loss(loss)
                 progress["losses"][str(step)] = loss.item()
+        step_seconds[step] = time.perf_counter() - t0
 
     state = opt.state_dict()["state"]
     result = {
@@ -161,6 +165,7 @@ def main() -> None:
         "losses": [progress["losses"][str(s)] for s in range(args.steps)] if last else [],
         "param_sha256": digest(model.state_dict().values()),
         "optim_sha256": digest(v for i in sorted(state) for k, v in sorted(state[i].items()) if torch.is_tensor(v)),
+        "step_seconds": [step_seconds.get(s) for s in range(args.steps)],
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

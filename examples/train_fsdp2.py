@@ -16,6 +16,7 @@ import gc
 import hashlib
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,9 @@ def main() -> None:
     def restored(step: int, generation: int) -> None:
         print(f"rank {rank}: restored step {step} in generation {generation}", flush=True)
 
+    step_seconds: dict[int, float] = {}   # the whole iteration, phoenixrun's end-of-step work included (benchmarks)
     for step in job.steps(args.steps):
+        t0 = time.perf_counter()
         with job.step(step):
             x, y = batch(step, rank, args)     # every rank is a data-parallel rank under FSDP and HSDP
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -125,6 +128,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             progress["losses"][str(step)] = loss.item()
+        step_seconds[step] = time.perf_counter() - t0
 
     state = opt.state_dict()["state"]
     result = {
@@ -132,6 +136,7 @@ def main() -> None:
         "losses": [progress["losses"][str(s)] for s in range(args.steps)],
         "param_sha256": digest(model.state_dict().values()),
         "optim_sha256": digest(v for i in sorted(state) for k, v in sorted(state[i].items()) if torch.is_tensor(v)),
+        "step_seconds": [step_seconds.get(s) for s in range(args.steps)],
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

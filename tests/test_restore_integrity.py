@@ -82,10 +82,31 @@ def test_wrong_size_and_corrupt_replica_are_refused(node):
     assert issubclass(IntegrityError, SlotError)       # the agent's restore path reports it (restore_failed)
 
 
+PP = Path(__file__).resolve().parent / "scripts" / "pp_two_stages.py"
+
+
 @pytest.mark.e2e
 def test_pipeline_stage_is_never_restored_from_the_other_stage(tmp_path):
-    """Both stages start from the same weights (protect()'s start-up comparison passes), then diverge: before, a
-    node kill ended in exit 0 with stage 1 holding stage 0's weights, then in a refused restore. The model is not
-    DDP, so nothing proves the "peer" holds its bytes: its weights are rank-private and the hot swap is exact."""
-    from tests.test_layout_check import pipeline_hot_swap_matches_torchrun
-    pipeline_hot_swap_matches_torchrun(tmp_path, ["--steps", "12", "--same-init"])
+    """Pure PP, 2 stages, no --pp: phoenixrun's plan takes the other stage for a DP peer. Both stages start from the
+    same weights (protect()'s start-up comparison passes), then diverge: before, a node kill ended in exit 0 with
+    stage 1 holding stage 0's weights, then in a refused restore. The model is not DDP, so nothing proves the
+    "peer" holds its bytes: its weights are rank-private, and the hot swap ends bit-identical to a fault-free
+    torchrun run."""
+    import json
+    import subprocess
+
+    from tests.harness import BIN, env
+    from tests.test_process_groups import launch_script
+    args = ["--steps", "12", "--same-init"]
+    subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(PP), *args, "--out",
+                    str(tmp_path / "ref")], check=True, env=env(), cwd=tmp_path, capture_output=True, timeout=300)
+    job = launch_script(tmp_path, "pp", PP, [*args, "--step-seconds", "0.1"], nnodes=2, nproc=1, spares=1)
+    kill_node(job.wait_step(4), slot=1)
+    assert job.finish() == 0, job.log()[-3000:]
+    ev = job.events()
+    assert len(by_event(ev, "recovery_done")) == 1 and not by_event(ev, "recovery_failed"), job.log()[-3000:]
+    for r in (0, 1):
+        ref = json.loads((tmp_path / "ref" / f"rank{r}.json").read_text())
+        got = json.loads((job.out / f"rank{r}.json").read_text())
+        assert (got["param_sha256"], got["losses"]) == (ref["param_sha256"], ref["losses"]), f"stage {r} differs"
+    assert "snapshotted as rank-private and replicated" in job.log() and "not DDP" in job.log()
