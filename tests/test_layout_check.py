@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from phoenixrun.runtime.layout_check import (DTensorFacts, LayoutFacts, Verdict, describe, dp_groups, local_refusal,
                                              peer_mismatch, unshared_reason, verdict)
+from phoenixrun.redundancy import Mesh
 from phoenixrun.topology import Layout
 
 FSDP2 = DTensorFacts("model/0.weight", ("dp_shard",), ("Shard(dim=0)",))
@@ -22,6 +23,7 @@ HSDP = DTensorFacts("model/0.weight", ("replicate", "shard"), ("Replicate()", "S
 TP = DTensorFacts("model/w1.weight", ("tp",), ("Shard(dim=1)",))
 REPL = DTensorFacts("model/b", ("dp",), ("Replicate()",))
 PARTIAL = DTensorFacts("optim/3/exp_avg", ("tp",), ("Partial(sum)",))
+MESH_DP_TP = Mesh(("dp", "tp"), (2, 2), (0, 1, 2, 3))
 
 
 @pytest.mark.parametrize("facts, expect", [
@@ -39,6 +41,11 @@ PARTIAL = DTensorFacts("optim/3/exp_avg", ("tp",), ("Partial(sum)",))
     (LayoutFacts(0, "Module", dtensors=(FSDP2, PARTIAL), plan_peers=(0, 1)),
      r"optim/3/exp_avg is a DTensor with a pending reduction; placements \(Partial\(sum\)\).*Redistribute"),
     (LayoutFacts(0, "FullyShardedDataParallel", plan_peers=(0, 1)), r"FSDP \(FullyShardedDataParallel\).*collective"),
+    # --tp/--pp are unnecessary with a mesh; given, they must agree with its dimensions
+    (LayoutFacts(0, "Module", dtensors=(TP,), meshes=(MESH_DP_TP,), tp=2), None),
+    (LayoutFacts(0, "Module", dtensors=(TP,), meshes=(MESH_DP_TP,), tp=1, pp=2), None),      # no 'pp' dimension
+    (LayoutFacts(0, "Module", dtensors=(TP,), meshes=(MESH_DP_TP,), tp=4),
+     r"--tp 4 contradicts the script's device mesh, whose 'tp' dimension has size 2; leave --tp out"),
 ])
 def test_local_refusal(facts, expect):
     got = local_refusal(facts)
@@ -152,6 +159,8 @@ OBSERVE = textwrap.dedent("""
     tf = parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh2["tp"], {"0": ColwiseParallel()})
     fully_shard(tf, mesh=mesh2["dp"])
     check("tp_fsdp2", tf)
+    out["tp_flag"] = local_refusal(observe(tf, torch.optim.SGD(tf.parameters(), lr=0.1), 0, [], "--tp 2 --pp 1",
+                                           tp=2, pp=1))
     p = torch.nn.Linear(4, 4)
     p.weight = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 4), tp_mesh, [Partial()]))
     check("partial", p)
@@ -177,6 +186,7 @@ def test_facts_are_read_from_real_fsdp2_tp_and_ddp_objects(tmp_path):
     assert "FSDP2" in out["fsdp2"]["described"][0] and "Shard(dim=0)" in out["fsdp2"]["described"][0]
     assert out["tp"]["refusal"] is None and "Shard(dim=0)" in out["tp"]["described"][0]
     assert out["tp_fsdp2"]["refusal"] is None
+    assert "--tp 2 contradicts the script's device mesh, whose 'tp' dimension has size 1" in out["tp_flag"]
     assert "sharded over ['dp', 'tp']" in out["tp_fsdp2"]["described"][0]   # _StridedShard counted as a shard
     assert "model/weight is a DTensor with a pending reduction" in out["partial"]["refusal"], out["partial"]
     assert out["bn"]["refusal"] is None and "['module.1'] keep running statistics" in out["bn"]["unshared"], out["bn"]

@@ -170,7 +170,7 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
     the sharing decision recorded in the snapshot it restores."""
     layout = _plan_layout(ctx.world_size, ctx.tp, ctx.pp)
     flags = f"--tp {ctx.tp} --pp {ctx.pp}"
-    facts = layout_check.observe(model, optimizer, ctx.rank, layout.dp_peers(ctx.rank), flags)
+    facts = layout_check.observe(model, optimizer, ctx.rank, layout.dp_peers(ctx.rank), flags, ctx.tp, ctx.pp)
     own = layout_check.local_refusal(facts)
     if not fresh_start:
         if own:

@@ -19,7 +19,9 @@ update identical). Everything else is *rank-private*: snapshotted into the rank'
 
 Refused, with the layout named and the way out, is only what no snapshot can restore:
 - a DTensor with a Partial placement: a pending reduction, not state;
-- FSDP1 (`FullyShardedDataParallel`): its state_dict() is a collective, not a rank's own tensors.
+- FSDP1 (`FullyShardedDataParallel`): its state_dict() is a collective, not a rank's own tensors;
+- `--tp/--pp` that contradict a `tp`/`pp` dimension of a DTensor's device mesh: with a mesh they are
+  unnecessary (the mesh says it), and a wrong one is a user mistake named as such (redundancy.check_flags).
 
 The decisions are pure functions of observed facts (`local_refusal`, `unshared_reason`, `peer_mismatch`,
 `verdict`); `observe` and `shared_checksum` read them from the live objects. Every rank takes the same decision
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from phoenixrun.redundancy import LayoutError, Mesh, check_flags
 
 WAY_OUT = ("run it without protect() (PHOENIXRUN_PROTECT=0, or plain torchrun: a failure restarts the job, "
            "--max-restarts).")
@@ -58,6 +62,9 @@ class LayoutFacts:
     plan_peers: tuple[int, ...] = ()               # the ranks the plan takes for this rank's DP peers (with itself)
     flags: str = "--tp 1 --pp 1"
     local_stats: tuple[str, ...] = ()              # modules whose buffers each rank's own forward updates
+    meshes: tuple[Mesh, ...] = ()                  # the device meshes its DTensors live on
+    tp: int = 1                                    # the --tp/--pp flags given
+    pp: int = 1
 
 
 def describe(d: DTensorFacts) -> str:
@@ -83,6 +90,11 @@ def local_refusal(f: LayoutFacts) -> str | None:
         return (f"phoenixrun.protect: {describe(partial[0])}{more}. A Partial placement is a reduction still "
                 "pending: its local tensor is not state a snapshot can restore. Redistribute it to Shard or "
                 "Replicate before protect() (and keep it so between steps), or " + WAY_OUT)
+    for mesh in f.meshes:   # a DTensor's mesh is often a submesh (FSDP2 over TP: (dp, tp)): only its own dims
+        try:
+            check_flags(mesh, f.tp if "tp" in mesh.names else 1, f.pp if "pp" in mesh.names else 1)
+        except LayoutError as e:
+            return f"phoenixrun.protect: {e}. Or " + WAY_OUT
     if f.wrapper == "FullyShardedDataParallel":
         return ("phoenixrun.protect: the model is FSDP (FullyShardedDataParallel): its state_dict() is a collective "
                 "over flat sharded parameters, not state a per-step snapshot can take. Use FSDP2 (fully_shard) or "
@@ -165,19 +177,18 @@ def verdict(own: str | None, refused: Sequence[int], checksums: Sequence[int], g
 
 
 def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, plan_peers: Sequence[int],
-            flags: str) -> LayoutFacts:
+            flags: str, tp: int = 1, pp: int = 1) -> LayoutFacts:
     """The facts `local_refusal` decides on, read from the live model and optimizer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    dts = []
-    for name, t in model.state_dict().items():
-        d = _dtensor_facts(f"model/{name}", t)
+    dts, meshes = [], {}
+    tensors = [(f"model/{name}", t) for name, t in model.state_dict().items()]
+    tensors += [(f"optim/{idx}/{k}", v) for idx, st in _optimizer_state(optimizer).items() for k, v in st.items()]
+    for name, t in tensors:
+        d = _dtensor_facts(name, t)
         if d is not None:
             dts.append(d)
-    for idx, st in _optimizer_state(optimizer).items():
-        for k, v in st.items():
-            d = _dtensor_facts(f"optim/{idx}/{k}", v)
-            if d is not None:
-                dts.append(d)
+            m = _mesh(t.device_mesh, d.mesh_dims)
+            meshes[(m.names, m.shape, m.ranks)] = m
     ddp_group = None
     if isinstance(model, DDP):
         import torch.distributed as dist
@@ -186,7 +197,13 @@ def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
     stats = tuple(name or type(m).__name__ for name, m in model.named_modules()
                   if isinstance(m, bn) and m.track_running_stats)
     return LayoutFacts(rank=rank, wrapper=type(model).__name__, dtensors=tuple(dts), ddp_group=ddp_group,
-                       plan_peers=tuple(sorted({rank, *plan_peers})), flags=flags, local_stats=stats)
+                       plan_peers=tuple(sorted({rank, *plan_peers})), flags=flags, local_stats=stats,
+                       meshes=tuple(meshes.values()), tp=tp, pp=pp)
+
+
+def _mesh(device_mesh, names: tuple[str, ...]) -> Mesh:
+    """A torch DeviceMesh as the pure core's Mesh (names, shape, the world rank at every coordinate)."""
+    return Mesh(names, tuple(device_mesh.mesh.shape), tuple(int(r) for r in device_mesh.mesh.flatten().tolist()))
 
 
 def shared_checksum(model: torch.nn.Module) -> int:
