@@ -1,7 +1,7 @@
 """3D parallelism (pipeline x data x tensor, FSDP2 over dp) protected end to end: kill a node, compare bit for bit.
 
 examples/train_3d.py runs unmodified under torchrun (the fault-free reference, 8 ranks) and under phoenixrun
-(4 nodes x 2 ranks + 1 spare; each node one TP pair of one stage). Every parameter and optimizer tensor is a
+(4 nodes x 2 ranks + 2 spares; each node one TP pair of one stage). Every parameter and optimizer tensor is a
 DTensor (TP-sharded over tp, FSDP-sharded over dp), so all of it is rank-private: the replaced ranks restore
 their own shards from their replicas. The pipeline schedule is rebuilt on every rank after the recovery
 (`job.on_restore`), or the stages' first P2P messages would not match.
