@@ -5,6 +5,7 @@ tests/test_restore_integrity.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,14 @@ TP = DTensorFacts("model/w1.weight", ("tp",), ("Shard(dim=1)",))
 REPL = DTensorFacts("model/b", ("dp",), ("Replicate()",))
 PARTIAL = DTensorFacts("optim/3/exp_avg", ("tp",), ("Partial(sum)",))
 MESH_DP_TP = Mesh(("dp", "tp"), (2, 2), (0, 1, 2, 3))
+
+
+def assert_reason(got: str | None, expect: str | None) -> None:
+    """None expected: no reason; else a reason matching the pattern `expect`."""
+    if expect is None:
+        assert got is None, got
+    else:
+        assert got is not None and re.search(expect, got), got
 
 
 @pytest.mark.parametrize("facts, expect", [
@@ -49,12 +58,8 @@ MESH_DP_TP = Mesh(("dp", "tp"), (2, 2), (0, 1, 2, 3))
 ])
 def test_local_refusal(facts, expect):
     got = local_refusal(facts)
-    if expect is None:
-        assert got is None
-    else:
-        assert got is not None
-        import re
-        assert re.search(expect, got), got
+    assert_reason(got, expect)
+    if expect is not None:
         assert "PHOENIXRUN_PROTECT=0" in got and "torchrun" in got      # the way out is always named
 
 
@@ -78,12 +83,7 @@ def test_local_refusal(facts, expect):
      r"\['module.1'\] keep running statistics.*SyncBatchNorm"),
 ])
 def test_unshared_reason(facts, expect):
-    got = unshared_reason(facts)
-    if expect is None:
-        assert got is None
-    else:
-        import re
-        assert got is not None and re.search(expect, got), got
+    assert_reason(unshared_reason(facts), expect)
 
 
 @pytest.mark.parametrize("checksums, groups, expect", [
@@ -94,12 +94,7 @@ def test_unshared_reason(facts, expect):
     ([7, 7, 7, 8], [(0, 2), (1, 3)], r"ranks \[1, 3\]"),
 ])
 def test_peer_mismatch(checksums, groups, expect):
-    got = peer_mismatch(checksums, groups)
-    if expect is None:
-        assert got is None
-    else:
-        import re
-        assert got is not None and re.search(expect, got), got
+    assert_reason(peer_mismatch(checksums, groups), expect)
 
 
 @pytest.mark.parametrize("own, refused, checksums, unshared, expect", [
@@ -112,7 +107,6 @@ def test_peer_mismatch(checksums, groups, expect):
 def test_verdict_is_the_same_decision_on_every_rank(own, refused, checksums, unshared, expect):
     got = verdict(own, refused, checksums, [(0, 1)], unshared)
     if isinstance(expect, str):
-        import re
         assert got.refusal is not None and re.search(expect, got.refusal) and not got.peer_shared, got
     elif expect.private_why == "x":
         assert (got.refusal, got.peer_shared) == (None, False) and "different parameters" in got.private_why
