@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phoenixrun.runtime.layout_check import (DTensorFacts, LayoutFacts, Verdict, describe, dp_groups, local_refusal,
+from phoenixrun.runtime.layout_check import (DTensorFacts, LayoutFacts, describe, dp_groups, local_refusal,
                                              peer_mismatch, unshared_reason, verdict)
 from phoenixrun.redundancy import Mesh
 from phoenixrun.topology import Layout
@@ -97,21 +97,19 @@ def test_peer_mismatch(checksums, groups, expect):
     assert_reason(peer_mismatch(checksums, groups), expect)
 
 
-@pytest.mark.parametrize("own, refused, checksums, unshared, expect", [
-    (None, [], [1, 1], [], Verdict()),                                         # DDP replicas: shared
-    ("mine", [], [1, 2], [], Verdict("mine", False)),                          # its own reason first
-    (None, [1], [1, 1], [], r"rank\(s\) \[1\] cannot be protected"),        # another rank refused: stop too
-    (None, [], [1, 2], [], Verdict(None, False, "x")),                        # peers differ: private, not refused
-    (None, [], [1, 1], [(1, "not DDP")], Verdict(None, False, "rank 1: not DDP")),   # one rank unproven: all private
+# expected: (refusal pattern, peer_shared, private_why pattern); None patterns: no reason at all
+@pytest.mark.parametrize("own, refused, checksums, unshared, refusal, shared, why", [
+    (None, [], [1, 1], [], None, True, None),                                   # DDP replicas: shared
+    ("mine", [], [1, 2], [], "^mine$", False, None),                            # its own reason first
+    (None, [1], [1, 1], [], r"rank\(s\) \[1\] cannot be protected", False, None),   # another refused: stop too
+    (None, [], [1, 2], [], None, False, "different parameters"),               # peers differ: private, not refused
+    (None, [], [1, 1], [(1, "not DDP")], None, False, "^rank 1: not DDP$"),     # one rank unproven: all private
 ])
-def test_verdict_is_the_same_decision_on_every_rank(own, refused, checksums, unshared, expect):
+def test_verdict_is_the_same_decision_on_every_rank(own, refused, checksums, unshared, refusal, shared, why):
     got = verdict(own, refused, checksums, [(0, 1)], unshared)
-    if isinstance(expect, str):
-        assert got.refusal is not None and re.search(expect, got.refusal) and not got.peer_shared, got
-    elif expect.private_why == "x":
-        assert (got.refusal, got.peer_shared) == (None, False) and "different parameters" in got.private_why
-    else:
-        assert got == expect
+    assert_reason(got.refusal, refusal)
+    assert got.peer_shared is shared
+    assert_reason(got.private_why, why)
 
 
 @pytest.mark.parametrize("layout, expect", [

@@ -587,7 +587,7 @@ class _StepScope:
         if isinstance(exc, NonFiniteLoss):   # never snapshotted; the job must stop, not hot-swap
             job.link.send({"op": WorkerOp.NAN_LOSS, "text": str(exc), "step": self.k})
             return False
-        if exc is not None and not job.rt.quiesce_pending and not _recoverable(exc):
+        if exc is not None and not job.rt.quiesce_pending and _collective_cause(exc) is None:
             # the script's own error: not ours to hide; tell the agent what it was (classification)
             job.link.send({"op": WorkerOp.ERROR, "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.k})
             return False
@@ -595,11 +595,7 @@ class _StepScope:
         return True
 
 
-def _recoverable(exc: BaseException) -> bool:
-    """A collective failure, also one a library wrapped (a pipeline stage that lost its neighbour node must recover
-    like any other survivor, not stop as a user error)."""
-    return _collective_cause(exc) is not None
-
-
 def _collective_cause(exc: BaseException | None) -> BaseException | None:
+    """The collective failure behind `exc`, also one a library wrapped (a pipeline stage that lost its neighbour
+    node must recover like any other survivor, not stop as a user error); None: the script's own error."""
     return collective_cause(exc, (Quiesced, dist.DistError))
