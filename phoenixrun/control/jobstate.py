@@ -138,3 +138,9 @@ class JobState:
                 emit(Event.PROTECTION_MODE, self.generation, every=self.protect_every, step=ev.get("step"),
                      reason="replication does not hide behind compute" if self.protect_every > 1
                      else "replication hides behind compute again")
+            elif kind == ReportKind.RESTORE_REFUSED:
+                # the agent goes on with the plan's next option; recorded so an operator sees which holder or
+                # peer held bad bytes (or could not be reached)
+                emit(Event.RESTORE_REFUSED, self.generation, node=ev.get("node_id"), rank=ev.get("rank"),
+                     part=ev.get("part"), addr=ev.get("addr"), source_rank=ev.get("source_rank"),
+                     integrity=ev.get("integrity"), reason=ev.get("reason"))

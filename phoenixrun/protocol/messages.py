@@ -373,6 +373,16 @@ def parse_report(p, job: Job, now: float, max_skew: float = MAX_CLOCK_SKEW_S) ->
             ev["persist_step"] = _int(p["persist_step"], "persist_step", 0, MAX_COUNT, none=True)
         # the fetched state is not the lost rank's (checksum mismatch): the same plan cannot succeed
         ev["integrity"] = _bool(p.get("integrity"), "integrity")
+    elif kind == ReportKind.RESTORE_REFUSED:
+        # an option of a restore source the agent refused (protocol/restore.py Refusal); it tries the next one
+        part = _get(p, "part")
+        if part not in ("private", "shared"):
+            raise MessageError(f"part must be 'private' or 'shared', got {_show(part)}")
+        ev["part"] = part
+        ev["rank"] = _int(_get(p, "rank"), "rank", 0, job.world_size)
+        ev["source_rank"] = _int(_get(p, "source_rank"), "source_rank", 0, job.world_size)
+        ev["addr"] = _addr(_get(p, "addr"), "addr")
+        ev["integrity"] = _bool(p.get("integrity"), "integrity")
     elif kind == ReportKind.RESUMED:
         timings = p.get("timings") or {}
         if not isinstance(timings, dict) or len(timings) > 64:

@@ -35,6 +35,7 @@ class ReportKind(StrEnum):
     WORKER_EXIT = "worker_exit"
     WORKER_HANG = "worker_hang"
     RESTORE_FAILED = "restore_failed"
+    RESTORE_REFUSED = "restore_refused"      # one option of a restore source failed: the agent tries the next
     RESUMED = "resumed"
     QUIESCED = "quiesced"
     COMM_ERROR = "comm_error"
@@ -52,7 +53,8 @@ class ReportKind(StrEnum):
 # a generation the master has moved past: acting on it would hit the new generation's healthy workers)
 REPORT_KINDS: dict[ReportKind, bool] = {
     ReportKind.LEFT: False, ReportKind.WORKERS_DONE: True, ReportKind.WORKER_EXIT: True,
-    ReportKind.WORKER_HANG: True, ReportKind.RESTORE_FAILED: False, ReportKind.RESUMED: False,
+    ReportKind.WORKER_HANG: True, ReportKind.RESTORE_FAILED: False, ReportKind.RESTORE_REFUSED: False,
+    ReportKind.RESUMED: False,
     ReportKind.QUIESCED: False, ReportKind.COMM_ERROR: True, ReportKind.NAN_LOSS: True,
     ReportKind.WORKER_ERROR: True, ReportKind.PROTECTION_MODE: False, ReportKind.HEALTH: False}
 
@@ -114,6 +116,7 @@ class Event(StrEnum):
     RECOVERY_PLAN = "recovery_plan"
     RECOVERY_DONE = "recovery_done"
     RECOVERY_FAILED = "recovery_failed"
+    RESTORE_REFUSED = "restore_refused"
     RESTART = "restart"
     FALLBACK_RESTART = "fallback_restart"
     FALLBACK_DONE = "fallback_done"
