@@ -17,10 +17,10 @@ from phoenixrun.protocol.status import REASON_PHRASES, Status, refused
 FROZEN = {
     Command: {"noop", "wait", "run", "restart", "quiesce", "restore", "stop"},
     ReportKind: {"left", "workers_done", "worker_exit", "worker_hang", "restore_failed", "restore_refused", "resumed", "quiesced",
-                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health",
+                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "layout",
                  "joined", "node_lost", "attempt_check"},
     WorkerOp: {"hello", "alloc", "slots", "write", "written", "progress", "pong", "quiesced", "resumed",
-               "comm_error", "nan_loss", "error", "protection_mode", "stats", "reply", "assign", "rebuild",
+               "comm_error", "nan_loss", "error", "protection_mode", "stats", "layout", "reply", "assign", "rebuild",
                "quiesce", "committed", "commit_failed", "ping", "abort_comm", "poison_loss", "agent_gone"},
     PeerOp: {"put", "get_private", "get_shared", "ping"},
     Event: {"master_started", "master_recovered", "master_stalled", "node_joined", "node_rejoined",

@@ -292,7 +292,8 @@ class Recoveries:
         fresh.update(self._replace_slots(lost))
         lost.clear()
         with self.job.cv:
-            plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh)
+            plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh,
+                                 peers=self.job.peer_set)
             self.job.phase = Phase.RESTORE
             self.job.restored_step = plan.restore_step
             self.job.attempts = settle(self.job.attempts, plan.restore_step)

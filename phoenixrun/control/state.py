@@ -9,9 +9,10 @@ import heapq
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Container, Iterable, Mapping, TypeVar
+from typing import Container, Iterable, Iterator, Mapping, TypeVar
 
 from phoenixrun.protocol.restore import RankSource
+from phoenixrun.redundancy import PeerSet
 from phoenixrun.topology import Layout
 
 V = TypeVar("V")
@@ -131,9 +132,27 @@ def restore_step(available: Iterable[Iterable[int]]) -> int | None:
     return max(common) if common else None
 
 
+def shared_peers(layout: Layout, peers: PeerSet | None, rank: int) -> Iterator[int]:
+    """The ranks whose shared region holds `rank`'s bytes, in the order to ask them, lazily. Without a peer set:
+    the DP ring of the --tp/--pp layout (DDP keeps plain state identical there; protect() made plain state
+    private where it could not prove so). With one (the job's DTensor state is in the shared region, the runtime
+    said where its copies are: redundancy.PeerSet), its peers - also DP peers of the layout if plain state is
+    shared too."""
+    if peers is None:
+        return layout.iter_dp_peers(rank)
+    if not peers.plain:
+        return peers.peers(rank)
+    c = layout.coords(rank)
+
+    def same_shard(p: int) -> bool:
+        q = layout.coords(p)
+        return (q.tp, q.pp) == (c.tp, c.pp)
+    return filter(same_shard, peers.peers(rank))
+
+
 def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mapping[int, str],
                   lost_slots: Iterable[int], placement: Mapping[int, list[int]],
-                  replacements: Mapping[int, str]) -> RecoveryPlan:
+                  replacements: Mapping[int, str], peers: PeerSet | None = None) -> RecoveryPlan:
     """Plan a hot swap.
 
     lost_slots: slots whose agent (and so its host memory) is gone; each must have an
@@ -141,7 +160,8 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
     their own agent's slots (this covers a local reset: the agent outlives its workers).
     Ranks on lost slots take their private state from a replica holder and their
     parameters from a surviving DP peer, at the same step; the plan names every holder and up to
-    SHARED_OPTIONS peers that have that step, in the order the agent tries them (`RankSource`).
+    SHARED_OPTIONS peers that have that step, in the order the agent tries them (`RankSource`);
+    peers: where DTensor state has copies, when the job keeps it in the shared region (`shared_peers`).
     """
     lost = set(lost_slots)
     missing = lost - set(replacements)
@@ -168,7 +188,7 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
         shared: dict[int, list[tuple[str, int]]] = {step: [] for step in private}
         full = 0
         any_peer = False
-        for peer_rank in layout.iter_dp_peers(rank):
+        for peer_rank in shared_peers(layout, peers, rank):
             peer = by_slot.get(layout.slot_of(peer_rank))
             if peer is None:
                 continue

@@ -43,6 +43,7 @@ class ReportKind(StrEnum):
     WORKER_ERROR = "worker_error"
     PROTECTION_MODE = "protection_mode"
     HEALTH = "health"
+    LAYOUT = "layout"          # where the job's DTensor state has identical copies (redundancy.PeerSet), once
     # queued by the master itself, never accepted from the wire
     JOINED = "joined"
     NODE_LOST = "node_lost"
@@ -56,7 +57,8 @@ REPORT_KINDS: dict[ReportKind, bool] = {
     ReportKind.WORKER_HANG: True, ReportKind.RESTORE_FAILED: False, ReportKind.RESTORE_REFUSED: False,
     ReportKind.RESUMED: False,
     ReportKind.QUIESCED: False, ReportKind.COMM_ERROR: True, ReportKind.NAN_LOSS: True,
-    ReportKind.WORKER_ERROR: True, ReportKind.PROTECTION_MODE: False, ReportKind.HEALTH: False}
+    ReportKind.WORKER_ERROR: True, ReportKind.PROTECTION_MODE: False, ReportKind.HEALTH: False,
+    ReportKind.LAYOUT: False}
 
 
 class WorkerOp(StrEnum):
@@ -75,6 +77,7 @@ class WorkerOp(StrEnum):
     ERROR = "error"                      # the script's own exception, before the worker exits
     PROTECTION_MODE = "protection_mode"  # the adaptive protection interval changed
     STATS = "stats"                      # protection figures for `phoenixrun status`
+    LAYOUT = "layout"                    # rank 0 at protect(): the job's DTensor peer set (or none), for the plan
     # agent -> worker
     REPLY = "reply"                      # the answer to a request, carrying its id
     ASSIGN = "assign"                    # the worker's rank and world
