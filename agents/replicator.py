@@ -3,16 +3,20 @@
 replicas and restore reads (`agents/peer.py`), and fetches the snapshots a restore plan names from peers."""
 from __future__ import annotations
 
+import logging
 import time
 
 from phoenixrun.protocol import PeerOp, ReportKind, WorkerOp
-from phoenixrun.slot_format import SlotHeader, crc_shared
-from phoenixrun.testing import pause_point
+from phoenixrun.protocol.restore import Part, RankSource, Refusal
+from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_shared
+from phoenixrun.testing import corrupt_point, pause_point
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.peer import PeerBusy, PeerClient, PeerError
 from phoenixrun.agents.reporter import Reporter
-from phoenixrun.agents.slots import LocalSlots, ReplicaStore, SlotError
+from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError, verify_replica
+
+log = logging.getLogger("phoenixrun.agent")
 
 # how long a put waits for a holder frozen by a recovery to thaw: the resume reaches every node within the
 # recovery's broadcasts (under 1 s at 16K nodes: docs/benchmarks.md); a holder frozen for longer is in a new
@@ -92,25 +96,62 @@ class Replicator:
 
     # ------------------------------------------------------------------ restore fetches
     def fetch(self, plan: dict, step: int) -> dict[str, float]:
-        """Install the snapshots of step `step` that the restore plan says to fetch from peers (rank -> where its
-        private and shared parts are); their timings. Raises PeerError or SlotError (IntegrityError: the fetched
-        state is not the rank's)."""
+        """Install the snapshots of step `step` that the restore plan says to fetch from peers (rank -> its
+        RankSource on the wire); their timings. Each part is taken from the first of its options whose bytes pass
+        the lost rank's own checksum; every option refused on the way is reported (`restore_refused`). Raises
+        IntegrityError when every option of a part held other bytes, PeerError or SlotError when some could not
+        be reached or had no such snapshot (the master plans again: a dead source is then known)."""
         t0 = time.time()
         timings: dict[str, float] = {}
         if plan:
             pause_point("fetch", step)   # tests: a spare that dies while restoring
-        for rank, src in plan.items():
-            rank = int(rank)
-            _, private = self.peers.call(src["private_addr"], {"op": PeerOp.GET_PRIVATE, "rank": rank, "step": step})
+        for key, wire in plan.items():
+            rank = int(key)
+            try:
+                src = RankSource.from_wire(wire)
+            except ValueError as e:
+                raise SlotError(f"restore plan for rank {rank}: {e}") from None
+            replica = self._first(rank, Part.PRIVATE, [(a, rank) for a in src.private],
+                                  lambda addr, _: verify_replica(rank, bytes(self._get(addr, PeerOp.GET_PRIVATE,
+                                                                                       rank, step)), step))
             t1 = time.time()
-            _, shared = self.peers.call(src["shared_addr"], {"op": PeerOp.GET_SHARED, "rank": src["shared_rank"],
-                                                            "step": step})
-            timings["params_fetch_s"] = round(time.time() - t1, 4)
             self.slots.forget(rank)   # fetched whole: a copy from an earlier attempt may be laid out smaller
-            self.slots.install(rank, bytes(private), bytes(shared), step)
+            self._first(rank, Part.SHARED, list(src.shared),
+                        lambda addr, peer: self.slots.install_replica(
+                            replica, bytes(self._get(addr, PeerOp.GET_SHARED, peer, step))))
+            timings["params_fetch_s"] = round(time.time() - t1, 4)
         if plan:
             timings["fetch_s"] = round(time.time() - t0, 4)
         return timings
+
+    def _get(self, addr: str, op: PeerOp, rank: int, step: int) -> bytearray:
+        return self.peers.call(addr, {"op": op, "rank": rank, "step": step})[1]
+
+    def _first(self, rank: int, part: Part, options: list[tuple[str, int]], take):
+        """take(addr, source_rank) for each option in order until one succeeds; each failure is logged and
+        reported as a refusal. All failed: IntegrityError if every one held bad bytes, else PeerError or
+        SlotError (one was unreachable or lacked the step: the master plans again)."""
+        refusals: list[Refusal] = []
+        other: Exception | None = None      # the last failure that was not bad bytes
+        for addr, source in options:
+            try:
+                return take(addr, source)
+            except (PeerError, SlotError, OSError) as e:
+                integrity = isinstance(e, IntegrityError)
+                other = other if integrity else e
+                r = Refusal(rank=rank, part=part, addr=addr, source_rank=source, reason=str(e), integrity=integrity)
+                refusals.append(r)
+                log.warning("restore of rank %d: %s part from %s (rank %d) refused: %s", rank, part.value, addr,
+                            source, e)
+                self.reporter.report({"kind": ReportKind.RESTORE_REFUSED, **r.to_report()})
+        if not refusals:
+            raise SlotError(f"rank {rank}: the restore plan names no source of its {part.value} state")
+        why = "; ".join(f"{r.addr} (rank {r.source_rank}): {r.reason}" for r in refusals)
+        if other is None:
+            raise IntegrityError(f"rank {rank}: every source of its {part.value} state was refused: {why}")
+        # some source was unreachable or lacked the step (not only bad bytes): planning again may find others
+        cls = PeerError if isinstance(other, (PeerError, OSError)) else SlotError
+        raise cls(f"rank {rank}: no source of its {part.value} state could be used: {why}") from None
 
     # ------------------------------------------------------------------ peer requests
     def peer_handlers(self) -> dict:
@@ -123,7 +164,8 @@ class Replicator:
         return {}, b""
 
     def _peer_get_private(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
-        return {}, self.replicas.get(int(h["rank"]), int(h["step"]))
+        # tests: a holder whose copy went bad (its first metadata byte, always under the checksum)
+        return {}, corrupt_point("get_private", self.replicas.get(int(h["rank"]), int(h["step"])), HEADER_SIZE)
 
     def _peer_get_shared(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
         rank, step = int(h["rank"]), int(h["step"])
@@ -135,4 +177,4 @@ class Replicator:
         data = bytes(mm[hdr.shared_off:hdr.shared_off + hdr.shared_len])
         if crc_shared(mm, hdr) != hdr.crc_shared:
             raise SlotError(f"local snapshot of rank {rank} step {step} fails its checksum")
-        return {}, data
+        return {}, corrupt_point("get_shared", data)     # tests: a peer whose bytes are not the lost rank's

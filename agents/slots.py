@@ -130,6 +130,27 @@ class _RankSlots:
     grown: int = 0                    # slot files replaced by larger ones (names the next one)
 
 
+@dataclass(frozen=True)
+class Replica:
+    """A rank's replicated prefix (header, metadata, private state) that passed its own checksum: made only by
+    `verify_replica`."""
+    rank: int
+    step: int
+    header: SlotHeader
+    data: bytes
+
+
+def verify_replica(rank: int, replicated: bytes, step: int) -> Replica:
+    """The replica of `rank` at `step` as fetched from a holder, checked against the checksum its rank sealed
+    (IntegrityError: not those bytes; SlotError: another step)."""
+    h = SlotHeader.unpack(replicated)
+    if h.step != step:
+        raise SlotError(f"replica of rank {rank} is step {h.step}, expected {step}")
+    if len(replicated) != h.replicated_len or crc_private(replicated, h) != h.crc_private:
+        raise IntegrityError(f"replica of rank {rank} step {step} fails its checksum")
+    return Replica(rank, step, h, replicated)
+
+
 class LocalSlots:
     """Ping-pong snapshot slots per local rank, in /dev/shm files the workers map."""
 
@@ -301,11 +322,12 @@ class LocalSlots:
 
     def install(self, rank: int, replicated: bytes, shared: bytes, step: int) -> None:
         """Assemble a full snapshot for a rank whose memory was lost (spare taking its slot)."""
-        h = SlotHeader.unpack(replicated)
-        if h.step != step:
-            raise SlotError(f"replica of rank {rank} is step {h.step}, expected {step}")
-        if crc_private(replicated, h) != h.crc_private:
-            raise IntegrityError(f"replica of rank {rank} step {step} fails its checksum")
+        self.install_replica(verify_replica(rank, replicated, step), shared)
+
+    def install_replica(self, replica: Replica, shared: bytes) -> None:
+        """Install a verified replica with the shared region fetched from a peer, once those bytes are the ones
+        its rank sealed (IntegrityError otherwise: nothing is installed, the caller may try another peer)."""
+        rank, step, h, replicated = replica.rank, replica.step, replica.header, replica.data
         if len(shared) != h.shared_len:
             raise IntegrityError(f"rank {rank}: parameters from the DP peer are {len(shared)} bytes, expected "
                                  f"{h.shared_len}")

@@ -43,6 +43,7 @@ class WorkerOps:
             WorkerOp.ERROR: self._error,
             WorkerOp.PROTECTION_MODE: self._protection_mode,
             WorkerOp.STATS: self._stats,
+            WorkerOp.LAYOUT: self._layout,
             WorkerOp.PROGRESS: self._alive, WorkerOp.PONG: self._alive,
         }
 
@@ -126,6 +127,9 @@ class WorkerOps:
     def _protection_mode(self, conn: WorkerConn, msg: dict) -> None:
         self.reporter.report({"kind": ReportKind.PROTECTION_MODE, "rank": self._rank(conn), "every": msg.get("every"),
                               "step": msg.get("step")})
+
+    def _layout(self, conn: WorkerConn, msg: dict) -> None:
+        self.reporter.report({"kind": ReportKind.LAYOUT, "peers": msg.get("peers")})
 
     def _stats(self, conn: WorkerConn, msg: dict) -> None:
         with self.node.lock:

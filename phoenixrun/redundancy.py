@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 # the mesh dimensions a tensor's bytes vary along (every other dimension replicates it)
 Varies = frozenset[str]
@@ -98,6 +98,35 @@ class Mesh:
         fetches spread over the holders instead of all hitting the first)."""
         return _ring_after(self.groups(varies)[self.key(rank, varies)], rank)
 
+    def iter_copies(self, rank: int, varies: Varies) -> Iterator[int]:
+        """`copies`, lazily and without a pass over the mesh: the coordinates along the dimensions the bytes do
+        not vary along, counted on from `rank`'s (mixed radix, mesh order). A recovery plan at 16K nodes asks
+        for the first few only."""
+        self.key(rank, varies)                      # unknown dimensions are an error, as there
+        c = list(self.coords(rank))
+        free = [i for i, n in enumerate(self.names) if n not in varies]
+        sizes = [self.shape[i] for i in free]
+        strides = []
+        acc = 1
+        for i in reversed(range(len(self.shape))):
+            strides.append(acc)
+            acc *= self.shape[i]
+        strides.reverse()
+        count = 1
+        for n in sizes:
+            count *= n
+        start = 0
+        for i, n in zip(free, sizes):
+            start = start * n + c[i]
+        base = sum(c[i] * strides[i] for i in range(len(c)) if i not in free)
+        for j in range(1, count):
+            k = (start + j) % count
+            index = base
+            for i, n in zip(reversed(free), reversed(sizes)):
+                index += (k % n) * strides[i]
+                k //= n
+            yield self.ranks[index]
+
 
 def _ring_after(group: list[int], rank: int) -> list[int]:
     i = group.index(rank)
@@ -137,3 +166,81 @@ def check_flags(mesh: Mesh, tp: int, pp: int) -> None:
         if value != 1 and value != size:
             raise LayoutError(f"--{flag} {value} contradicts the script's device mesh, whose '{flag}' dimension "
                               f"has size {size}; leave --{flag} out: the mesh says it")
+
+
+def varies_of(dims: Sequence[str], placements: Sequence[str]) -> Varies:
+    """The mesh dimensions a DTensor's bytes vary along, from its placements as layout_check names them: the
+    dimensions it is sharded over (`Shard`, FSDP2-over-TP's `_StridedShard`); it is replicated over the others.
+    A `Partial` placement has no such answer (refused before this)."""
+    if len(dims) != len(placements):
+        raise LayoutError(f"{len(placements)} placements for a mesh of {len(dims)} dimensions {list(dims)}")
+    bad = [p for p in placements if not p.startswith(("Shard", "_StridedShard", "Replicate"))]
+    if bad:
+        raise LayoutError(f"placement {bad[0]} says nothing about which ranks hold the same bytes")
+    return frozenset(d for d, p in zip(dims, placements) if not p.startswith("Replicate"))
+
+
+@dataclass(frozen=True)
+class PeerSet:
+    """Where a rank's DTensor state has identical copies, job-wide: every DTensor of every rank lives on `mesh`
+    (the world's), and each varies along dimensions within `varies` (U, the union over the rank's tensors, the
+    same on every rank). So any rank whose coordinates agree with `rank`'s on U holds the same bytes of every
+    tensor (`Mesh.key`): that is its peer set. What the runtime tells the master once per job, instead of a peer
+    list per rank."""
+    mesh: Mesh
+    varies: Varies
+    plain: bool = False      # plain state is in the shared region too: a peer must also be a DP peer of --tp/--pp
+
+    def peers(self, rank: int) -> Iterator[int]:
+        """Ranks holding `rank`'s DTensor bytes, ring order from `rank` on, lazily."""
+        return self.mesh.iter_copies(rank, self.varies)
+
+    def to_wire(self) -> dict:
+        identity = self.mesh.ranks == tuple(range(len(self.mesh.ranks)))
+        return {"names": list(self.mesh.names), "shape": list(self.mesh.shape),
+                "ranks": None if identity else list(self.mesh.ranks), "varies": sorted(self.varies),
+                "plain": self.plain}
+
+    @staticmethod
+    def from_wire(d: Mapping) -> "PeerSet":
+        """LayoutError naming what is wrong (the master's parser turns it into a refused message)."""
+        try:
+            names, shape, varies = tuple(d["names"]), tuple(d["shape"]), frozenset(d["varies"])
+            ranks = d.get("ranks")
+        except (KeyError, TypeError) as e:
+            raise LayoutError(f"a peer set needs names, shape and varies ({e})") from None
+        if not all(isinstance(n, str) for n in (*names, *varies)) or not all(type(n) is int for n in shape):
+            raise LayoutError("a peer set's names and varies are strings, its shape integers")
+        size = 1
+        for n in shape:
+            size *= n
+        ranks = tuple(range(size)) if ranks is None else tuple(ranks)
+        if not all(type(r) is int for r in ranks):
+            raise LayoutError("a peer set's ranks are integers")
+        mesh = Mesh(names, shape, ranks)
+        if not varies <= set(names):
+            raise LayoutError(f"varies {sorted(varies)} names dimensions the mesh {list(names)} lacks")
+        plain = d.get("plain", False)
+        if type(plain) is not bool:
+            raise LayoutError("a peer set's plain is true or false")
+        return PeerSet(mesh, varies, plain)
+
+
+def peer_set(meshes: Sequence[Mesh], varies: Iterable[Varies], world_size: int) -> PeerSet | None:
+    """A rank's DTensors as one PeerSet: they must all live on one mesh spanning the world (FSDP2, HSDP, a 2-D
+    TP x DP mesh); None otherwise (submeshes: a 3-D job's TP and FSDP meshes, whose other coordinates hold other
+    tensors) - its DTensor state then stays rank-private."""
+    distinct = set(meshes)
+    if len(distinct) != 1:
+        return None
+    mesh = distinct.pop()
+    if sorted(mesh.ranks) != list(range(world_size)):
+        return None
+    return PeerSet(mesh, frozenset().union(*varies))
+
+
+def lacking_copy(ps: PeerSet, node_of: Mapping[int, str], also=lambda rank, peer: True) -> list[int]:
+    """The ranks with no peer (for which `also(rank, peer)` holds too) on another node: empty when every rank's
+    DTensor state can be taken from a surviving node after any one node's loss."""
+    return sorted(r for r in ps.mesh.ranks
+                  if not any(node_of[p] != node_of[r] and also(r, p) for p in ps.peers(r)))

@@ -6,6 +6,11 @@ can SIGKILL it at exactly that moment. One-shot per run directory. Several point
 comma-separated; a point written "point+" (or "point:step+") holds only until the test creates
 PHOENIXRUN_TEST_PAUSE_DIR/release-<point>, so a test can act while a recovery is held at that point
 (a recovery takes ~30 ms on an idle machine: no fixed delay lands inside it reliably).
+
+PHOENIXRUN_TEST_CORRUPT="point" makes the first process that serves bytes at `corrupt_point(point, ...)` a bad
+source: it writes PHOENIXRUN_TEST_PAUSE_DIR/corrupt-<point> (its pid) and from then on flips one bit of
+everything it serves there; "point*" makes every process's bytes bad. Several points may be given,
+comma-separated.
 """
 from __future__ import annotations
 
@@ -26,6 +31,28 @@ def _points(spec: str) -> dict[str, tuple[int | None, bool]]:
 
 
 _POINTS = _points(_SPEC)
+_CORRUPT = {c.rstrip("*"): c.endswith("*") for c in
+            filter(None, (s.strip() for s in os.environ.get("PHOENIXRUN_TEST_CORRUPT", "").split(",")))}
+_BAD: set[str] = set()       # points where this process is the bad source
+
+
+def corrupt_point(point: str, data: bytes, at: int = 0) -> bytes:
+    """`data`, or (tests) `data` with the low bit of byte `at` flipped where this process is a bad source."""
+    if point not in _CORRUPT or at >= len(data):
+        return data
+    if point not in _BAD:
+        if not _CORRUPT[point]:
+            path = os.path.join(os.environ.get("PHOENIXRUN_TEST_PAUSE_DIR", "/tmp"), f"corrupt-{point}")
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                return data          # another process is the bad source
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        _BAD.add(point)
+    bad = bytearray(data)
+    bad[at] ^= 1
+    return bytes(bad)
 
 
 def pause_point(point: str, step: int | None = None) -> None:

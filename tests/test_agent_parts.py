@@ -217,8 +217,7 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
         assert reports[1]["timings"] == {"rebuild_s": 0.2}
 
         # node 1 restores rank 0 from the peers: its private part from its own replica, the shared part from node 0
-        timings = b.replicator.fetch({"0": {"private_addr": servers[1].addr, "shared_addr": servers[0].addr,
-                                            "shared_rank": 0}}, 5)
+        timings = b.replicator.fetch({"0": {"private": [servers[1].addr], "shared": [[servers[0].addr, 0]]}}, 5)
         assert b.slots.available() == {0: [5]} and {"fetch_s", "params_fetch_s"} <= set(timings)
         idx = b.slots.slot_of(0, 5)
         got = b.slots.view(0, idx)
@@ -268,3 +267,38 @@ def test_a_holder_still_frozen_by_a_recovery_is_waited_for_not_reported(two_agen
         assert a.reporter.outbox.empty()   # quiet: the recovery under way is the event, not this
     finally:
         link.close()
+
+
+def test_restore_takes_the_next_option_when_one_is_refused(two_agents):
+    """The plan names every option of each part; the fetching agent (node 1) refuses an unreachable holder and a
+    peer whose bytes are not the lost rank's (rank 1's stage: same size, other bytes), reports each refusal and
+    restores from the next option; with no good option left it refuses the restore."""
+    from phoenixrun.agents.peer import PeerError
+    from phoenixrun.agents.slots import IntegrityError
+    from tests.test_restore_integrity import STEP, seal
+    (a, b), servers = two_agents
+    replica, shared = seal(a.slots, 0, b"\x01" * 64, bytes(range(256)))
+    seal(a.slots, 1, b"\x02" * 64, bytes(reversed(range(256))))        # a "peer" holding other bytes
+    b.replicas.put(0, STEP, bytearray(replica))
+    dead, holder, peer = "127.0.0.1:1", servers[1].addr, servers[0].addr
+
+    def refusals():
+        out = []
+        while not b.reporter.outbox.empty():
+            out.append(b.reporter.outbox.get_nowait())
+        return [(r["kind"], r["part"], r["addr"], r["source_rank"], r["integrity"]) for r in out]
+
+    b.replicator.fetch({0: {"private": [dead, holder], "shared": [[peer, 1], [peer, 0]]}}, STEP)
+    mm = b.slots.view(0, b.slots.slot_of(0, STEP))
+    h = SlotHeader.unpack(mm)
+    assert bytes(mm[:h.replicated_len]) == replica and bytes(mm[h.shared_off:h.shared_off + h.shared_len]) == shared
+    assert refusals() == [("restore_refused", "private", dead, 0, False), ("restore_refused", "shared", peer, 1, True)]
+
+    b.slots.forget(0)
+    with pytest.raises(IntegrityError, match=r"rank 0: every source of its shared state was refused: .*\(rank 1\)"):
+        b.replicator.fetch({0: {"private": [holder], "shared": [[peer, 1]]}}, STEP)
+    assert b.slots.available().get(0, []) == []                        # nothing installed
+    with pytest.raises(PeerError, match="no source of its shared state could be used") as e:
+        b.replicator.fetch({0: {"private": [holder], "shared": [[dead, 0], [peer, 1]]}}, STEP)
+    assert not isinstance(e.value, IntegrityError)     # one was unreachable: the master plans again
+    assert [r[1:] for r in refusals()] == [("shared", peer, 1, True), ("shared", dead, 0, False), ("shared", peer, 1, True)]

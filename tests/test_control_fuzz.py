@@ -106,6 +106,15 @@ def test_report_fields_the_controller_acts_on_pass_validation():
     assert r.event["integrity"] is True
     with pytest.raises(m.MessageError, match="integrity"):
         m.parse_report({"node_id": "n", "kind": "restore_failed", "integrity": "yes"}, JOB, now=1.0)
+    refused = {"node_id": "n", "kind": "restore_refused", "rank": 1, "part": "shared", "addr": "h:7",
+               "source_rank": 0, "reason": "checksum", "integrity": True}
+    r = m.parse_report(refused, JOB, now=1.0)
+    assert (r.event["rank"], r.event["part"], r.event["addr"], r.event["source_rank"], r.event["integrity"]) == \
+        (1, "shared", "h:7", 0, True)
+    for field, bad, error in [("part", "optimizer", "part must be"), ("addr", "nowhere", "host:port"),
+                              ("source_rank", 99, "out of range"), ("rank", None, "must be an integer")]:
+        with pytest.raises(m.MessageError, match=error):
+            m.parse_report({**refused, field: bad}, JOB, now=1.0)
     sig = {"kind": "snapshot_space", "node": 0, "rank": 1, "detail": "no room", "timestamp": 1.0}
     r = m.parse_report({"node_id": "n", "kind": "health", "rank": 1, "signal": sig}, JOB, now=1.0)
     assert r.event["rank"] == 1 and r.event["signal"]["kind"] == "snapshot_space"

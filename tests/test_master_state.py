@@ -1,8 +1,8 @@
 """Master decisions as pure functions: admission, spare choice, restore step, recovery plans."""
 import pytest
 
-from phoenixrun.control.state import (FreeSlots, NodeRecord, PlanError, RankSource, Role, admit, pick_spare,
-                                      plan_recovery, restore_step)
+from phoenixrun.control.state import (SHARED_OPTIONS, FreeSlots, NodeRecord, PlanError, RankSource, Role, admit,
+                                      pick_spare, plan_recovery, restore_step)
 from phoenixrun.topology import Layout, place_replicas
 
 
@@ -73,7 +73,49 @@ def test_plan_replaces_lost_node_from_replica_and_dp_peer():
     plan = plan_recovery(lay, nodes, slots, lost_slots={1}, placement=placement, replacements={1: "s"})
     assert plan.restore_step == 7
     assert plan.slots == {0: "a", 1: "s", 2: "c"}                     # survivors keep their slots
-    assert plan.fetch == {1: RankSource(private_addr="c:1", shared_addr="c:1", shared_rank=2)}
+    # every option at step 7, in the order to try them: the one holder, then the peers in ring order
+    assert plan.fetch == {1: RankSource(private=("c:1",), shared=(("c:1", 2), ("a:1", 0)))}
+    assert (plan.fetch[1].private_addr, plan.fetch[1].shared_addr, plan.fetch[1].shared_rank) == ("c:1", "c:1", 2)
+
+
+def _ring(n: int, replicas: dict[int, dict[int, list[int]]], snapshots: dict[int, list[int]] | None = None):
+    """n nodes x 1 rank, replicas k=2 on the DP ring; node i is "n{i}", holding `replicas[i]` and its own rank's
+    snapshots (`snapshots[i]`, default [6, 7])."""
+    lay = Layout(n, 1)
+    nodes = {f"n{i}": node(f"n{i}", Role.ACTIVE, i, snapshots={i: (snapshots or {}).get(i, [6, 7])},
+                           replicas=replicas.get(i, {})) for i in range(n)}
+    nodes["s"] = node("s", Role.SPARE)
+    return lay, place_replicas(lay, 2), nodes, {i: f"n{i}" for i in range(n)}
+
+
+@pytest.mark.parametrize("n,replicas,snapshots,expected", [
+    # rank 0's holders are slots 1 and 2 (ring order): both have step 7, both are named, first holder first
+    (3, {1: {0: [6, 7]}, 2: {0: [6, 7]}}, None, (7, ("n1:1", "n2:1"), (("n1:1", 1), ("n2:1", 2)))),
+    # a holder without the restore step is not an option for it
+    (3, {1: {0: [6]}, 2: {0: [6, 7]}}, None, (7, ("n2:1",), (("n1:1", 1), ("n2:1", 2)))),
+    # a peer without the step is not an option; the step all can get wins
+    (3, {1: {0: [6, 7]}, 2: {0: [6, 7]}}, {1: [6], 2: [6, 7]}, (6, ("n1:1", "n2:1"), (("n1:1", 1), ("n2:1", 2)))),
+    # a 6-rank ring: every holder, but at most SHARED_OPTIONS peers, nearest in ring order
+    (6, {1: {0: [6, 7]}, 2: {0: [7]}}, None, (7, ("n1:1", "n2:1"), (("n1:1", 1), ("n2:1", 2), ("n3:1", 3)))),
+], ids=["both holders", "holder lacks the step", "peer lacks the step", "peers bounded"])
+def test_plan_names_every_option_in_the_order_to_try(n, replicas, snapshots, expected):
+    lay, placement, nodes, slots = _ring(n, replicas, snapshots)
+    assert placement[0] == [1, 2]
+    plan = plan_recovery(lay, nodes, slots, lost_slots={0}, placement=placement, replacements={0: "s"})
+    src = plan.fetch[0]
+    assert (plan.restore_step, src.private, src.shared) == expected
+    assert len(src.shared) <= SHARED_OPTIONS
+
+
+def test_a_restore_source_round_trips_the_wire_and_refuses_malformed_ones():
+    import json
+    src = RankSource(private=("h:1", "h:2"), shared=(("h:3", 4),))
+    assert RankSource.from_wire(json.loads(json.dumps(src.to_wire()))) == src
+    for bad, error in [({"private": "h:1", "shared": []}, "private"), ({"private": ["h:1"], "shared": [["h:3"]]}, "shared"),
+                       ({"private": ["h:1"], "shared": [["h:3", -1]]}, "shared"), ([], "object"),
+                       ({"private": [], "shared": [["h:3", 1]]}, "at least one")]:
+        with pytest.raises(ValueError, match=error):
+            RankSource.from_wire(bad)
 
 
 def test_plan_local_reset_needs_no_fetch():

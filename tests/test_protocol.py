@@ -16,17 +16,17 @@ from phoenixrun.protocol.status import REASON_PHRASES, Status, refused
 
 FROZEN = {
     Command: {"noop", "wait", "run", "restart", "quiesce", "restore", "stop"},
-    ReportKind: {"left", "workers_done", "worker_exit", "worker_hang", "restore_failed", "resumed", "quiesced",
-                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health",
+    ReportKind: {"left", "workers_done", "worker_exit", "worker_hang", "restore_failed", "restore_refused", "resumed", "quiesced",
+                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "layout",
                  "joined", "node_lost", "attempt_check"},
     WorkerOp: {"hello", "alloc", "slots", "write", "written", "progress", "pong", "quiesced", "resumed",
-               "comm_error", "nan_loss", "error", "protection_mode", "stats", "reply", "assign", "rebuild",
+               "comm_error", "nan_loss", "error", "protection_mode", "stats", "layout", "reply", "assign", "rebuild",
                "quiesce", "committed", "commit_failed", "ping", "abort_comm", "poison_loss", "agent_gone"},
     PeerOp: {"put", "get_private", "get_shared", "ping"},
     Event: {"master_started", "master_recovered", "master_stalled", "node_joined", "node_rejoined",
             "node_refused", "node_fenced", "spare_lost", "spare_promoted", "job_started", "job_finished",
             "directive_sent", "fault_injected", "fault_detected", "protection_mode", "recovery_started",
-            "recovery_plan", "recovery_done", "recovery_failed", "restart", "fallback_restart", "fallback_done",
+            "recovery_plan", "recovery_done", "recovery_failed", "restore_refused", "restart", "fallback_restart", "fallback_done",
             "checkpoint_rejected", "rejected_request"},
     Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/directive", "/v1/inject", "/v1/state", "/metrics"},
 }
@@ -101,7 +101,7 @@ def test_int_keys_refuses_keys_that_are_not_numbers_and_names_the_map(bad):
 
 def test_a_directive_decoded_from_the_wire_is_int_keyed_once():
     sent = {"command": Command.RESTORE, "version": 4, "generation": 2, "restore_step": 9,
-            "fetch": {3: {"private_addr": "h:1", "shared_addr": "h:2", "shared_rank": 1}},
+            "fetch": {3: {"private": ["h:1", "h:3"], "shared": [["h:2", 1]]}},
             "world": {"slots": {0: "h:1", 1: "h:2"}, "placement": {2: [0], 3: [0, 1]}, "store_port": 5}}
     received = json.loads(wire.dumps(sent))               # what the agent's client hands it: string keys
     assert set(received["world"]["slots"]) == {"0", "1"}

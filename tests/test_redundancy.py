@@ -130,3 +130,122 @@ def test_private_is_exactly_what_one_node_loss_cannot_recover(job):
             assert (v in priv[rank]) == (after_loss[v] is None)
             brute = not any(node_of[r] != node_of[rank] and same_bytes(mesh, rank, r, v) for r in mesh.ranks)
             assert (v in priv[rank]) == brute
+
+
+# ------------------------------------------------------------------ the job-wide peer set (DTensor state shared)
+from phoenixrun.redundancy import PeerSet, lacking_copy, peer_set, varies_of  # noqa: E402
+
+
+@st.composite
+def meshes(draw):
+    ndims = draw(st.integers(1, 3))
+    names = tuple(draw(st.permutations(["a", "b", "c"]))[:ndims])
+    shape = tuple(draw(st.lists(st.integers(1, 3), min_size=ndims, max_size=ndims)))
+    size = 1
+    for n in shape:
+        size *= n
+    return Mesh(names, shape, tuple(draw(st.permutations(list(range(size))))))
+
+
+@given(meshes(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_iter_copies_is_copies_lazily(mesh, data):
+    varies = frozenset(data.draw(st.sets(st.sampled_from(mesh.names))))
+    for r in mesh.ranks:
+        assert list(mesh.iter_copies(r, varies)) == mesh.copies(r, varies)
+
+
+@pytest.mark.parametrize("dims,placements,expected", [
+    (("shard",), ("Shard(dim=0)",), {"shard"}),
+    (("replicate", "shard"), ("Replicate()", "Shard(dim=0)"), {"shard"}),
+    (("dp", "tp"), ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), {"dp", "tp"}),
+    (("dp", "tp"), ("Replicate()", "Replicate()"), set()),
+])
+def test_varies_of_placements(dims, placements, expected):
+    assert varies_of(dims, placements) == frozenset(expected)
+
+
+def test_varies_of_refuses_what_says_nothing_about_copies():
+    with pytest.raises(LayoutError, match="Partial"):
+        varies_of(("dp",), ("Partial(sum)",))
+    with pytest.raises(LayoutError, match="2 placements for a mesh of 1"):
+        varies_of(("dp",), ("Shard(dim=0)", "Replicate()"))
+
+
+HSDP_ACROSS = grid(["replicate", "shard"], [2, 2])      # 2 nodes x 2: shards within a node, replicas across
+
+
+@pytest.mark.parametrize("what,meshes_,varies,world,per_node,lacking", [
+    ("HSDP, shards within a node", [HSDP_ACROSS], [{"shard"}], 4, 2, []),
+    ("HSDP, replicas within a node", [grid(["replicate", "shard"], [2, 2], [0, 2, 1, 3])], [{"shard"}], 4, 2,
+     [0, 1, 2, 3]),
+    ("FSDP2 full shard", [grid(["shard"], [4])], [{"shard"}], 4, 2, [0, 1, 2, 3]),
+    ("TP within a node, DP across", [grid(["dp", "tp"], [2, 2])], [{"tp"}, set()], 4, 2, []),
+])
+def test_peer_set_and_who_lacks_a_copy(what, meshes_, varies, world, per_node, lacking):
+    ps = peer_set(meshes_, [frozenset(v) for v in varies], world)
+    assert ps is not None and lacking_copy(ps, nodes_of(world, per_node)) == lacking
+
+
+def test_no_peer_set_for_submeshes_or_several_meshes():
+    # a 3-D job's DTensors live on submeshes (other pp coordinates hold other stages): not a peer set
+    assert peer_set([grid(["dp", "tp"], [2, 2])], [frozenset({"tp"})], world_size=8) is None
+    assert peer_set([grid(["dp"], [4]), grid(["tp"], [4])], [frozenset()], world_size=4) is None
+
+
+def test_peer_set_wire_is_compact_and_round_trips():
+    ps = PeerSet(HSDP_ACROSS, frozenset({"shard"}), plain=True)
+    assert ps.to_wire() == {"names": ["replicate", "shard"], "shape": [2, 2], "ranks": None, "varies": ["shard"],
+                            "plain": True}
+    assert PeerSet.from_wire(ps.to_wire()) == ps
+    odd = PeerSet(grid(["dp"], [3], [2, 0, 1]), frozenset())
+    assert PeerSet.from_wire(odd.to_wire()) == odd
+    for bad, match in [({"names": ["a"], "shape": [2], "varies": ["b"]}, "lacks"),
+                       ({"names": ["a"], "shape": [2], "ranks": [0, 0], "varies": []}, "distinct"),
+                       ({"names": ["a"], "shape": ["2"], "varies": []}, "integers"),
+                       ({"names": ["a"], "shape": [2]}, "needs names, shape and varies")]:
+        with pytest.raises(LayoutError, match=match):
+            PeerSet.from_wire(bad)
+
+
+@given(meshes(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_a_plan_fetches_shared_state_only_from_a_rank_with_identical_bytes(mesh, data):
+    """Over random meshes, placements, node maps and lost nodes: every shared region a recovery plan fetches
+    comes from a surviving rank whose coordinates agree with the lost rank's on every dimension any of its
+    tensors varies along (identical bytes), and a plan is refused only where no such rank survives."""
+    from phoenixrun.control.state import NodeRecord, PlanError, Role, plan_recovery
+    from phoenixrun.topology import Layout, place_replicas
+    world = len(mesh.ranks)
+    per_node = data.draw(st.sampled_from([d for d in range(1, world + 1) if world % d == 0]))
+    nnodes = world // per_node
+    if nnodes < 2:
+        return
+    layouts = data.draw(st.lists(st.sets(st.sampled_from(mesh.names)).map(frozenset), min_size=1, max_size=3))
+    ps = PeerSet(mesh, frozenset().union(*layouts))
+    lay = Layout(nnodes, per_node)
+    placement = place_replicas(lay, 1)
+    lost = set(data.draw(st.sets(st.integers(0, nnodes - 1), min_size=1, max_size=nnodes - 1)))
+    nodes = {f"n{s}": NodeRecord(node_id=f"n{s}", host="h", agent_pid=1, peer_addr=f"n{s}:1", fault_domain=f"n{s}",
+                                 role=Role.ACTIVE, slot=s,
+                                 snapshots={r: [5] for r in lay.ranks_of_slot(s)},
+                                 replicas={r: [5] for r in range(world) if s in placement[r]})
+             for s in range(nnodes)}
+    spares = {s: f"spare{s}" for s in lost}
+    for s, nid in spares.items():
+        nodes[nid] = NodeRecord(node_id=nid, host="h", agent_pid=1, peer_addr=f"{nid}:1", fault_domain=nid,
+                                role=Role.SPARE)
+    slots = {s: f"n{s}" for s in range(nnodes)}
+    try:
+        plan = plan_recovery(lay, nodes, slots, lost, placement, spares, peers=ps)
+    except PlanError as e:
+        if "data-parallel peer" in str(e):
+            r = int(str(e).split()[1].rstrip(":"))
+            assert all(lay.slot_of(p) in lost for p in mesh.copies(r, ps.varies)), str(e)
+        return
+    for r, src in plan.fetch.items():
+        assert lay.slot_of(r) in lost and src.shared
+        for addr, p in src.shared:
+            assert p != r and lay.slot_of(p) not in lost and addr == f"n{lay.slot_of(p)}:1"
+            for v in layouts:
+                assert mesh.key(p, v) == mesh.key(r, v), (r, p, v)

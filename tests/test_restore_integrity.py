@@ -110,3 +110,55 @@ def test_pipeline_stage_is_never_restored_from_the_other_stage(tmp_path):
         got = json.loads((job.out / f"rank{r}.json").read_text())
         assert (got["param_sha256"], got["losses"]) == (ref["param_sha256"], ref["losses"]), f"stage {r} differs"
     assert "snapshotted as rank-private and replicated" in job.log() and "not DDP" in job.log()
+
+
+@pytest.fixture(scope="module")
+def ref3(tmp_path_factory):
+    from tests.harness import torchrun
+    return torchrun(tmp_path_factory.mktemp("ref3"), "ref", nproc=3, steps=STEPS3)
+
+
+STEPS3 = 16
+
+
+def _corrupt_holder_job(tmp_path, name: str, corrupt: str, *flags: str):
+    """3 nodes x 1 rank + 1 spare, two replica holders per rank; node 1 killed at step 5; `corrupt`: whose
+    replica bytes go bad as they are served (phoenixrun/testing.py corrupt_point)."""
+    from tests.harness import launch
+    job = launch(tmp_path, name, nnodes=3, nproc=1, spares=1, steps=STEPS3,
+                 extra_flags=["--replicas", "2", *flags], PHOENIXRUN_TEST_CORRUPT=corrupt)
+    kill_node(job.wait_step(5), slot=1)
+    assert job.finish() == 0, job.log()[-3000:]
+    return job, job.events()
+
+
+@pytest.mark.e2e
+def test_a_corrupt_replica_is_refused_and_the_next_holder_restores(tmp_path, ref3):
+    """--replicas 2: the first holder asked serves rank 1's replica with one bit flipped. The spare's agent refuses
+    it (its checksum), says so, and restores from the second holder: bit-identical to a fault-free torchrun run."""
+    from tests.harness import assert_identical
+    job, ev = _corrupt_holder_job(tmp_path, "one-bad", "get_private")
+    plan = by_event(ev, "recovery_plan")[0]
+    assert len(plan["fetch"]["1"]["private"]) == 2, plan          # both holders named, in order
+    refused = by_event(ev, "restore_refused")
+    assert [(r["rank"], r["part"], r["integrity"], r["addr"]) for r in refused] == \
+        [(1, "private", True, plan["fetch"]["1"]["private"][0])], refused
+    assert "fails its checksum" in refused[0]["reason"]
+    assert len(by_event(ev, "recovery_done")) == 1 and not by_event(ev, "recovery_failed")
+    assert_identical(job.out, ref3)
+
+
+@pytest.mark.e2e
+def test_every_holder_corrupt_is_a_refused_restore_then_the_fallback(tmp_path, ref3):
+    """Every holder's copy bad: each is refused in turn, then the restore (integrity): in-memory recovery is
+    impossible and the job takes its fallback (no checkpoint here: a torchrun-style restart), still bit-identical."""
+    from tests.harness import assert_identical
+    job, ev = _corrupt_holder_job(tmp_path, "all-bad", "get_private*", "--max-restarts", "1")
+    plan = by_event(ev, "recovery_plan")[0]
+    refused = by_event(ev, "restore_refused")
+    assert [(r["part"], r["integrity"], r["addr"]) for r in refused] == \
+        [("private", True, a) for a in plan["fetch"]["1"]["private"]], refused
+    failed = by_event(ev, "recovery_failed")
+    assert len(failed) == 1 and "every source of its private state was refused" in failed[0]["reason"], failed
+    assert len(by_event(ev, "restart")) == 1 and not by_event(ev, "recovery_done")
+    assert_identical(job.out, ref3)

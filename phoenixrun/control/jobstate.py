@@ -20,6 +20,7 @@ from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
 from phoenixrun.topology import Layout, place_replicas
 from phoenixrun.protocol.names import Event, ReportKind
+from phoenixrun.redundancy import PeerSet
 
 
 class JobState:
@@ -60,6 +61,10 @@ class JobState:
         self.reason = ""
         self.api_mode = False
         self.protect_every = 1
+        # where the job's DTensor state has copies, when it keeps it in the shared region (rank 0 says so at
+        # protect()): the plan takes shared state from these peers instead of the --tp/--pp DP ring. Not rebuilt
+        # by a restarted master: a plan then asks the DP ring, whose wrong bytes the checksum refuses (fallback)
+        self.peer_set: PeerSet | None = None
         self.done_nodes: set[str] = set()
         self.fault_history: dict[int, list[Signal]] = {}   # slot -> signals acted on (escalation)
         self.attempts: list[Attempt] = []   # every fault acted on, with the committed step then (no loop)
@@ -138,3 +143,12 @@ class JobState:
                 emit(Event.PROTECTION_MODE, self.generation, every=self.protect_every, step=ev.get("step"),
                      reason="replication does not hide behind compute" if self.protect_every > 1
                      else "replication hides behind compute again")
+            elif kind == ReportKind.LAYOUT:
+                # rank 0 at protect(), once per job start: where DTensor state has copies (validated by the parser)
+                self.peer_set = PeerSet.from_wire(ev["peers"]) if ev.get("peers") else None
+            elif kind == ReportKind.RESTORE_REFUSED:
+                # the agent goes on with the plan's next option; recorded so an operator sees which holder or
+                # peer held bad bytes (or could not be reached)
+                emit(Event.RESTORE_REFUSED, self.generation, node=ev.get("node_id"), rank=ev.get("rank"),
+                     part=ev.get("part"), addr=ev.get("addr"), source_rank=ev.get("source_rank"),
+                     integrity=ev.get("integrity"), reason=ev.get("reason"))

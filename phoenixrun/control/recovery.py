@@ -292,17 +292,18 @@ class Recoveries:
         fresh.update(self._replace_slots(lost))
         lost.clear()
         with self.job.cv:
-            plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh)
+            plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh,
+                                 peers=self.job.peer_set)
             self.job.phase = Phase.RESTORE
             self.job.restored_step = plan.restore_step
             self.job.attempts = settle(self.job.attempts, plan.restore_step)
             phases["plan_s"] = round(time.time() - t, 4)
             self.events.emit(Event.RECOVERY_PLAN, g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
-                             fetch={r: vars(s) for r, s in plan.fetch.items()})
+                             fetch={r: s.to_wire() for r, s in plan.fetch.items()})
             # the ranks of replaced slots fetch their state from peers; everyone else restores locally
             fetch: dict[int, dict] = {}
             for r, src in plan.fetch.items():
-                fetch.setdefault(self.job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = vars(src)
+                fetch.setdefault(self.job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = src.to_wire()
             # a new world only where it changed: the slots filled in this recovery and the slots whose
             # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
             self.orders.direct_slots(Command.RESTORE, own=fetch, world_for={c for s in fresh for c in self.job.needed_by.get(s, ())},

@@ -9,8 +9,10 @@ import heapq
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Container, Iterable, Mapping, TypeVar
+from typing import Container, Iterable, Iterator, Mapping, TypeVar
 
+from phoenixrun.protocol.restore import RankSource
+from phoenixrun.redundancy import PeerSet
 from phoenixrun.topology import Layout
 
 V = TypeVar("V")
@@ -102,12 +104,11 @@ def pick_spare(nodes: Mapping[str, NodeRecord], avoid_domains: Iterable[str] = (
     return spares[0]
 
 
-@dataclass(frozen=True)
-class RankSource:
-    """Where a rank that lost its process memory gets state S_r from."""
-    private_addr: str      # agent holding its replica (or its own agent for a local reset)
-    shared_addr: str       # agent of a healthy DP peer with the same (tp, pp)
-    shared_rank: int       # that peer's rank
+# How many surviving peers a replaced rank's plan names for its shared region, per rank: the agent tries the
+# next when one's bytes fail the lost rank's checksum or it cannot be reached. Bounded so that the plan walks at
+# most this many ring members per lost rank once every step has its options (16K-rank DP rings), and the
+# directive stays small; every replica holder (--replicas of them) is named.
+SHARED_OPTIONS = 3
 
 
 @dataclass(frozen=True)
@@ -131,16 +132,36 @@ def restore_step(available: Iterable[Iterable[int]]) -> int | None:
     return max(common) if common else None
 
 
+def shared_peers(layout: Layout, peers: PeerSet | None, rank: int) -> Iterator[int]:
+    """The ranks whose shared region holds `rank`'s bytes, in the order to ask them, lazily. Without a peer set:
+    the DP ring of the --tp/--pp layout (DDP keeps plain state identical there; protect() made plain state
+    private where it could not prove so). With one (the job's DTensor state is in the shared region, the runtime
+    said where its copies are: redundancy.PeerSet), its peers - also DP peers of the layout if plain state is
+    shared too."""
+    if peers is None:
+        return layout.iter_dp_peers(rank)
+    if not peers.plain:
+        return peers.peers(rank)
+    c = layout.coords(rank)
+
+    def same_shard(p: int) -> bool:
+        q = layout.coords(p)
+        return (q.tp, q.pp) == (c.tp, c.pp)
+    return filter(same_shard, peers.peers(rank))
+
+
 def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mapping[int, str],
                   lost_slots: Iterable[int], placement: Mapping[int, list[int]],
-                  replacements: Mapping[int, str]) -> RecoveryPlan:
+                  replacements: Mapping[int, str], peers: PeerSet | None = None) -> RecoveryPlan:
     """Plan a hot swap.
 
     lost_slots: slots whose agent (and so its host memory) is gone; each must have an
     entry in `replacements` (a spare's node id). Ranks on surviving slots restore from
     their own agent's slots (this covers a local reset: the agent outlives its workers).
     Ranks on lost slots take their private state from a replica holder and their
-    parameters from a surviving DP peer, at the same step.
+    parameters from a surviving DP peer, at the same step; the plan names every holder and up to
+    SHARED_OPTIONS peers that have that step, in the order the agent tries them (`RankSource`);
+    peers: where DTensor state has copies, when the job keeps it in the shared region (`shared_peers`).
     """
     lost = set(lost_slots)
     missing = lost - set(replacements)
@@ -153,36 +174,42 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
     available: set[tuple[int, ...]] = {tuple(by_slot[slot].snapshots.get(rank, ()))
                                        for slot in range(layout.nnodes) if slot not in lost
                                        for rank in range(slot * npn, (slot + 1) * npn)}
-    candidates: dict[int, dict[int, tuple[str, str, int]]] = {}
+    candidates: dict[int, dict[int, tuple[list[str], list[tuple[str, int]]]]] = {}
     for rank in (r for slot in sorted(lost) for r in layout.ranks_of_slot(slot)):
-        options: dict[int, tuple[str, str, int]] = {}
         holders = [by_slot[h] for h in placement.get(rank, []) if h in by_slot]
-        wanted = {step for h in holders for step in h.replicas.get(rank, [])}
+        if not holders:
+            raise PlanError(f"rank {rank}: every replica holder of its optimizer shard is lost")
+        # step -> (every holder that has it, in placement order; the first SHARED_OPTIONS peers that have it,
+        # in ring order). The ring is walked lazily and left once every step has all its peer options.
+        private: dict[int, list[str]] = {}
+        for h in holders:
+            for step in h.replicas.get(rank, []):
+                private.setdefault(step, []).append(h.peer_addr)
+        shared: dict[int, list[tuple[str, int]]] = {step: [] for step in private}
+        full = 0
         any_peer = False
-        # each step: the first holder that has it, with the first DP peer (ring order) that has it;
-        # the ring is walked lazily and left as soon as every step has a source (16K-rank rings)
-        for peer_rank in layout.iter_dp_peers(rank):
+        for peer_rank in shared_peers(layout, peers, rank):
             peer = by_slot.get(layout.slot_of(peer_rank))
             if peer is None:
                 continue
             any_peer = True
-            have = peer.snapshots.get(peer_rank, [])
-            for h in holders:
-                for step in h.replicas.get(rank, []):
-                    if step in have and step not in options:
-                        options[step] = (h.peer_addr, peer.peer_addr, peer_rank)
-            if len(options) == len(wanted):
+            for step in peer.snapshots.get(peer_rank, []):
+                opts = shared.get(step)
+                if opts is not None and len(opts) < SHARED_OPTIONS:
+                    opts.append((peer.peer_addr, peer_rank))
+                    full += len(opts) == SHARED_OPTIONS
+            if full == len(shared):
                 break
-        if not holders:
-            raise PlanError(f"rank {rank}: every replica holder of its optimizer shard is lost")
         if not any_peer:
             raise PlanError(f"rank {rank}: no surviving data-parallel peer holds its parameters")
+        options = {step: (private[step], peers) for step, peers in shared.items() if peers}
         available.add(tuple(options))
         candidates[rank] = options
     step = restore_step(available)
     if step is None:
         raise PlanError("no snapshot step is available on every rank")
-    fetch = {rank: RankSource(*opts[step]) for rank, opts in candidates.items()}
+    fetch = {rank: RankSource(private=tuple(opts[step][0]), shared=tuple(opts[step][1]))
+             for rank, opts in candidates.items()}
     new_slots = dict(slots)
     new_slots.update(replacements)
     return RecoveryPlan(restore_step=step, slots=new_slots, fetch=fetch, replaced_slots=dict(replacements))

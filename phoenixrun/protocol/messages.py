@@ -21,6 +21,7 @@ from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_CLOCK_SKE
                                            MAX_ID, MAX_LIST, MAX_POLL_TIMEOUT, MAX_TEXT)
 from phoenixrun.protocol.names import REPORT_KINDS, ReportKind
 from phoenixrun.protocol.status import Status
+from phoenixrun.redundancy import LayoutError, PeerSet
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+\-]+\Z")
 FAULTS = ("crash-worker", "kill-node", "hang", "ecc", "partition", "comm-timeout", "nan")
@@ -373,6 +374,16 @@ def parse_report(p, job: Job, now: float, max_skew: float = MAX_CLOCK_SKEW_S) ->
             ev["persist_step"] = _int(p["persist_step"], "persist_step", 0, MAX_COUNT, none=True)
         # the fetched state is not the lost rank's (checksum mismatch): the same plan cannot succeed
         ev["integrity"] = _bool(p.get("integrity"), "integrity")
+    elif kind == ReportKind.RESTORE_REFUSED:
+        # an option of a restore source the agent refused (protocol/restore.py Refusal); it tries the next one
+        part = _get(p, "part")
+        if part not in ("private", "shared"):
+            raise MessageError(f"part must be 'private' or 'shared', got {_show(part)}")
+        ev["part"] = part
+        ev["rank"] = _int(_get(p, "rank"), "rank", 0, job.world_size)
+        ev["source_rank"] = _int(_get(p, "source_rank"), "source_rank", 0, job.world_size)
+        ev["addr"] = _addr(_get(p, "addr"), "addr")
+        ev["integrity"] = _bool(p.get("integrity"), "integrity")
     elif kind == ReportKind.RESUMED:
         timings = p.get("timings") or {}
         if not isinstance(timings, dict) or len(timings) > 64:
@@ -386,7 +397,25 @@ def parse_report(p, job: Job, now: float, max_skew: float = MAX_CLOCK_SKEW_S) ->
         ev["every"] = _int(p.get("every"), "every", 1, MAX_COUNT)
     elif kind == ReportKind.HEALTH:
         ev["signal"] = _signal(p.get("signal"), job)
+    elif kind == ReportKind.LAYOUT:
+        ev["peers"] = _peers(p.get("peers"), job)
     return Report(node_id=node_id, token=_token(p), kind=kind, generation=gen, event=ev)
+
+
+def _peers(v, job: Job) -> dict | None:
+    """A job's DTensor peer set as rank 0 sends it (redundancy.PeerSet's wire form), or None (none: DTensor state
+    is rank-private); the mesh must span exactly the job's ranks."""
+    if v is None:
+        return None
+    if type(v) is not dict:
+        raise MessageError(f"peers must be an object (a mesh and the dimensions its state varies along), got {_show(v)}")
+    try:
+        ps = PeerSet.from_wire(v)
+    except LayoutError as e:
+        raise MessageError(f"peers: {e}") from None
+    if len(ps.mesh.ranks) != job.world_size or max(ps.mesh.ranks) != job.world_size - 1:
+        raise MessageError(f"peers: a mesh of {len(ps.mesh.ranks)} ranks for a job of {job.world_size}")
+    return v
 
 
 def _signal(v, job: Job) -> dict:

@@ -35,6 +35,7 @@ class ReportKind(StrEnum):
     WORKER_EXIT = "worker_exit"
     WORKER_HANG = "worker_hang"
     RESTORE_FAILED = "restore_failed"
+    RESTORE_REFUSED = "restore_refused"      # one option of a restore source failed: the agent tries the next
     RESUMED = "resumed"
     QUIESCED = "quiesced"
     COMM_ERROR = "comm_error"
@@ -42,6 +43,7 @@ class ReportKind(StrEnum):
     WORKER_ERROR = "worker_error"
     PROTECTION_MODE = "protection_mode"
     HEALTH = "health"
+    LAYOUT = "layout"          # where the job's DTensor state has identical copies (redundancy.PeerSet), once
     # queued by the master itself, never accepted from the wire
     JOINED = "joined"
     NODE_LOST = "node_lost"
@@ -52,9 +54,11 @@ class ReportKind(StrEnum):
 # a generation the master has moved past: acting on it would hit the new generation's healthy workers)
 REPORT_KINDS: dict[ReportKind, bool] = {
     ReportKind.LEFT: False, ReportKind.WORKERS_DONE: True, ReportKind.WORKER_EXIT: True,
-    ReportKind.WORKER_HANG: True, ReportKind.RESTORE_FAILED: False, ReportKind.RESUMED: False,
+    ReportKind.WORKER_HANG: True, ReportKind.RESTORE_FAILED: False, ReportKind.RESTORE_REFUSED: False,
+    ReportKind.RESUMED: False,
     ReportKind.QUIESCED: False, ReportKind.COMM_ERROR: True, ReportKind.NAN_LOSS: True,
-    ReportKind.WORKER_ERROR: True, ReportKind.PROTECTION_MODE: False, ReportKind.HEALTH: False}
+    ReportKind.WORKER_ERROR: True, ReportKind.PROTECTION_MODE: False, ReportKind.HEALTH: False,
+    ReportKind.LAYOUT: False}
 
 
 class WorkerOp(StrEnum):
@@ -73,6 +77,7 @@ class WorkerOp(StrEnum):
     ERROR = "error"                      # the script's own exception, before the worker exits
     PROTECTION_MODE = "protection_mode"  # the adaptive protection interval changed
     STATS = "stats"                      # protection figures for `phoenixrun status`
+    LAYOUT = "layout"                    # rank 0 at protect(): the job's DTensor peer set (or none), for the plan
     # agent -> worker
     REPLY = "reply"                      # the answer to a request, carrying its id
     ASSIGN = "assign"                    # the worker's rank and world
@@ -114,6 +119,7 @@ class Event(StrEnum):
     RECOVERY_PLAN = "recovery_plan"
     RECOVERY_DONE = "recovery_done"
     RECOVERY_FAILED = "recovery_failed"
+    RESTORE_REFUSED = "restore_refused"
     RESTART = "restart"
     FALLBACK_RESTART = "fallback_restart"
     FALLBACK_DONE = "fallback_done"

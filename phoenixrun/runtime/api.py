@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -154,9 +155,14 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
             "phoenixrun.protect: wrap the model with DDP(..., find_unused_parameters=True). DDP otherwise "
             "rebuilds its gradient buckets after the first step, and a replacement process would start with "
             "a different bucket layout than the survivors (gloo then aborts on a size mismatch).")
-    decided = _check_layout(ctx, model, optimizer, fresh_start=_runtime.restore_step is None)
+    fresh = _runtime.restore_step is None
+    decided = _check_layout(ctx, model, optimizer, fresh_start=fresh)
     GROUPS.sealed = True
-    return Job(_runtime, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared)
+    if fresh and ctx.rank == 0:   # the master plans shared fetches from this peer set (or the DP ring: None)
+        ps = decided.dtensor_peers
+        _runtime.link.send({"op": WorkerOp.LAYOUT, "peers": ps.to_wire() if ps is not None else None})
+    return Job(_runtime, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared,
+               dtensor_shared=decided.dtensor_peers is not None)
 
 
 def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -177,19 +183,37 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
             raise layout_check.ProtectionRefused(own)
         return layout_check.Verdict()
     unshared = layout_check.unshared_reason(facts)
-    mine = torch.tensor([0 if own else layout_check.shared_checksum(model), 1 if own else 0, 1 if unshared else 0],
-                        dtype=torch.int64)
-    gathered = torch.zeros(3 * ctx.world_size, dtype=torch.int64)
+    mesh_peers = layout_check.dtensor_peers(facts, ctx.world_size)
+    mine = torch.tensor([0 if own else layout_check.shared_checksum(model), 1 if own else 0, 1 if unshared else 0,
+                         layout_check.peer_fingerprint(mesh_peers)], dtype=torch.int64)
+    gathered = torch.zeros(4 * ctx.world_size, dtype=torch.int64)
     dist.all_gather_into_tensor(gathered, mine)
-    rows = gathered.view(ctx.world_size, 3).tolist()
+    rows = gathered.view(ctx.world_size, 4).tolist()
     flagged = [(ctx.rank, unshared)] if unshared else []
     flagged += [(r, "its plain state is not provably its peers' (that rank's log says why)")
-                for r, (_, _, u) in enumerate(rows) if u and r != ctx.rank]
-    decided = layout_check.verdict(own, [r for r, (_, bad, _) in enumerate(rows) if bad and r != ctx.rank],
-                                   [c for c, _, _ in rows], layout_check.dp_groups(ctx.world_size, layout.dp_peers),
+                for r, (_, _, u, _) in enumerate(rows) if u and r != ctx.rank]
+    decided = layout_check.verdict(own, [r for r, (_, bad, _, _) in enumerate(rows) if bad and r != ctx.rank],
+                                   [c for c, _, _, _ in rows], layout_check.dp_groups(ctx.world_size, layout.dp_peers),
                                    flagged, flags)
     if decided.refusal:
         raise layout_check.ProtectionRefused(decided.refusal)
+    if facts.dtensors:
+        coords = layout.coords
+
+        def same_plain_peers(rank: int, peer: int) -> bool:
+            a, b = coords(rank), coords(peer)
+            return (a.tp, a.pp) == (b.tp, b.pp)
+        ps, why = layout_check.dtensor_verdict(mesh_peers, [fp for _, _, _, fp in rows],
+                                               {r: layout.slot_of(r) for r in range(ctx.world_size)},
+                                               decided.peer_shared, same_plain_peers)
+        decided = dataclasses.replace(decided, dtensor_peers=ps, dtensor_why=why)
+        if ctx.rank == 0:
+            if ps is not None:
+                log.info("phoenixrun.protect: DTensor shards are taken from a peer on another node on recovery "
+                         "(mesh %s %s, sharded over %s), not replicated", list(ps.mesh.names), list(ps.mesh.shape),
+                         sorted(ps.varies))
+            else:
+                log.info("phoenixrun.protect: DTensor shards are snapshotted as rank-private and replicated: %s", why)
     if not decided.peer_shared and ctx.rank == 0 and layout_check.has_plain_state(model, optimizer):
         log.warning("phoenixrun.protect: plain (non-DTensor) state is snapshotted as rank-private and replicated, "
                     "not taken from data-parallel peers: %s", decided.private_why)
@@ -301,11 +325,13 @@ class Job:
     """A protected training loop (see the module doc)."""
 
     def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-                 every: int, peer_shared: bool = True):
+                 every: int, peer_shared: bool = True, dtensor_shared: bool = False):
         self.rt, self.link = rt, rt.link
         self.model, self.optimizer, self.state = model, optimizer, state
         # plain state taken from DP peers on recovery (layout_check.verdict); a replacement takes its snapshot's
         self.peer_shared = peer_shared
+        # DTensor local shards in the shared region, taken from a mesh peer (layout_check.dtensor_verdict); likewise
+        self.dtensor_shared = dtensor_shared
         settings = WorkerSettings.from_env()
         self.every = max(1, settings.protect_every or every)
         self.adaptive = settings.adaptive
@@ -470,7 +496,8 @@ class Job:
 
     def _bind(self) -> None:
         old = self.writer
-        self.binding = StateBinding(self.model, self.optimizer, peer_shared=self.peer_shared)
+        self.binding = StateBinding(self.model, self.optimizer, peer_shared=self.peer_shared,
+                                    dtensor_shared=self.dtensor_shared)
         # The metadata capacity only grows: what the last layout (or the restored snapshot) needed, else a
         # first guess. The slots themselves grow when a snapshot needs more (the `write` request).
         meta_cap = max(64 * 1024 + 256 * (len(self.binding.private) + len(self.binding.shared)),
@@ -555,7 +582,8 @@ class Job:
             self.state.clear()
             self.state.update(meta["extra"])
             self.every = meta.get("every", self.every)   # a replacement takes the job's interval
-            self.peer_shared = meta.get("peer_shared", True)   # and the job's sharing decision (all ranks agree)
+            self.peer_shared = meta.get("peer_shared", True)   # and the job's sharing decisions (all ranks agree)
+            self.dtensor_shared = meta.get("dtensor_shared", False)
             self.next_step = step
             self.binding = None             # optimizer state tensors were replaced: bind again
             self.slots = []

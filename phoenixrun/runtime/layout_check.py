@@ -7,8 +7,11 @@ ranks hold the same bytes, and the one thing that keeps them so is DDP (its all-
 update identical). Everything else is *rank-private*: snapshotted into the rank's private region, copied to
 `--replicas` holders on other nodes and restored from the rank's own replica, never taken from a peer:
 
-- every DTensor's local shard (FSDP2 `fully_shard`, HSDP, tensor parallelism), whatever its placements
-  (runtime/snapshot.py StateBinding);
+- every DTensor's local shard (FSDP2 `fully_shard`, HSDP, tensor parallelism) unless every rank's DTensors live
+  on one mesh spanning the world and each rank has a rank on another node with the same coordinates along every
+  dimension its tensors are sharded over (`dtensor_verdict`: HSDP with replicas across nodes, TP with DP peers
+  across nodes): then they are shared, and the plan takes them from such a peer (runtime/snapshot.py
+  StateBinding);
 - all plain state of every rank, when any rank's plain state is not provably held by its plan peers: a model
   that is not DDP (a hand-written pipeline stage, per-rank models, manual all-reduce), DDP over a group that
   does not include every rank the plan takes for a peer (DDP over a mesh dimension or a subgroup without
@@ -29,13 +32,14 @@ from the same gathered facts, and a replacement process takes the one recorded i
 """
 from __future__ import annotations
 
+import json
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from phoenixrun.redundancy import LayoutError, Mesh, check_flags
+from phoenixrun.redundancy import LayoutError, Mesh, PeerSet, check_flags, lacking_copy, peer_set, varies_of
 
 WAY_OUT = ("run it without protect() (PHOENIXRUN_PROTECT=0, or plain torchrun: a failure restarts the job, "
            "--max-restarts).")
@@ -155,6 +159,10 @@ class Verdict:
     refusal: str | None = None
     peer_shared: bool = True
     private_why: str | None = None
+    # DTensor state in the shared region, taken on recovery from a peer of this set (dtensor_verdict); None: it is
+    # rank-private, and `dtensor_why` says why (None too when there are no DTensors)
+    dtensor_peers: PeerSet | None = None
+    dtensor_why: str | None = None
 
 
 def verdict(own: str | None, refused: Sequence[int], checksums: Sequence[int], groups: Sequence[Sequence[int]],
@@ -174,6 +182,43 @@ def verdict(own: str | None, refused: Sequence[int], checksums: Sequence[int], g
         return Verdict(peer_shared=False, private_why=f"rank {rank}: {why}{more}")
     mismatch = peer_mismatch(checksums, groups, flags)
     return Verdict(peer_shared=mismatch is None, private_why=mismatch)
+
+
+def dtensor_peers(f: LayoutFacts, world_size: int) -> PeerSet | None:
+    """This rank's DTensors as a job-wide peer set (redundancy.peer_set: one mesh over the world, U the union of
+    the dimensions its tensors vary along); None when it has none, or they live on submeshes."""
+    if not f.dtensors:
+        return None
+    try:
+        return peer_set(f.meshes, [varies_of(d.mesh_dims, d.placements) for d in f.dtensors], world_size)
+    except LayoutError:
+        return None
+
+
+def peer_fingerprint(ps: PeerSet | None) -> int:
+    """A positive int naming (mesh, U), for the all-gather that makes every rank decide alike; 0: none."""
+    if ps is None:
+        return 0
+    wire = {k: v for k, v in ps.to_wire().items() if k != "plain"}
+    return zlib.crc32(json.dumps(wire, sort_keys=True).encode()) | 1
+
+
+def dtensor_verdict(own: PeerSet | None, fingerprints: Sequence[int], node_of, plain_shared: bool,
+                    same_plain_peers=lambda rank, peer: True) -> tuple[PeerSet | None, str | None]:
+    """Whether DTensor state goes to the shared region (taken from a peer on recovery), decided alike on every
+    rank from the gathered fingerprints: only when every rank has the same peer set and every rank has a peer
+    on another node - one that also holds its plain state (`same_plain_peers`) when plain state is shared, since
+    a peer then serves both from one region. Else (None, why) and it stays rank-private, replicated."""
+    if own is None or any(fp != fingerprints[0] for fp in fingerprints) or not fingerprints[0]:
+        return None, ("the ranks' DTensors do not all live on one device mesh spanning every rank with the same "
+                      "sharded dimensions (submeshes, e.g. TP x PP x FSDP): no peer provably holds a rank's shards")
+    ps = PeerSet(own.mesh, own.varies, plain=plain_shared)
+    lacking = lacking_copy(ps, node_of, same_plain_peers if plain_shared else (lambda rank, peer: True))
+    if lacking:
+        more = f" (and {len(lacking) - 4} more)" if len(lacking) > 4 else ""
+        return None, (f"rank(s) {lacking[:4]}{more} have no rank on another node holding the same DTensor shards "
+                      f"(mesh {list(own.mesh.names)} {list(own.mesh.shape)}, sharded over {sorted(own.varies)})")
+    return ps, None
 
 
 def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, plan_peers: Sequence[int],

@@ -46,14 +46,21 @@ class StateBinding:
     """Where each live tensor of the rank goes: private (replicated) or shared (DP-redundant).
 
     DTensors (FSDP2 / HSDP / tensor-parallel parameters, buffers and optimizer state): their local shard is
-    rank-private, whatever the placements. A recovery takes shared state from a rank the plan takes for a
-    data-parallel peer, and for a sharded DTensor that rank holds another shard; so every local shard is
-    snapshotted into the private region, replicated with it, and restored in place from the rank's own
-    replica, never from a peer. `dtensors` records each one's global shape, stride and placements, so the
+    rank-private unless protect() proved otherwise. A recovery takes shared state from the plan's peer, and
+    for a sharded DTensor a data-parallel peer of the --tp/--pp layout holds another shard; so by default every
+    local shard is snapshotted into the private region, replicated with it, and restored in place from the
+    rank's own replica. Where every rank's DTensors live on one world mesh and a rank on another node has the
+    same coordinates along every dimension they are sharded over (HSDP with the replicate dimension across
+    nodes; TP with DP peers across nodes: layout_check.dtensor_verdict), they go to the shared region
+    instead, and the plan takes them from such a peer (the runtime tells the master the peer set). `dtensors` records each one's global shape, stride and placements, so the
     restore can check it lands in the same layout and re-wrap optimizer state with its parameter's mesh."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, peer_shared: bool = True):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, peer_shared: bool = True,
+                 dtensor_shared: bool = False):
         self.model, self.optimizer = model, optimizer
+        # dtensor_shared (protect() proved every rank's DTensor shards have an identical copy on another node:
+        # layout_check.dtensor_verdict): local shards go to the shared region, taken from that peer on recovery
+        self.dtensor_shared = dtensor_shared
         self.local_opt = local_optimizer(optimizer)
         # peer_shared=False (protect() found plain state its DP peers may not hold: runtime/layout_check.py):
         # every tensor is rank-private and the shared region is empty
@@ -88,7 +95,8 @@ class StateBinding:
                           tuple(e.to_json().__repr__() for e in self.shared_entries))
 
     def _add(self, name: str, t: torch.Tensor, otherwise: list[tuple[str, torch.Tensor]]) -> None:
-        """A DTensor's local shard goes to the private region (see the class doc); any other tensor to `otherwise`."""
+        """A DTensor's local shard goes to the private region (see the class doc), or the shared one where protect()
+        proved a peer on another node holds the same bytes; any other tensor to `otherwise`."""
         if not is_dtensor(t):
             otherwise.append((name, t))
             return
@@ -98,7 +106,7 @@ class StateBinding:
             raise ValueError(f"{name} is a DTensor with a pending reduction ({', '.join(partial)}): its local "
                              "tensor is not state that can be restored")
         self.dtensors[name] = {"placements": placements, "shape": list(t.shape), "stride": list(t.stride())}
-        self.private.append((name, t.to_local()))
+        (self.shared if self.dtensor_shared else self.private).append((name, t.to_local()))
 
     def state_count(self) -> tuple[int, int]:
         """How many parameters have optimizer state, and how many entries in all (cheap: no tensors touched)."""
@@ -171,7 +179,7 @@ class SnapshotWriter:
         # param groups are)
         self._meta_tail = json.dumps({
             "scalars": binding.scalars, "optimizer_private": binding.optimizer_private, "dtensors": binding.dtensors,
-            "peer_shared": binding.peer_shared,
+            "peer_shared": binding.peer_shared, "dtensor_shared": binding.dtensor_shared,
             "private": [e.to_json() for e in binding.private_entries],
             "shared": [e.to_json() for e in binding.shared_entries]})[1:]
         cuda = [t for _, t in binding.private + binding.shared if t.is_cuda]
