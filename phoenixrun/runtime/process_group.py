@@ -228,7 +228,10 @@ def make_nccl_backend(store, rank: int, size: int, timeout: timedelta):
     opts = ProcessGroupNCCL.Options()
     opts.config.blocking = 0
     backend = ProcessGroupNCCL(store, rank, size, opts)
-    backend.set_timeout(timeout)      # every work's timeout: the watchdog aborts a collective hung this long
+    try:
+        backend.set_timeout(timeout)  # every work's timeout: the watchdog aborts a collective hung this long
+    except RuntimeError as e:         # a torch whose NCCL backend lacks it: torch's default (10 min) applies
+        log.warning("phoenixrun: NCCL work timeout left at torch's default: %s", e)
     backend.eager_connect_single_device(nccl_device())
     return backend
 
