@@ -2,7 +2,7 @@
 
 DDP, ZeroRedundancyOptimizer, DeviceMesh and the script itself keep references to the process
 groups they were built with. Every group here keeps its members, rank and size fixed (a
-replacement node takes the failed node's ranks) and forwards every collective to an inner gloo
+replacement node takes the failed node's ranks) and forwards every collective to an inner
 backend that recovery swaps for a fresh one on the new generation's store prefix, so the
 script's objects survive a node replacement. The default group is the world; each `new_group`
 (and so each DeviceMesh dimension) is a real group of its own members with its own backend per
@@ -13,6 +13,12 @@ Gloo offers no call that unblocks an op stuck on a dead or hung peer; shutting d
 generation's own TCP sockets does (within milliseconds). `abort_sockets_since(baseline)` shuts
 down every socket created after a baseline taken when the generation began (never gloo's
 listening socket: that aborts the process).
+
+A generation is one object behind a small interface (`Generation`: create over a membership, abort from
+any thread while work may hang, destroy when idle), driven by one lifecycle (`Generations`) whatever the
+backend: `GlooGeneration` (the CPU path, the default) and `NcclGeneration` (`PHOENIXRUN_BACKEND=nccl`: a
+ProcessGroupNCCL per group per generation for CUDA tensors, aborted with ProcessGroupNCCL.abort(); torchft's
+ProcessGroupNCCL wrapper likewise aborts and recreates the communicator on reconfiguration).
 """
 from __future__ import annotations
 
