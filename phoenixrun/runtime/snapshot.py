@@ -247,32 +247,40 @@ class CudaCopier:
     backward run on the training stream. Not exercised on the CPU-only project machine: tests/test_gpu.py runs it
     on a GPU (tools/gpu_check.sh)."""
 
+    # Registrations are the process's, not one copier's: a new binding (after a restore, or optimizer state that
+    # appeared late) makes a new writer and copier over the same slot mappings, and registering a mapping twice
+    # fails (cudaErrorHostMemoryAlreadyRegistered, which also lingers as the thread's last CUDA error).
+    _pinned: set[int] = set()
+    _pin_lock = threading.Lock()
+
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
-        self._registered: set[int] = set()
 
     def _register(self, slot: SlotMap) -> None:
         ptr = slot.buf.data_ptr()
-        if ptr in self._registered:
-            return
-        with torch.cuda.device(self.device):
-            rc = int(torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, CUDA_HOST_REGISTER_PORTABLE))
-        # already registered (by another copier of this process over the same mapping): pinned all the same
-        if rc not in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
-            raise RuntimeError(f"cudaHostRegister of {slot.path} failed (cudaError {rc})")
-        self._registered.add(ptr)
+        with CudaCopier._pin_lock:
+            if ptr in CudaCopier._pinned:
+                return
+            with torch.cuda.device(self.device):
+                rc = int(torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, CUDA_HOST_REGISTER_PORTABLE))
+            # registered by someone else in this process over the same mapping: pinned all the same
+            if rc not in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+                raise RuntimeError(f"cudaHostRegister of {slot.path} failed (cudaError {rc})")
+            CudaCopier._pinned.add(ptr)
 
-    def registered(self, slot: SlotMap) -> bool:
-        return slot.buf.data_ptr() in self._registered
+    @staticmethod
+    def registered(slot: SlotMap) -> bool:
+        return slot.buf.data_ptr() in CudaCopier._pinned
 
     def release(self, slot: SlotMap) -> None:
         """Unpin a slot that is being unmapped (replaced by a larger one): pinned pages must not outlive it."""
         ptr = slot.buf.data_ptr()
-        if ptr in self._registered:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-            self._registered.discard(ptr)
+        with CudaCopier._pin_lock:
+            if ptr in CudaCopier._pinned:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+                CudaCopier._pinned.discard(ptr)
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
         self._register(slot)
