@@ -24,8 +24,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -m "not gpu" tests
 
+# The GPU tests (pytest -m gpu; on a CPU-only machine they are skipped). tools/gpu_check.sh runs this on the device
+# machine with GPU_TESTS narrowed to the files that hold GPU tests and PYTEST_ARGS adding a junit report.
+GPU_TESTS ?= tests
+PYTEST_ARGS ?=
 test-gpu: install
-	$(BIN)/python -m pytest -q -m gpu tests
+	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS) $(GPU_TESTS)
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py

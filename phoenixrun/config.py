@@ -387,6 +387,10 @@ class WorkerSettings(_Settings):
     collective_timeout: float = setting(
         COLLECTIVE_TIMEOUT_S, env="PHOENIXRUN_COLLECTIVE_TIMEOUT", min=1,
         doc="Timeout of the workers' process groups, seconds.")
+    backend: str = setting(
+        "gloo", env="PHOENIXRUN_BACKEND",
+        doc="Backend of the rebuilt process groups: gloo, or nccl (CUDA tensors on a ProcessGroupNCCL per "
+            "generation, CPU tensors on gloo; docs/api.md, \"GPU\").")
     protect_every: int | None = setting(
         None, env="PHOENIXRUN_PROTECT_EVERY", min=1,
         doc="Snapshot every N steps, overriding protect(every=...) [default: the script's].")

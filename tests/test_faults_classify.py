@@ -74,7 +74,43 @@ COLLECTIVE_TEXTS = [
     "torch.distributed.DistStoreError: Socket Timeout ... timed out",
     "RuntimeError: NCCL communicator was aborted on rank 2.",
     "torch.distributed.DistNetworkError: failed to recv, got 0 bytes",
+    # ProcessGroupNCCL's texts as torch 2.x emits them (ProcessGroupNCCL.cpp / NCCLUtils.cpp; see classify.py)
+    "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: [Rank 1] "
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=6463, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+    "Timeout(ms)=1800000) ran for 1800017 milliseconds before timing out.",
+    "[rank1]:[E1003 18:37:01.833637681 ProcessGroupNCCL.cpp:621] [Rank 1] Some NCCL operations have failed or timed "
+    "out. Due to the asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete "
+    "data.",
+    "[PG ID 0 PG GUID 0(default_pg) Rank 0] Work WorkNCCL(SeqNum=3, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+    "Timeout(ms)=60000) timed out in blocking wait.",
+    "DistBackendError: NCCL communicator was aborted on rank 1. Original reason for failure was: [PG ID 0 PG GUID "
+    "0(default_pg) Rank 1] Watchdog caught collective operation timeout",
+    "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: NCCL error: "
+    "remote process exited or there was a network error, NCCL version 2.20.5\nncclRemoteError: A call failed "
+    "possibly due to a network error or a remote process exiting prematurely.",
+    "[PG ID 0 PG GUID 0(default_pg) Rank 2] ProcessGroupNCCL's watchdog got stuck for 480 seconds without making "
+    "progress in monitoring enqueued collectives. This typically indicates a NCCL/CUDA API (e.g., CudaEventDestroy) "
+    "hang blocking the watchdog",
+    "torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, "
+    "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3",
 ]
+
+# CUDA errors of the rank's own context, even when NCCL's watchdog is the one that reports them: never a symptom
+GPU_TEXTS = [
+    # (text, class, action)
+    ("[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception: CUDA error: "
+     "an illegal memory access was encountered", SU, XF),
+    ("torch.distributed.DistBackendError: [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread "
+     "terminated with exception: CUDA error: uncorrectable ECC error encountered", GM, NR),
+]
+
+
+@pytest.mark.parametrize("text,fc,action", GPU_TEXTS)
+@pytest.mark.parametrize("kind", [K.COLLECTIVE_ERROR, K.USER_EXCEPTION])
+def test_cuda_errors_reported_by_the_nccl_watchdog_are_not_symptoms(text, fc, action, kind):
+    c = classify(Signal(kind, detail=text))
+    assert (c.fault_class, c.action, c.root_cause) == (fc, action, True), c.reason
+    assert collective_cause(RuntimeError(text)) is None
 
 
 @pytest.mark.parametrize("text", COLLECTIVE_TEXTS)

@@ -200,3 +200,71 @@ def test_nvml_polling_logic_against_a_fake_library(monkeypatch, caplog):
     assert src.poll() == []
     src.close()
     assert nv.shut and not src.enabled and src.poll() == []
+
+
+class OldDriverNvml(FakeNvml):
+    """A driver older than the binding, on GPUs without some probes: nvmlEventSetWait_v2 and
+    nvmlDeviceGetRemappedRows are FUNCTION_NOT_FOUND, GPU 0 has ECC off (NOT_SUPPORTED), GPU 1 lacks the
+    recovery-action field (NOT_SUPPORTED)."""
+
+    class NVMLError_FunctionNotFound(FakeNvml.NVMLError):
+        def __init__(self):
+            FakeNvml.NVMLError.__init__(self, 13)
+
+    def nvmlEventSetWait_v2(self, s, timeout_ms):
+        raise self.NVMLError_FunctionNotFound()
+
+    def nvmlEventSetWait(self, s, timeout_ms):
+        return FakeNvml.nvmlEventSetWait_v2(self, s, timeout_ms)
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        raise self.NVMLError_FunctionNotFound()
+
+    def nvmlDeviceGetTotalEccErrors(self, h, etype, ctype):
+        if h[1] == 0:
+            raise self.NVMLError_NotSupported()
+        return super().nvmlDeviceGetTotalEccErrors(h, etype, ctype)
+
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        if h[1] == 1:
+            raise self.NVMLError_NotSupported()
+        return super().nvmlDeviceGetFieldValues(h, ids)
+
+
+def test_nvml_probes_a_driver_lacks_fall_back_one_by_one(monkeypatch, caplog):
+    """FUNCTION_NOT_FOUND / NOT_SUPPORTED turn off that probe for that GPU only: the event wait falls back to
+    nvmlEventSetWait, a missing remapped-rows call no longer hides the recovery action behind it."""
+    nv = OldDriverNvml(ngpus=2)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    src = NvmlHealthSource(node=2, wait_ms=1)
+    assert src.enabled and src.poll() == []
+    assert any("using nvmlEventSetWait" in r.getMessage() for r in caplog.records)
+    assert src.readings() == [
+        {"gpu": 0, "xid_events": True, "ecc_uncorrected": "unsupported", "remapped_rows": "unsupported",
+         "recovery_action": 0},
+        {"gpu": 1, "xid_events": True, "ecc_uncorrected": 0, "remapped_rows": "unsupported",
+         "recovery_action": "unsupported"}]
+
+    nv.events.append((1, 48))
+    nv.ecc = [7, 1]          # GPU 0's count is unreadable: only GPU 1's is reported
+    nv.recovery = [4, 4]     # GPU 1 has no such field: only GPU 0's is reported
+    got = sorted((s.kind.value, s.code, s.detail.split(":")[0]) for s in src.poll())
+    assert got == [("ecc_uncorrectable", None, "gpu 1"), ("gpu_recovery_action", 4, "gpu 0"), ("xid", 48, "gpu 1")]
+    assert src.poll() == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]   # fallbacks are not failures
+    src.close()
+
+
+def test_nvml_without_any_event_wait_keeps_polling_the_counters(monkeypatch, caplog):
+    nv = OldDriverNvml(ngpus=1)
+    monkeypatch.setattr(OldDriverNvml, "nvmlEventSetWait", None, raising=False)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    src = NvmlHealthSource(node=0, wait_ms=1)
+    assert src.poll() == []
+    assert any("Xid events off" in r.getMessage() for r in caplog.records)
+    assert src.readings()[0]["xid_events"] is False
+    nv.recovery = [2]
+    assert [(s.kind.value, s.code) for s in src.poll()] == [("gpu_recovery_action", 2)]
+    src.close()

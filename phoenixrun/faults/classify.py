@@ -43,9 +43,18 @@ XID_INFORMATIONAL: Mapping[int, str] = {
 
 # Substrings (case-insensitive) of exception texts that mean "a collective failed". They are what survivors see
 # when a peer dies, so they are symptoms, never a root cause.
+# The NCCL ones are ProcessGroupNCCL's own texts (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, NCCLUtils.cpp):
+# the watchdog's timeout and the message it logs before acting on any failed work, blocking wait's timeout, the
+# exception an aborted communicator raises at its next use (what a survivor sees after the watchdog, with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2, or phoenixrun's quiesce aborted it), the watchdog thread's own exit and the
+# heartbeat monitor's kill of a stuck watchdog; tests/test_faults_classify.py holds them verbatim.
 COLLECTIVE_ERROR_PATTERNS: tuple[str, ...] = (
     # NCCL / ProcessGroupNCCL
     "Watchdog caught collective operation timeout",
+    "Some NCCL operations have failed or timed out",
+    "timed out in blocking wait",
+    "Process group watchdog thread terminated with exception",
+    "ProcessGroupNCCL's watchdog got stuck",
     "NCCL error",
     "ncclInternalError",
     "ncclSystemError",
@@ -63,6 +72,11 @@ COLLECTIVE_ERROR_PATTERNS: tuple[str, ...] = (
 )
 # cudaErrorECCUncorrectable's message: the GPU, not the user's code, failed.
 GPU_ECC_ERROR_PATTERNS: tuple[str, ...] = ("uncorrectable ECC error encountered",)
+# A CUDA error in the rank's own context ("CUDA error: an illegal memory access was encountered"). ProcessGroupNCCL's
+# watchdog reports one as "Process group watchdog thread terminated with exception: CUDA error: ..." (a
+# DistBackendError), but it is this rank's fault, not a peer's death: never a collective symptom. NCCL's own
+# "unhandled cuda error" has no colon after "cuda error" and stays a collective error.
+CUDA_ERROR_PATTERNS: tuple[str, ...] = ("CUDA error:",)
 
 # nvml.h nvmlDeviceGpuRecoveryAction_t; hard-coded because pynvml may be absent where signals are classified.
 GPU_RECOVERY_ACTION_NAMES: Mapping[int, str] = {
@@ -82,7 +96,13 @@ def _matches(text: str, patterns: Iterable[str]) -> bool:
 
 
 def is_collective_error_text(text: str) -> bool:
-    return _matches(text, COLLECTIVE_ERROR_PATTERNS)
+    """A collective failed, and not because of this rank's own GPU (a CUDA error or ECC error it names)."""
+    return _matches(text, COLLECTIVE_ERROR_PATTERNS) and not is_gpu_error_text(text)
+
+
+def is_gpu_error_text(text: str) -> bool:
+    """The text names a CUDA error of this rank's context (an uncorrectable ECC error among them)."""
+    return _matches(text, CUDA_ERROR_PATTERNS) or _matches(text, GPU_ECC_ERROR_PATTERNS)
 
 
 def collective_cause(exc: BaseException | None, kinds: tuple[type, ...] = ()) -> BaseException | None:
@@ -123,11 +143,14 @@ _COMM_SYMPTOM = (FaultClass.TRANSIENT_COMM, Action.LOCAL_RESET)
 
 
 def _classify_text(text: str, what: str, *, ambiguous_if_empty: bool) -> Classification:
-    """An exception/exit text: comm error (symptom), GPU ECC (hardware), else the user's code."""
+    """An exception/exit text: comm error (symptom), GPU ECC (hardware), a CUDA error or else the user's code."""
     if is_collective_error_text(text):
         return _c(*_COMM_SYMPTOM, f"{what}: collective error", root_cause=False)
     if _matches(text, GPU_ECC_ERROR_PATTERNS):
         return _c(FaultClass.GPU_MEMORY, Action.NODE_REPLACE, f"{what}: uncorrectable ECC error reported by CUDA")
+    if _matches(text, CUDA_ERROR_PATTERNS):
+        # the rank's own kernel (or its GPU) failed: a replacement would run the same kernels
+        return _c(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, f"{what}: CUDA error in this rank's context")
     if not text.strip():
         return _c(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, f"{what} with no exception text",
                   ambiguous=ambiguous_if_empty)
@@ -179,6 +202,10 @@ def _base(sig: Signal) -> Classification:
         name = GPU_RECOVERY_ACTION_NAMES.get(sig.code, f"value {sig.code}")
         return _c(FaultClass.HOST_PCIE, Action.NODE_REPLACE, f"driver asks for GPU recovery action {name}")
     if k is SignalKind.COLLECTIVE_ERROR:
+        if sig.detail and is_gpu_error_text(sig.detail):
+            # the worker took it for a collective failure (NCCL's watchdog raised it as a DistBackendError), but it
+            # names a CUDA error of its own context: classified by that, as the same text in any exception
+            return _classify_text(sig.detail, "collective error", ambiguous_if_empty=False)
         return _c(*_COMM_SYMPTOM, "collective error", root_cause=False)
     if k is SignalKind.NAN_LOSS:
         return _c(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, "non-finite loss")

@@ -97,6 +97,7 @@ class NvmlHealthSource(HealthSource):
         self._nvml: Any = None
         self._gpus: list[_Gpu] = []
         self._event_set: Any = None
+        self._wait_name = "nvmlEventSetWait_v2"
         self._warned: set[str] = set()
         try:
             import pynvml  # nvidia-ml-py; optional extra `phoenixrun[nvml]`
@@ -175,15 +176,36 @@ class NvmlHealthSource(HealthSource):
         prefix = f"gpu {gpu}: " if gpu is not None else ""
         return Signal(kind, node=self.node, rank=rank, code=code, detail=prefix + detail)
 
+    def _event_wait(self, nv: Any, timeout: int) -> Any:
+        """nvmlEventSetWait_v2, or the original nvmlEventSetWait where the driver (or the binding) lacks _v2;
+        without either, Xid events are turned off (one INFO line; None) and the counters keep being polled."""
+        wait = getattr(nv, self._wait_name, None)
+        try:
+            if wait is None:
+                raise AttributeError(self._wait_name)
+            return wait(self._event_set, timeout)
+        except (AttributeError, *_missing(nv)) as e:
+            if self._wait_name == "nvmlEventSetWait_v2" and getattr(nv, "nvmlEventSetWait", None) is not None:
+                log.info("NVML: nvmlEventSetWait_v2 unavailable (%s); using nvmlEventSetWait", e)
+                self._wait_name = "nvmlEventSetWait"
+                return self._event_wait(nv, timeout)
+            log.info("NVML: no event wait available (%s); Xid events off", e)
+            self._free_event_set(nv)
+            return None
+
     def _poll_events(self, out: list[Signal]) -> None:
         nv = self._nvml
         if self._event_set is None:
             return
         timeout = self.wait_ms
         for _ in range(self.max_events_per_poll):
+            if self._event_set is None:
+                return
             try:
-                data = nv.nvmlEventSetWait_v2(self._event_set, timeout)
+                data = self._event_wait(nv, timeout)
             except nv.NVMLError_Timeout:
+                return
+            if data is None:
                 return
             timeout = 0  # drain what is already queued without waiting again
             if not data.eventType & nv.nvmlEventTypeXidCriticalError:
@@ -199,20 +221,26 @@ class NvmlHealthSource(HealthSource):
             out.append(self._signal(SignalKind.XID, gpu, f"Xid {xid}", code=xid))
 
     def _poll_counters(self, g: _Gpu, out: list[Signal]) -> None:
+        """Each probe on its own: one a GPU or driver does not support (NOT_SUPPORTED, or FUNCTION_NOT_FOUND from
+        a driver older than the binding) is turned off for that GPU and the others go on."""
         nv = self._nvml
         try:
             if g.ecc_uncorrected is not None:
-                n = nv.nvmlDeviceGetTotalEccErrors(g.handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                                   nv.NVML_VOLATILE_ECC)
-                if n > g.ecc_uncorrected:
-                    out.append(self._signal(SignalKind.ECC_UNCORRECTABLE, g.index,
-                                            f"{n - g.ecc_uncorrected} new uncorrectable ECC error(s)"))
-                g.ecc_uncorrected = n
+                try:
+                    n = nv.nvmlDeviceGetTotalEccErrors(g.handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                       nv.NVML_VOLATILE_ECC)
+                except _missing(nv):
+                    g.ecc_uncorrected = None   # ECC turned off under us, or never readable: the Xid path remains
+                else:
+                    if n > g.ecc_uncorrected:
+                        out.append(self._signal(SignalKind.ECC_UNCORRECTABLE, g.index,
+                                                f"{n - g.ecc_uncorrected} new uncorrectable ECC error(s)"))
+                    g.ecc_uncorrected = n
             if g.remap_probe:
                 try:
                     _corr, _unc, pending, failure = nv.nvmlDeviceGetRemappedRows(g.handle)
-                except nv.NVMLError_NotSupported:
-                    g.remap_probe = False  # pre-Ampere: no row remapper
+                except (AttributeError, *_missing(nv)):
+                    g.remap_probe = False  # pre-Ampere (no row remapper), or a driver without the call
                 else:
                     if failure and not g.remap_failed:
                         out.append(self._signal(SignalKind.ROW_REMAP_FAILURE, g.index, "row remapping failed"))
@@ -232,25 +260,55 @@ class NvmlHealthSource(HealthSource):
                 return
             raise
 
-    def _poll_recovery_action(self, g: _Gpu, out: list[Signal]) -> None:
+    def _read_recovery_action(self, g: _Gpu) -> int | None:
+        """The GPU recovery action field, or None where the binding, driver or GPU does not have it."""
         nv = self._nvml
         field_id = getattr(nv, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)  # newer drivers/bindings only
         if field_id is None:
-            g.recovery_probe = False
-            return
+            return None
         try:
             fv = nv.nvmlDeviceGetFieldValues(g.handle, [field_id])[0]
-        except nv.NVMLError_NotSupported:
+        except (AttributeError, *_missing(nv)):
+            return None
+        if fv.nvmlReturn != nv.NVML_SUCCESS:
+            return None  # the driver does not know the field
+        return _field_value(nv, fv)
+
+    def _poll_recovery_action(self, g: _Gpu, out: list[Signal]) -> None:
+        value = self._read_recovery_action(g)
+        if value is None:
             g.recovery_probe = False
             return
-        if fv.nvmlReturn != nv.NVML_SUCCESS:
-            g.recovery_probe = False  # the driver does not know the field
-            return
-        value = _field_value(nv, fv)
         if value != g.recovery_action and value != 0:
             out.append(self._signal(SignalKind.GPU_RECOVERY_ACTION, g.index, f"recovery action {value}",
                                     code=value))
         g.recovery_action = value
+
+    def readings(self) -> list[dict[str, Any]]:
+        """What each probe reads now, per GPU, without signalling (the GPU check records it; an operator can
+        print it): the uncorrectable volatile ECC count, the remapped-rows tuple, the recovery action, and
+        whether Xid events are on. A probe the GPU or driver does not support reads "unsupported"."""
+        nv = self._nvml
+        if nv is None:
+            return []
+        rows = []
+        for g in self._gpus:
+            row: dict[str, Any] = {"gpu": g.index, "xid_events": self._event_set is not None}
+            try:
+                row["ecc_uncorrected"] = nv.nvmlDeviceGetTotalEccErrors(
+                    g.handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+            except (AttributeError, *_missing(nv)):
+                row["ecc_uncorrected"] = "unsupported"
+            try:
+                corr, unc, pending, failure = nv.nvmlDeviceGetRemappedRows(g.handle)
+                row["remapped_rows"] = {"correctable": corr, "uncorrectable": unc, "pending": bool(pending),
+                                        "failure": bool(failure)}
+            except (AttributeError, *_missing(nv)):
+                row["remapped_rows"] = "unsupported"
+            value = self._read_recovery_action(g)
+            row["recovery_action"] = "unsupported" if value is None else value
+            rows.append(row)
+        return rows
 
     # -- teardown ------------------------------------------------------------------------------------------
 
@@ -279,6 +337,13 @@ class NvmlHealthSource(HealthSource):
         if nv is not None:
             self._free_event_set(nv)
             self._shutdown(nv)
+
+
+def _missing(nv: Any) -> tuple[type[BaseException], ...]:
+    """pynvml's errors for a probe that is not there: NOT_SUPPORTED (the GPU) and FUNCTION_NOT_FOUND (a driver
+    older than the binding); the latter is absent from old bindings."""
+    return tuple(c for c in (getattr(nv, "NVMLError_NotSupported", None), getattr(nv, "NVMLError_FunctionNotFound", None))
+                 if isinstance(c, type))
 
 
 def _field_value(nv: Any, fv: Any) -> int:

@@ -42,8 +42,8 @@ from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
-from phoenixrun.runtime.process_group import (GROUPS, Generation, ReconfigurableProcessGroup, socket_inodes,
-                                              abort_sockets_since, install_default_group)
+from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
+                                              install_default_group)
 from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
                                          restore_into)
 from phoenixrun.topology import Coords, Layout
@@ -257,14 +257,15 @@ class _Runtime:
         self.generation = assign["generation"]
         self.store_prefix = assign.get("store_prefix")
         self.restore_step = assign["restore_step"]
-        self.timeout = timedelta(seconds=WorkerSettings.from_env().collective_timeout)
+        settings = WorkerSettings.from_env()
+        self.timeout = timedelta(seconds=settings.collective_timeout)
         # a warm spare learns its identity only now: give the script what torchrun would have
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
                            "GROUP_RANK": str(assign["slot"]), "ROLE_RANK": str(self.rank),
                            "ROLE_WORLD_SIZE": str(self.world_size), "PHOENIXRUN_SLOT": str(assign["slot"])})
-        self._baseline: set[str] = set(socket_inodes())
-        self._gen: Generation | None = None
-        self._retired: list[Generation] = []
+        # every generation of the groups' backends: created, aborted and destroyed by one lifecycle
+        self.gens = Generations(generation_kind(settings.backend), self.master_addr, self.master_port, self.rank,
+                                self.world_size, self.timeout, GROUPS)
         self.pg: ReconfigurableProcessGroup = install_default_group(self.rank, self.world_size)
         atexit.register(self.close)
         if self.restore_step is None:
@@ -275,7 +276,8 @@ class _Runtime:
         return self.link.quiesce_generation >= self.generation and self._gen_stale()
 
     def _gen_stale(self) -> bool:
-        return self._gen is None or self._gen.generation < self.link.quiesce_generation
+        gen = self.gens.current
+        return gen is None or gen.generation < self.link.quiesce_generation
 
     def next_order(self, ops: set[str]) -> dict:
         while True:
@@ -287,10 +289,10 @@ class _Runtime:
 
     def _on_quiesce(self, generation: int) -> None:
         # called on the reader thread: unblock whatever the training thread is stuck in
-        abort_sockets_since(self._baseline)
+        self.gens.abort()
 
     def abort(self) -> None:
-        abort_sockets_since(self._baseline)
+        self.gens.abort()
 
     def close(self) -> None:
         """At exit, while the interpreter is whole: stop the agent-link thread and free the gloo
@@ -298,27 +300,16 @@ class _Runtime:
         occasionally ended the process with SIGABRT ('terminate called without an active exception')."""
         GROUPS.attach(None)
         self.link.close()
-        for gen in [*self._retired, self._gen]:
-            if gen is not None:
-                gen.subgroups = []
-                gen.backend = None
-                gen.store = None
-        self._retired, self._gen = [], None
+        self.gens.close()
 
     def connect(self, generation: int, store_prefix: str | None = None) -> None:
         """Rendezvous generation `generation` (blocks until the whole world has joined)."""
-        GROUPS.attach(None)
-        if self._gen is not None:
-            # Keep old generations referenced: destroying a gloo backend whose peers vanished
-            # mid-collective is not a path torch makes safe. Their sockets are already shut down.
-            self._retired.append(self._gen)
-        self._gen = None
-        self._baseline = set(socket_inodes())
         self.store_prefix = store_prefix or self.store_prefix
-        gen = Generation(self.master_addr, self.master_port, self.rank, self.world_size, generation, self.timeout,
-                         self.store_prefix)
-        self._gen, self.generation = gen, generation
-        GROUPS.attach(gen)   # the world, then every subgroup the script created, in creation order
+        try:
+            self.gens.connect(generation, self.store_prefix)
+        finally:
+            if self.gens.current is not None and self.gens.current.generation == generation:
+                self.generation = generation
 
 
 class Job:

@@ -241,38 +241,67 @@ class CpuCopier:
         """The slot is being unmapped (replaced by a larger one)."""
 
 
+# cudaHostRegisterPortable: the pages count as pinned in every CUDA context, not only in the one current on the
+# (background) thread that registers them - a worker on GPU 3 registers from a thread whose default device is 0
+CUDA_HOST_REGISTER_PORTABLE = 1
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
 class CudaCopier:
-    """GPU path: the agent's shm slot registered as pinned memory (cudaHostRegister) so the D2H copy is
-    one async DMA batch on a dedicated stream, ordered after the optimizer step by `ready`, completed
-    by an event. Not exercised on the CPU-only project machine: tests/test_gpu.py runs it on a GPU."""
+    """GPU path: the agent's shm slot registered as pinned memory (cudaHostRegister, portable) so the D2H copy is
+    one async DMA batch on a dedicated stream, ordered after the optimizer step by `ready` (an event the training
+    thread records after `optimizer.step()`; without one, the copy waits for the device's current stream at the
+    time of the copy), and completed by an event. It runs on the snapshot thread while the next step's forward and
+    backward run on the training stream. Not exercised on the CPU-only project machine: tests/test_gpu.py runs it
+    on a GPU (tools/gpu_check.sh)."""
+
+    # Registrations are the process's, not one copier's: a new binding (after a restore, or optimizer state that
+    # appeared late) makes a new writer and copier over the same slot mappings, and registering a mapping twice
+    # fails (cudaErrorHostMemoryAlreadyRegistered, which also lingers as the thread's last CUDA error).
+    _pinned: set[int] = set()
+    _pin_lock = threading.Lock()
 
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device=device)
-        self._registered: set[int] = set()
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
 
     def _register(self, slot: SlotMap) -> None:
         ptr = slot.buf.data_ptr()
-        if ptr in self._registered:
-            return
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, 0)
-        if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister of {slot.path} failed (cudaError {int(rc)})")
-        self._registered.add(ptr)
+        with CudaCopier._pin_lock:
+            if ptr in CudaCopier._pinned:
+                return
+            with torch.cuda.device(self.device):
+                rc = int(torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, CUDA_HOST_REGISTER_PORTABLE))
+            # registered by someone else in this process over the same mapping: pinned all the same
+            if rc not in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+                raise RuntimeError(f"cudaHostRegister of {slot.path} failed (cudaError {rc})")
+            CudaCopier._pinned.add(ptr)
+
+    @staticmethod
+    def registered(slot: SlotMap) -> bool:
+        return slot.buf.data_ptr() in CudaCopier._pinned
 
     def release(self, slot: SlotMap) -> None:
         """Unpin a slot that is being unmapped (replaced by a larger one): pinned pages must not outlive it."""
         ptr = slot.buf.data_ptr()
-        if ptr in self._registered:
-            torch.cuda.synchronize(self.stream.device)
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-            self._registered.discard(ptr)
+        with CudaCopier._pin_lock:
+            if ptr in CudaCopier._pinned:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+                CudaCopier._pinned.discard(ptr)
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
         self._register(slot)
-        with torch.cuda.stream(self.stream):
-            if ready is not None:
-                self.stream.wait_event(ready)
+        with torch.cuda.device(self.device):
+            if ready is None:   # no event from the training thread: everything queued on the default stream so far
+                ready = torch.cuda.default_stream(self.device).record_event()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
             for dst, src in pairs:
+                if src.is_cuda:
+                    # the source is read on this stream: the caching allocator must not hand its memory out again
+                    # before the copy is done, even if the training thread frees the tensor meanwhile
+                    src.record_stream(self.stream)
                 dst.copy_(src, non_blocking=src.is_cuda)
             done = self.stream.record_event()
         done.synchronize()

@@ -1,0 +1,243 @@
+"""The generation lifecycle of the reconfigurable groups (runtime/process_group.py), on CPU.
+
+The same `Generations` logic drives gloo and NCCL generations. Here it runs with real gloo backends and a real
+TCPStore, two ranks as threads of this process; the NCCL generation runs with a stand-in for the one NCCL-specific
+call (`NcclGeneration.make_nccl`: a real gloo backend behind ProcessGroupNCCL's abort/shutdown surface), since no
+CUDA build is installed here. tests/test_gpu.py runs the real ProcessGroupNCCL on a GPU.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from phoenixrun.config import WorkerSettings
+from phoenixrun.runtime.process_group import (DeviceRouted, GlooGeneration, GroupRegistry, Generations,
+                                              NcclGeneration, ReconfigurableProcessGroup, generation_kind, nccl_env)
+
+TIMEOUT = timedelta(seconds=20)   # a hang the abort failed to end fails the test in 20 s instead of wedging it
+
+
+# ------------------------------------------------------------------------------------------------ pure decisions
+NCCL_ENV = [
+    # (environment, variables phoenixrun sets, warns)
+    ({}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
+          "TORCH_NCCL_NONBLOCKING_TIMEOUT": "60"}, False),
+    # torch's default (3, SkipCleanUp) and TearDown (1) kill the process on a peer's failure: overridden, named
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                                                "TORCH_NCCL_BLOCKING_WAIT": "0",
+                                                "TORCH_NCCL_NONBLOCKING_TIMEOUT": "60"}, True),
+    ({"NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "5"},
+     {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}, True),
+    # choices that keep the process alive are the user's
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"},
+     {"TORCH_NCCL_NONBLOCKING_TIMEOUT": "60"}, False),
+    ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0",
+      "TORCH_NCCL_NONBLOCKING_TIMEOUT": "600"}, {}, False),
+]
+
+
+@pytest.mark.parametrize("environ,expected,warns", NCCL_ENV)
+def test_nccl_env(environ, expected, warns):
+    out, warnings = nccl_env(environ, 60.0)
+    assert out == expected
+    assert bool(warnings) == warns
+    if warns:
+        assert "2" in warnings[0] and "down" in warnings[0]
+
+
+def test_backend_setting_names_the_generation_kind():
+    assert WorkerSettings.from_env({}).backend == "gloo"
+    assert generation_kind(WorkerSettings.from_env({}).backend) is GlooGeneration
+    assert generation_kind(WorkerSettings.from_env({"PHOENIXRUN_BACKEND": "nccl"}).backend) is NcclGeneration
+    with pytest.raises(ValueError, match="PHOENIXRUN_BACKEND='mpi'.*gloo, nccl"):
+        generation_kind("mpi")
+
+
+def test_device_routing_sends_cpu_tensors_to_gloo():
+    calls = []
+    gloo = SimpleNamespace(allreduce=lambda ts, *a: calls.append(("gloo", ts)), barrier=lambda *a: calls.append("b"))
+    nccl = SimpleNamespace(allreduce=lambda ts, *a: calls.append(("nccl", ts)))
+    r = DeviceRouted(gloo, nccl)
+    t = torch.ones(1)
+    r.allreduce([t])
+    r.barrier()
+    assert calls == [("gloo", [t]), "b"]
+    assert DeviceRouted.on_cuda(([[t]], [t])) is False and DeviceRouted.on_cuda((3, "x")) is None
+    with pytest.raises(AttributeError):
+        r.no_such_op
+
+
+# ------------------------------------------------------------------------------------------------ the lifecycle
+class NcclStandIn:
+    """What a generation calls on a ProcessGroupNCCL, over a real gloo backend: collectives, abort(), shutdown().
+    After abort() every op raises the error ProcessGroupNCCL raises on an aborted communicator."""
+
+    made: list["NcclStandIn"] = []
+
+    def __init__(self, store, rank, size, timeout):
+        self.rank = rank
+        self.inner = ProcessGroupGloo(store, rank, size, timeout)
+        self.aborted = self.shut = False
+        NcclStandIn.made.append(self)
+
+    def abort(self):
+        self.aborted = True
+
+    def shutdown(self):
+        self.shut = True
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def op(*args, **kwargs):
+            if self.aborted:
+                raise dist.DistBackendError(f"NCCL communicator was aborted on rank {self.rank}.")
+            return fn(*args, **kwargs)
+        return op
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
+    yield server
+    del server
+
+
+def both(fn):
+    """fn(rank) on two threads (the two members of a generation); the results, or the first exception."""
+    out, errors = [None, None], []
+
+    def run(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors.append(e)
+    ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts), "a member never returned"
+    if errors:
+        raise errors[0]
+    return out
+
+
+def members(kind, store):
+    """Per rank: its registry (the world and one subgroup over both ranks, as dist.new_group makes) and lifecycle."""
+    ranks = []
+    for r in (0, 1):
+        reg = GroupRegistry()
+        reg.world = ReconfigurableProcessGroup(r, 2)
+        sub = reg.create(SimpleNamespace(global_ranks_in_group=[0, 1], group_rank=r, group_size=2, group_id="7"))
+        ranks.append((reg, sub, Generations(kind, "127.0.0.1", store.port, r, 2, TIMEOUT, reg)))
+    return ranks
+
+
+def allreduce(pg, value):
+    t = torch.tensor([float(value)])
+    pg.allreduce([t]).wait()
+    return t.item()
+
+
+@pytest.mark.parametrize("kind", [GlooGeneration, NcclGeneration])
+def test_abort_mid_collective_then_the_next_generation_works(kind, store, monkeypatch):
+    """create -> a collective hangs on a member that never joins it -> abort from another thread ends it at once ->
+    connect the next generation over the same membership -> collectives on the same group objects succeed."""
+    monkeypatch.setattr(NcclGeneration, "make_nccl", staticmethod(NcclStandIn))
+    NcclStandIn.made = []
+    m = members(kind, store)
+    both(lambda r: m[r][2].connect(0, "/test/gen0-a/"))
+    (reg0, sub0, gens0), (reg1, sub1, gens1) = m
+    assert gens0.current.generation == 0 and reg0.world.inner is gens0.current.backend
+    assert both(lambda r: allreduce(m[r][0].world, r + 1)) == [3.0, 3.0]
+    assert both(lambda r: allreduce(m[r][1], 10 * (r + 1))) == [30.0, 30.0]
+
+    # rank 1 is "dead": rank 0's all-reduce waits for it until the abort
+    failed = []
+
+    def stuck():
+        t0 = time.monotonic()
+        try:
+            allreduce(reg0.world, 1)
+        except Exception as e:  # noqa: BLE001
+            failed.append((e, time.monotonic() - t0))
+    t = threading.Thread(target=stuck, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and not failed, "the collective should be waiting for its peer"
+    t_abort = time.monotonic()
+    assert gens0.abort() > 0               # the generation's sockets were shut down
+    gens1.abort()
+    t.join(10)
+    assert not t.is_alive(), "abort did not end the collective"
+    assert failed and time.monotonic() - t_abort < 5, failed
+    old = gens0.current
+    assert old.aborted and not old.destroyed
+    if kind is NcclGeneration:
+        world_nccl = old.backend.nccl
+        assert world_nccl.aborted and all(b.nccl.aborted for b in old.subgroups)
+
+    both(lambda r: m[r][2].connect(1, "/test/gen1-b/"))
+    assert gens0.current.generation == 1 and reg0.world.inner is gens0.current.backend
+    assert both(lambda r: allreduce(m[r][0].world, r + 1)) == [3.0, 3.0]
+    assert both(lambda r: allreduce(m[r][1], 5)) == [10.0, 10.0]
+    if kind is NcclGeneration:
+        # NCCL: the aborted generation is destroyed at the rebuild (its communicators are gone already)
+        assert old.destroyed and world_nccl.shut and gens0.retired == []
+    else:
+        # gloo: kept referenced until exit (destroying a gloo backend whose peer vanished is not safe)
+        assert not old.destroyed and gens0.retired == [old]
+    for _, _, g in m:
+        g.close()
+    assert old.destroyed and reg0.world.inner is None and gens0.current is None
+
+
+def test_a_rendezvous_blocked_on_a_missing_member_is_aborted(store):
+    """A quiesce while the world's rendezvous waits for a member that never comes: the pending generation is
+    aborted, connect raises, nothing is current, and the next generation can still be made."""
+    m = members(GlooGeneration, store)
+    reg0, _, gens0 = m[0]
+    err = []
+    t = threading.Thread(target=lambda: _catch(err, gens0.connect, 0, "/test/lonely/"), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while gens0.pending is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert t.is_alive(), "the rendezvous should be waiting for rank 1"
+    gens0.abort()
+    t.join(10)
+    assert not t.is_alive() and err, "abort did not end the rendezvous"
+    assert gens0.current is None and gens0.pending is None and reg0.world.inner is None
+    assert len(gens0.retired) == 1 and gens0.retired[0].aborted
+    both(lambda r: m[r][2].connect(1, "/test/gen1-c/"))
+    assert both(lambda r: allreduce(m[r][0].world, 2)) == [4.0, 4.0]
+    for _, _, g in m:
+        g.close()
+
+
+def _catch(errors, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        errors.append(e)
+
+
+def test_abort_before_any_generation_shuts_what_was_opened_since(store):
+    """A replacement process still restoring (no generation yet) that gets a quiesce: nothing to abort but the
+    sockets opened since the lifecycle began, as before the lifecycle had a class."""
+    reg = GroupRegistry()
+    reg.world = ReconfigurableProcessGroup(0, 1)
+    gens = Generations(GlooGeneration, "127.0.0.1", store.port, 0, 1, TIMEOUT, reg)
+    client = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, use_libuv=True)
+    assert gens.abort() >= 1
+    with pytest.raises(Exception):
+        client.set("k", "v")
