@@ -44,7 +44,9 @@ def agent_argv(a: AgentConfig) -> list[str]:
     return _py() + ["agent"] + a.to_argv()
 
 
-def wait_for_master(run_dir: Path, proc: subprocess.Popen, timeout: float = 60.0) -> dict:
+def wait_for_master(run_dir: Path, proc: subprocess.Popen, timeout: float = 300.0) -> dict:
+    """The master's endpoint once it has written it. The wait ends early if the master exits; the timeout only
+    catches a master that hangs while starting (60 s was reached on a 2-core machine at a load average of 37)."""
     path = Path(run_dir) / "master.json"
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -15,6 +15,10 @@ from phoenixrun.status import client_for
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 BIN = Path(sys.executable).parent
+# How long a test waits for a job's progress before calling it stuck. Only a failure detector: a passing test never
+# waits for it, so it is generous. At 120 s, jobs on this 2-core machine under a load average of 20-37 (other
+# suites running) timed out before step 6 while their events showed them finishing normally.
+WAIT_S = 450.0
 # a small model keeps each job to seconds on 2 cores; the code paths are those of the full example
 SMALL = ["--layers", "1", "--d-model", "64", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "4"]
 
@@ -38,7 +42,7 @@ class Job:
         except (ControlError, ValueError, OSError):
             return None
 
-    def wait_for(self, predicate, timeout: float = 120.0, what: str = "condition") -> dict:
+    def wait_for(self, predicate, timeout: float = WAIT_S, what: str = "condition") -> dict:
         """Poll the master's state until predicate(state) holds (the job's own progress is the event)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -50,10 +54,10 @@ class Job:
             time.sleep(0.02)
         raise AssertionError(f"timed out waiting for {what}:\n{self.log()[-3000:]}")
 
-    def wait_step(self, step: int, timeout: float = 120.0) -> dict:
+    def wait_step(self, step: int, timeout: float = WAIT_S) -> dict:
         return self.wait_for(lambda s: s.get("step") is not None and s["step"] >= step, timeout, f"step {step}")
 
-    def wait_file(self, path: Path, timeout: float = 120.0) -> str:
+    def wait_file(self, path: Path, timeout: float = WAIT_S) -> str:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if path.exists() and path.read_text():
@@ -63,7 +67,7 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"{path} did not appear:\n{self.log()[-3000:]}")
 
-    def finish(self, timeout: float = 240.0) -> int:
+    def finish(self, timeout: float = 2 * WAIT_S) -> int:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
