@@ -53,6 +53,9 @@ log = logging.getLogger("phoenixrun.agent")
 WATCH_INTERVAL_S = 0.05
 IDLE_SPARE_WATCH_INTERVAL_S = 0.2
 HEALTH_POLL_S = 0.2     # how often the health sources (NVML, injected) are sampled
+# SIGTERM on an active node of an API job asks the master to drain it; the node leaves as before (LEFT, persist,
+# exit) if it is not told to stop within this: below Slurm's default KillWait (30 s) before its SIGKILL
+DRAIN_WAIT_S = 20.0
 
 
 def watch_interval(role: str | None, warm_only: bool) -> float:
@@ -66,6 +69,7 @@ class Agent:
         node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.node = NodeState(node_id=node_id, nproc_per_node=cfg.nproc_per_node)
         self.life = Lifecycle()
+        self.drain_deadline: float | None = None   # SIGTERM asked for a drain: leave by then at the latest
         self.cut = NetworkCut()            # partition drill: while active, this node's traffic is dropped
         self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         orphans = remove_orphans(socket.gethostname())
@@ -129,6 +133,9 @@ class Agent:
                     self.executor.apply(d)
                 except queue.Empty:
                     pass
+                if self.drain_deadline is not None and time.time() > self.drain_deadline:
+                    log.warning("no drain within %.0fs of SIGTERM: leaving", DRAIN_WAIT_S)
+                    self._leave(signal.SIGTERM)
                 self._poll_health()
                 self.supervisor.watch()
                 self.executor.maybe_quiesced()
@@ -149,6 +156,17 @@ class Agent:
                  f" (slot {node.slot})" if node.slot is not None else "")
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGTERM and self.drain_deadline is None and self.node.role == "active" and self.node.api:
+            # preemption or maintenance of this node: its ranks move to a spare at a step boundary, and the master
+            # tells this agent to stop once they did (no spare: it is told to stop at once, and leaves as below)
+            log.warning("agent got SIGTERM: asking the master to drain this node")
+            self.drain_deadline = time.time() + DRAIN_WAIT_S
+            self.reporter.report({"kind": ReportKind.DRAIN, "reason": "agent got SIGTERM (preemption or maintenance)",
+                                  "t": time.time()})
+            return
+        self._leave(signum)
+
+    def _leave(self, signum: int) -> None:
         log.warning("agent got signal %d: stopping workers", signum)
         self.reporter.report({"kind": ReportKind.LEFT, "detail": f"agent got signal {signum}"})
         self.life.stop(128 + signum)

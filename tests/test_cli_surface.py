@@ -108,6 +108,13 @@ SURFACE = {
         ("--node",): (REQUIRED, None),
         ("--fault",): (REQUIRED, None),
     },
+    "drain": {
+        ("--run-dir", "--run_dir"): (None, None),
+        ("--endpoint",): (None, None),
+        ("--secret-file", "--secret_file"): (None, None),
+        ("--node",): (REQUIRED, None),
+        ("--reason",): ("operator request", None),
+    },
     "simulate": {
         ("--example",): ("paper", None),
         ("--mttf",): (None, None),

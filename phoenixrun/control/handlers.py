@@ -194,6 +194,19 @@ class Handlers:
             self.events.emit(Event.FAULT_INJECTED, self.job.generation, node=nid, slot=msg.slot, fault=msg.fault)
             return {"ok": True, "node": nid}
 
+    def drain(self, p: dict) -> dict:
+        """`phoenixrun drain`: move a healthy node's ranks to a spare at a step boundary (the coordinator carries
+        it out, control/recovery.py's Recoveries.drain). Refused (409) with what is wrong and what to do."""
+        msg = messages.parse_drain(p, self._msg_job)
+        with self.job.cv:
+            refusal = self.job.drain_refusal(msg.slot)
+            if refusal is not None:
+                raise messages.MessageError(f"cannot drain slot {msg.slot}: {refusal}", code=409, reason="drain_refused")
+            nid = self.job.slots[msg.slot]
+        self.inbox.put({"kind": ReportKind.DRAIN, "node_id": nid, "reason": msg.reason, "by": "operator",
+                        "t": time.time()})
+        return {"ok": True, "node": nid, "slot": msg.slot}
+
     def report(self, p: dict) -> dict:
         msg = messages.parse_report(p, self._msg_job, time.time())
         with self.job.cv:

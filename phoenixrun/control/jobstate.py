@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+from phoenixrun.control.decide import drain_refusal
 from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role
 from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
@@ -103,6 +104,18 @@ class JobState:
                     if steps:
                         newest[r] = max(newest.get(r, steps[0]), max(steps))
         return newest
+
+    def committed_step(self) -> int | None:
+        """The newest step every rank has a snapshot of (None until each has one)."""
+        newest = self.newest_snapshots()
+        return min(newest.values()) if len(newest) == self.layout.world_size else None
+
+    def drain_refusal(self, slot: int) -> str | None:
+        """Why a drain of node slot `slot` cannot start now (decide.drain_refusal on this state); None: it can."""
+        node = self.nodes.get(self.slots.get(slot, ""))
+        spares = sum(1 for n in self.nodes.values() if n.role == Role.SPARE)
+        return drain_refusal(slot, self.cfg.nnodes, node, spares, self.phase == Phase.RUNNING,
+                             self.hot_swap_capable(), self.committed_step())
 
     def note_progress(self) -> None:
         """Throughput samples for status: O(nodes), so at most twice a second, not per heartbeat."""

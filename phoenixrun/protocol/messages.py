@@ -252,6 +252,12 @@ class Inject:
 
 
 @dataclass(frozen=True, slots=True)
+class Drain:
+    slot: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Poll:
     node_id: str
     token: str | None
@@ -412,6 +418,14 @@ def parse_inject(p, job: Job) -> Inject:
     if not valid_fault(fault):
         raise MessageError(f"unknown fault {_show(fault)}: one of {' | '.join(FAULTS)} | xid:N | partition:SECONDS")
     return Inject(slot=slot, fault=fault)
+
+
+def parse_drain(p, job: Job) -> Drain:
+    """`phoenixrun drain`: the node slot to move to a spare, and why (free text, for the events)."""
+    p = _obj(p)
+    slot = _slot(_get(p, "slot"), "slot", job, none=False)
+    reason = _str(p.get("reason") or "operator request", "reason", limit=MAX_TEXT)
+    return Drain(slot=slot, reason=reason)
 
 
 def parse_poll(p, newest_version: int) -> Poll:

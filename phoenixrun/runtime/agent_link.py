@@ -36,6 +36,8 @@ class AgentLink:
         self.closed = False
         self.on_quiesce: Callable[[int], None] = lambda g: None
         self.on_abort: Callable[[], None] = lambda: None   # fault drill: make this worker's collectives fail
+        # a drain's quiesce (`at_step`): True if the training thread will stop at that step boundary by itself
+        self.on_drain: Callable[[int, int], bool] = lambda g, at_step: False
         self.poison_loss = False                           # fault drill: the next observed loss is NaN
         self._reader = threading.Thread(target=self._read, daemon=True, name="phoenixrun-agent-link")
         self._reader.start()
@@ -97,6 +99,8 @@ class AgentLink:
                     self.poison_loss = True
                 elif op == WorkerOp.QUIESCE:
                     g = int(msg["generation"])
+                    if msg.get("at_step") is not None and self.on_drain(g, int(msg["at_step"])):
+                        continue                           # stops at the boundary: nothing to interrupt
                     with self.cv:
                         self.quiesce_generation = max(self.quiesce_generation, g)
                         self.cv.notify_all()

@@ -225,6 +225,9 @@ class _Runtime:
         self.link = AgentLink(sock_path)
         self.link.on_quiesce = self._on_quiesce
         self.link.on_abort = self.abort   # `phoenixrun inject --fault comm-timeout`: fail our collectives now
+        self.link.on_drain = self._on_drain
+        self.drain_at: tuple[int, int] | None = None   # (generation, step boundary) of a drain's quiesce
+        self.running_step = -1            # the step the training thread has set out to run (under link.cv)
         self.link.send({"op": WorkerOp.HELLO, "local_rank": local_rank, "pid": os.getpid(), "api": True})
         assign = self.next_order({WorkerOp.ASSIGN})
         self.rank, self.world_size = assign["rank"], assign["world_size"]
@@ -267,6 +270,15 @@ class _Runtime:
 
     def abort(self) -> None:
         abort_sockets_since(self._baseline)
+
+    def _on_drain(self, generation: int, at_step: int) -> bool:
+        """A drain's quiesce (reader thread): stop at step boundary `at_step`. False when the training thread is
+        already in that step or a later one: then it quiesces at once, as for a fault (the step is abandoned)."""
+        with self.link.cv:
+            if self.running_step >= at_step:
+                return False
+            self.drain_at = (generation, at_step)
+            return True
 
     def close(self) -> None:
         """At exit, while the interpreter is whole: stop the agent-link thread and free the gloo
@@ -361,6 +373,9 @@ class Job:
     def steps(self, total: int) -> Iterator[int]:
         while True:
             while self.next_step < total:
+                if self._drain_due():
+                    self._stop_for_drain()
+                    continue
                 yield self.next_step
             try:  # nobody leaves while a peer might still need to replay a step with them
                 dist.barrier()
@@ -368,6 +383,32 @@ class Job:
                 return
             except Exception as e:  # noqa: BLE001 - any failure here is a recovery
                 self._recover(e)
+
+    def _drain_due(self) -> bool:
+        """At a step boundary: has a drain asked this rank to stop here? If not, the next step is set out on (a
+        drain order arriving from now on for this step or an earlier one quiesces at once: see _on_drain)."""
+        rt = self.rt
+        with self.link.cv:
+            if rt.drain_at is not None and rt.drain_at[0] > rt.generation and self.next_step >= rt.drain_at[1]:
+                return True
+            rt.running_step = self.next_step
+            return False
+
+    def _stop_for_drain(self) -> None:
+        """The drain's step boundary: wait until this step's snapshot is committed, then report quiesced and wait
+        for the rebuild, as a quiesce would - without shutting any socket down: every rank stops here, none is
+        inside a step with this one, so nothing is abandoned and nothing replays."""
+        t0 = time.time()
+        generation = self.rt.drain_at[0]
+        self.copier.wait()
+        with self.link.cv:
+            while (self.link.committed_step < self.awaited_step and self.link.commit_error is None
+                   and not self.link.closed and self.link.quiesce_generation < generation):
+                self.link.cv.wait(0.5)
+            self.link.commit_error = None
+            self.link.quiesce_generation = max(self.link.quiesce_generation, generation)
+        self.copier.error = None
+        self._await_rebuild(t0)
 
     def step(self, k: int) -> "_StepScope":
         return _StepScope(self, k)
