@@ -70,6 +70,7 @@ class Agent:
         self.node = NodeState(node_id=node_id, nproc_per_node=cfg.nproc_per_node)
         self.life = Lifecycle()
         self.drain_deadline: float | None = None   # SIGTERM asked for a drain: leave by then at the latest
+        self.drain_asked = False
         self.cut = NetworkCut()            # partition drill: while active, this node's traffic is dropped
         self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         orphans = remove_orphans(socket.gethostname())
@@ -133,6 +134,9 @@ class Agent:
                     self.executor.apply(d)
                 except queue.Empty:
                     pass
+                if self.drain_deadline is not None and not self.drain_asked:
+                    self.drain_asked = True
+                    self._ask_drain()
                 if self.drain_deadline is not None and time.time() > self.drain_deadline:
                     log.warning("no drain within %.0fs of SIGTERM: leaving", DRAIN_WAIT_S)
                     self._leave(signal.SIGTERM)
@@ -158,13 +162,21 @@ class Agent:
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGTERM and self.drain_deadline is None and self.node.role == "active" and self.node.api:
             # preemption or maintenance of this node: its ranks move to a spare at a step boundary, and the master
-            # tells this agent to stop once they did (no spare: it is told to stop at once, and leaves as below)
-            log.warning("agent got SIGTERM: asking the master to drain this node")
+            # tells this agent to stop once they did (no spare: it is told to stop at once, and leaves as below).
+            # Asked from the main loop (_ask_drain), not in the handler.
             self.drain_deadline = time.time() + DRAIN_WAIT_S
-            self.reporter.report({"kind": ReportKind.DRAIN, "reason": "agent got SIGTERM (preemption or maintenance)",
-                                  "t": time.time()})
             return
         self._leave(signum)
+
+    def _ask_drain(self) -> None:
+        """Ask the master, now, to drain this node; if it cannot be asked (it is down, or stopping with the whole
+        job), leave at once as on SIGTERM: waiting DRAIN_WAIT_S for nobody would outlast the launcher's grace."""
+        log.warning("agent got SIGTERM: asking the master to drain this node")
+        why = self.reporter.send_now({"kind": ReportKind.DRAIN,
+                                      "reason": "agent got SIGTERM (preemption or maintenance)"})
+        if why is not None:
+            log.warning("cannot ask the master for a drain (%s): leaving", why)
+            self._leave(signal.SIGTERM)
 
     def _leave(self, signum: int) -> None:
         log.warning("agent got signal %d: stopping workers", signum)

@@ -41,7 +41,8 @@ def test_drain_refusal(change, words):
 @pytest.mark.parametrize("newest, rate, lead, step", [
     (10, None, 1.0, 15),         # rate unknown: 5 steps ahead
     (10, 0.5, 1.0, 12),          # slow job: at least 2 ahead
-    (10, 10.0, 1.0, 21),         # 10 steps/s, 1 s stale view + delivery: 11 ahead
+    (10, 5.0, 1.0, 16),          # 5 steps/s, 1 s stale view + delivery: 6 ahead
+    (10, 10.0, 1.0, 18),         # 11 ahead wanted: at most 8
     (10, 10.0, 0.25, 14),
     (0, 4.0, 0.6, 4),            # ceil(2.4) + 1
 ])

@@ -197,16 +197,18 @@ def drain_refusal(slot: int, nnodes: int, node: NodeRecord | None, spares: int, 
 
 
 def drain_step(newest: int, steps_per_s: float | None, lead_s: float, min_ahead: int = 2,
-               unknown_rate_ahead: int = 5) -> int:
+               unknown_rate_ahead: int = 5, max_ahead: int = 8) -> int:
     """The step boundary every rank stops at for a drain: far enough past the newest snapshot the master knows
     of (`newest`) that no rank has started that step when the order reaches it, `lead_s` seconds from now (how
     stale the master's view is, plus the delivery). A rank already inside the step or past it quiesces at once
-    as for a fault (correct, but it may replay a step): the margin makes that rare. Pure."""
+    as for a fault (correct, but it may replay a step): the margin makes that rare. At most `max_ahead` steps:
+    on a loaded 2-core machine a stale heartbeat and a burst in the step rate once asked for 38 steps ahead,
+    past the job's end (the drain then waited for the last step). Pure."""
     if steps_per_s is None:
         ahead = unknown_rate_ahead
     else:
         ahead = max(min_ahead, math.ceil(steps_per_s * lead_s) + 1)
-    return newest + ahead
+    return newest + min(ahead, max_ahead)
 
 
 def plan_drain(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mapping[int, str], drained_slot: int,

@@ -228,6 +228,7 @@ class _Runtime:
         self.link.on_drain = self._on_drain
         self.drain_at: tuple[int, int] | None = None   # (generation, step boundary) of a drain's quiesce
         self.running_step = -1            # the step the training thread has set out to run (under link.cv)
+        self.final_step = 1 << 62         # job.steps()'s total: its end is the last boundary a drain can stop at
         self.link.send({"op": WorkerOp.HELLO, "local_rank": local_rank, "pid": os.getpid(), "api": True})
         assign = self.next_order({WorkerOp.ASSIGN})
         self.rank, self.world_size = assign["rank"], assign["world_size"]
@@ -275,7 +276,7 @@ class _Runtime:
         """A drain's quiesce (reader thread): stop at step boundary `at_step`. False when the training thread is
         already in that step or a later one: then it quiesces at once, as for a fault (the step is abandoned)."""
         with self.link.cv:
-            if self.running_step >= at_step:
+            if self.running_step >= min(at_step, self.final_step):
                 return False
             self.drain_at = (generation, at_step)
             return True
@@ -371,12 +372,16 @@ class Job:
 
     # ---------------------------------------------------------------- the loop
     def steps(self, total: int) -> Iterator[int]:
+        self.rt.final_step = total
         while True:
             while self.next_step < total:
-                if self._drain_due():
+                if self._drain_due(total):
                     self._stop_for_drain()
                     continue
                 yield self.next_step
+            if self._drain_due(total):     # a drain whose boundary is past the end stops at the end
+                self._stop_for_drain()
+                continue
             try:  # nobody leaves while a peer might still need to replay a step with them
                 dist.barrier()
                 self.copier.wait()
@@ -384,12 +389,14 @@ class Job:
             except Exception as e:  # noqa: BLE001 - any failure here is a recovery
                 self._recover(e)
 
-    def _drain_due(self) -> bool:
-        """At a step boundary: has a drain asked this rank to stop here? If not, the next step is set out on (a
-        drain order arriving from now on for this step or an earlier one quiesces at once: see _on_drain)."""
+    def _drain_due(self, total: int) -> bool:
+        """At a step boundary: has a drain asked this rank to stop here? If not, the next step (or, at the end,
+        the final barrier) is set out on: a drain order arriving from now on for this step or an earlier one
+        quiesces at once (see _on_drain)."""
         rt = self.rt
         with self.link.cv:
-            if rt.drain_at is not None and rt.drain_at[0] > rt.generation and self.next_step >= rt.drain_at[1]:
+            if rt.drain_at is not None and rt.drain_at[0] > rt.generation \
+                    and self.next_step >= min(rt.drain_at[1], total):
                 return True
             rt.running_step = self.next_step
             return False
