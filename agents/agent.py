@@ -71,6 +71,7 @@ class Agent:
         self.life = Lifecycle()
         self.drain_deadline: float | None = None   # SIGTERM asked for a drain: leave by then at the latest
         self.drain_asked = False
+        self.drain_started = False
         self.cut = NetworkCut()            # partition drill: while active, this node's traffic is dropped
         self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         orphans = remove_orphans(socket.gethostname())
@@ -137,6 +138,9 @@ class Agent:
                 if self.drain_deadline is not None and not self.drain_asked:
                     self.drain_asked = True
                     self._ask_drain()
+                if self.drain_deadline is not None and self.executor.drain_at is not None and not self.drain_started:
+                    self.drain_started = True     # the master took it on: the spare fetches from us from now on
+                    self.drain_deadline = time.time() + DRAIN_WAIT_S
                 if self.drain_deadline is not None and time.time() > self.drain_deadline:
                     log.warning("no drain within %.0fs of SIGTERM: leaving", DRAIN_WAIT_S)
                     self._leave(signal.SIGTERM)

@@ -33,13 +33,14 @@ def _gone(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.timeout(900)   # 4-5 minutes at a load average of 25 on 2 cores (the brief's 40 s: an idle machine)
 def test_drain_by_command_then_by_sigterm(tmp_path):
     """Two drains in one job (2 nodes x 2 ranks + 2 spares): node 1 by `phoenixrun drain`, then node 0 by SIGTERM to
-    its agent. Each time the job is held at a step (a snapshot copy, then a replica transfer, held at a pause point)
+    its agent. Each time the job is held at a step (one rank's snapshot copy held at a pause point, steps 5 and 20)
     until the drain's quiesce is ordered: on a loaded machine the CLI alone took longer than the whole job."""
     ref = torchrun(tmp_path, "ref", nproc=4, steps=STEPS)
     job = launch(tmp_path, "drain", nnodes=2, spares=2, steps=STEPS, extra_flags=["--hang-timeout", "120"],
-                 PHOENIXRUN_TEST_PAUSE="d2h:5+,h2h:20+")
+                 PHOENIXRUN_TEST_PAUSE="d2h:5+,d2h#2:20+")
     job.wait_file(tmp_path / "paused-d2h", timeout=300)
     before = job.state()
     first, kept = _node(before, 1), _node(before, 0)
@@ -55,11 +56,11 @@ def test_drain_by_command_then_by_sigterm(tmp_path):
     assert _node(after, 0)["worker_pids"] == kept["worker_pids"]       # the survivor kept its processes
     assert _gone(first["agent_pid"]), "the drained node's agent did not exit"
     # SIGTERM to the other node's agent (preemption): drained the same way, by the agent's own request
-    job.wait_file(tmp_path / "paused-h2h", timeout=300)
+    job.wait_file(tmp_path / "paused-d2h#2", timeout=300)
     second, kept = _node(after, 0), _node(after, 1)
     os.kill(second["agent_pid"], signal.SIGTERM)
     job.wait_for(lambda s: s["phase"] == "quiesce", what="the SIGTERM drain's quiesce")
-    (tmp_path / "release-h2h").touch()
+    (tmp_path / "release-d2h#2").touch()
     after = job.wait_for(lambda s: s["recoveries"] >= 2 and s["phase"] == "running", timeout=300, what="the SIGTERM drain")
     assert _node(after, 1)["worker_pids"] == kept["worker_pids"]
     assert _gone(second["agent_pid"]), "the SIGTERM'd agent did not exit"

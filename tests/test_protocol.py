@@ -17,7 +17,7 @@ from phoenixrun.protocol.status import REASON_PHRASES, Status, refused
 FROZEN = {
     Command: {"noop", "wait", "run", "restart", "quiesce", "restore", "stop"},
     ReportKind: {"left", "workers_done", "worker_exit", "worker_hang", "restore_failed", "resumed", "quiesced",
-                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health",
+                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "drain",
                  "joined", "node_lost", "attempt_check"},
     WorkerOp: {"hello", "alloc", "slots", "write", "written", "progress", "pong", "quiesced", "resumed",
                "comm_error", "nan_loss", "error", "protection_mode", "stats", "reply", "assign", "rebuild",
@@ -27,8 +27,9 @@ FROZEN = {
             "node_refused", "node_fenced", "spare_lost", "spare_promoted", "job_started", "job_finished",
             "directive_sent", "fault_injected", "fault_detected", "protection_mode", "recovery_started",
             "recovery_plan", "recovery_done", "recovery_failed", "restart", "fallback_restart", "fallback_done",
-            "checkpoint_rejected", "rejected_request"},
-    Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/directive", "/v1/inject", "/v1/state", "/metrics"},
+            "checkpoint_rejected", "rejected_request", "drain_requested"},
+    Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/directive", "/v1/inject", "/v1/drain", "/v1/state",
+               "/metrics"},
 }
 
 
