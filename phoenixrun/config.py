@@ -279,7 +279,7 @@ class MasterConfig(_Settings):
     persist_every: int = setting(
         0, flag="--persist-every", min=0,
         doc="Agents write each rank's committed snapshot to --persist-dir every N steps, in the background (0: "
-            "only when an agent gets SIGTERM). The fallback when in-memory recovery is impossible, and what a "
+            "only when an agent leaves on SIGTERM). The fallback when in-memory recovery is impossible, and what a "
             "job started on the same directory resumes from.")
     persist_keep: int = setting(
         2, flag="--persist-keep", min=1, doc="Complete checkpoints kept; older ones are pruned.")
