@@ -132,7 +132,8 @@ def _options(*opts):
 _job_shape = _options(*(_field(MasterConfig, n) for n in ("replicas", "tp", "pp")))
 _recovery_policy = _options(
     _field(MasterConfig, "max_restarts", env="PET_MAX_RESTARTS"),
-    *(_field(MasterConfig, n) for n in ("node_timeout", "spare_wait", "recovery_timeout", "max_local_resets")))
+    *(_field(MasterConfig, n) for n in ("node_timeout", "spare_wait", "recovery_timeout", "max_local_resets",
+                                        "straggler_ratio", "straggler_window", "replace_stragglers")))
 # what the agents watch: `phoenixrun` and `phoenixrun agent`
 _agent_timeouts = _options(_field(AgentConfig, "heartbeat_interval"), _field(AgentConfig, "hang_timeout"))
 _persistence = _options(*(_field(MasterConfig, n) for n in ("persist_every", "persist_dir", "persist_keep",
@@ -354,10 +355,11 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
 @_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--node", "slot", type=click.IntRange(min=0), required=True, help="Node slot to hit.")
 @click.option("--fault", required=True, metavar="FAULT",
-              help="crash-worker | kill-node | hang | xid:N | ecc | partition[:SECONDS] | comm-timeout | nan. "
+              help="crash-worker | kill-node | hang | xid:N | ecc | partition[:SECONDS] | comm-timeout | nan | slow:FACTOR. "
                    "xid and ecc go through the agent's injected health source, as NVML would report them; "
                    "partition drops the node's traffic (for SECONDS, or until its agent gets SIGUSR1); "
-                   "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN")
+                   "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN; "
+                   "slow:FACTOR makes the node's workers compute FACTOR times slower (a straggler, 1-100)")
 def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
     """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
     from phoenixrun.protocol.client import ControlError

@@ -63,7 +63,7 @@ def render(state: dict) -> Group:
                 f"{state['endpoint']} pid {state['master_pid']}")
     nodes = Table(title="nodes")
     for col in ("slot", "ranks", "role", "node", "agent pid", "worker pids", "heartbeat age", "committed step",
-                "replica lag", "d2h ms", "h2h ms", "stall ms", "every", "last fault"):
+                "replica lag", "d2h ms", "h2h ms", "stall ms", "every", "straggler", "last fault"):
         nodes.add_column(col)
     for n in state["nodes"]:
         prot = n.get("protection") or {}
@@ -78,6 +78,7 @@ def render(state: dict) -> Group:
                       str(min(committed)) if committed else "-", str(max(lag)) if lag else "-",
                       ms("d2h_s"), ms("h2h_s"), ms("stall_s"),
                       str(max((p.get("every", 1) for p in prot.values()), default="-")),
+                      f"{n['straggler']}x slower" if n.get("straggler") else "-",
                       n.get("last_fault") or (f"drain: {n['draining']}" if n.get("draining") else ""))
     events = Table(title="recent events")
     for col in ("time", "gen", "event", "details"):

@@ -162,3 +162,23 @@ def test_a_sigterm_drain_without_a_spare_leaves_as_before(tmp_path):
     req = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "drain_requested"]
     assert [(e["node"], e["slot"], e["by"], e["accepted"]) for e in req] == [("b", 1, "agent", False)]
     assert "no spare node" in req[0]["refusal"]
+
+
+# ---------------------------------------------------------------- stragglers (decide.stragglers)
+from phoenixrun.control.decide import stragglers  # noqa: E402
+
+
+@pytest.mark.parametrize("samples, ratio, window, found", [
+    ({0: [1.0] * 4, 1: [1.0] * 4, 2: [3.0] * 4}, 2.0, 4, {2: 3.0}),          # 3x its peers' median
+    ({0: [1.0] * 4, 1: [1.0] * 4, 2: [1.9] * 4}, 2.0, 4, {}),                # under the threshold
+    ({0: [1.0] * 4, 1: [3.0] * 4}, 2.0, 4, {1: 3.0}),                        # two nodes: the other is the peer
+    ({0: [1.0] * 4, 1: [1.0, 1.0, 9.0, 1.0]}, 2.0, 4, {}),                  # one slow step is no straggler
+    ({0: [1.0] * 4, 1: [1.0, 9.0, 9.0, 9.0]}, 2.0, 4, {1: 9.0}),            # persistently slow
+    ({0: [1.0] * 4, 1: [9.0] * 3}, 2.0, 4, {}),                              # not judged before `window` samples
+    ({0: [1.0] * 4}, 2.0, 4, {}),                                            # no peer
+    ({0: [0.0] * 4, 1: [1.0] * 4}, 2.0, 4, {}),                              # peers measuring 0: no base
+    ({0: [9.0] * 4 + [1.0] * 4, 1: [1.0] * 8}, 2.0, 4, {}),                 # only the last `window` count
+    ({0: [1.0] * 4, 1: [1.0] * 4, 2: [2.0] * 4, 3: [2.0] * 4}, 2.5, 4, {}),   # half the job 2x slower, threshold 2.5
+])
+def test_stragglers(samples, ratio, window, found):
+    assert stragglers(samples, ratio, window) == found

@@ -159,12 +159,12 @@ class Coordinator:
             refusal = job.drain_refusal(node.slot)
             self.events.emit(Event.DRAIN_REQUESTED, job.generation, node=node.node_id, slot=node.slot, reason=reason,
                              by=by, accepted=refusal is None, **({"refusal": refusal} if refusal else {}))
-            if refusal is not None and by != "operator":
+            if refusal is not None and by == "agent":
                 self.orders.direct([node.node_id], command=Command.STOP, exit_code=128 + 15,
                                    reason=f"drain refused ({refusal}): leaving as on SIGTERM")
         if refusal is None:
             self.recovery.drain(node, reason, ev.get("t", time.time()))
-        elif by != "operator":
+        elif by == "agent":
             log.warning("drain of slot %s refused: %s; the node leaves", node.slot, refusal)
             self.inbox.put({"kind": ReportKind.LEFT, "node_id": node.node_id, "t": time.time(),
                             "detail": f"{reason}; drain refused: {refusal}"})

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from phoenixrun.control.state import NodeRecord, PlanError, RankSource, RecoveryPlan, Role, restore_step
 from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, classify
@@ -230,3 +231,19 @@ def plan_drain(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mapping[i
     fetch = {r: RankSource(drained.peer_addr, drained.peer_addr, r) for r in layout.ranks_of_slot(drained_slot)}
     return RecoveryPlan(restore_step=step, slots={**slots, drained_slot: spare_id}, fetch=fetch,
                         replaced_slots={drained_slot: spare_id})
+
+
+# ---------------------------------------------------------------- stragglers
+def stragglers(samples: Mapping[int, Sequence[float]], ratio: float, window: int) -> dict[int, float]:
+    """slot -> how many times slower than its peers, for each node persistently slower: the median of its last
+    `window` samples (a step's compute time, newest last) at least `ratio` times the median of the other nodes'
+    medians. A node with fewer than `window` samples is not judged and is nobody's peer yet; a node without a
+    judged peer (or whose peers measure 0) is never a straggler. Pure."""
+    med = {s: statistics.median(v[-window:]) for s, v in samples.items() if len(v) >= window}
+    out: dict[int, float] = {}
+    for s, m in med.items():
+        peers = [x for t, x in med.items() if t != s]
+        base = statistics.median(peers) if peers else 0.0
+        if base > 0 and m / base >= ratio:
+            out[s] = round(m / base, 2)
+    return out

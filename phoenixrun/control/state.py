@@ -51,6 +51,7 @@ class NodeRecord:
     api: bool = False          # its workers use the phoenixrun API (hot-swap capable)
     warm_ready: bool = False   # a spare whose pre-started workers are all up (its agent says so)
     draining: str | None = None   # a drain of this node is under way (or done: role drained): its reason
+    straggler: float | None = None   # how many times slower than its peers, while it is a straggler
 
     def to_json(self, now: float) -> dict:
         d = asdict(self)

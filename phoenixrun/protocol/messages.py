@@ -192,6 +192,11 @@ def valid_fault(fault: str) -> bool:
             return 0 < float(arg) < float("inf")
         except ValueError:
             return False
+    if name == "slow":
+        try:
+            return 1 <= float(arg) <= 100
+        except ValueError:
+            return False
     return False
 
 
@@ -416,7 +421,7 @@ def parse_inject(p, job: Job) -> Inject:
     slot = _slot(_get(p, "slot"), "slot", job, none=False)
     fault = _get(p, "fault")
     if not valid_fault(fault):
-        raise MessageError(f"unknown fault {_show(fault)}: one of {' | '.join(FAULTS)} | xid:N | partition:SECONDS")
+        raise MessageError(f"unknown fault {_show(fault)}: one of {' | '.join(FAULTS)} | xid:N | partition:SECONDS | slow:FACTOR")
     return Inject(slot=slot, fault=fault)
 
 

@@ -86,6 +86,7 @@ class WorkerOp(StrEnum):
     PING = "ping"                        # liveness probe (hang watchdog)
     ABORT_COMM = "abort_comm"            # fault drill: make this worker's collectives fail
     POISON_LOSS = "poison_loss"          # fault drill: the next observed loss is NaN
+    SLOW = "slow"                        # fault drill: compute `factor` times slower (a straggler)
     # inside the worker: its link to the agent closed
     AGENT_GONE = "agent_gone"
 
@@ -123,6 +124,7 @@ class Event(StrEnum):
     CHECKPOINT_REJECTED = "checkpoint_rejected"
     REJECTED_REQUEST = "rejected_request"
     DRAIN_REQUESTED = "drain_requested"
+    STRAGGLER = "straggler"
 
 
 class Endpoint(StrEnum):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from phoenixrun.config import WorkerSettings
 from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol.names import WorkerOp
-from phoenixrun.runtime import layout_check
+from phoenixrun.runtime import layout_check, process_group
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.process_group import (GROUPS, Generation, ReconfigurableProcessGroup, socket_inodes,
@@ -334,6 +334,13 @@ class Job:
         self._restored_meta_cap = 0     # metadata capacity of the snapshot last restored (a floor for the layout)
         self.copier = BackgroundCopier()
         self.awaited_step = -1          # step of the last snapshot submitted: opt.step waits for its commit
+        # straggler measure: a step's time until it issues its first collective - this rank's own compute, before
+        # it can wait for anyone (the step's wall time is every rank's alike: DP ranks wait for the slowest)
+        self.compute_s: float | None = None
+        self._base_compute_s = 0.0      # the same, without an injected slowdown (`inject --fault slow:F`)
+        self._step_t0 = self._compute_t0 = 0.0
+        self._first_collective: float | None = None
+        process_group.ON_COLLECTIVE = self._on_collective
         self.stall_s = 0.0
         self._submit_t = 0.0
         self._restore_callbacks: list[Callable[[int, int], None]] = []
@@ -388,6 +395,10 @@ class Job:
                 return
             except Exception as e:  # noqa: BLE001 - any failure here is a recovery
                 self._recover(e)
+
+    def _on_collective(self) -> None:
+        if self._first_collective is None:
+            self._first_collective = time.perf_counter()
 
     def _drain_due(self, total: int) -> bool:
         """At a step boundary: has a drain asked this rank to stop here? If not, the next step (or, at the end,
@@ -502,6 +513,8 @@ class Job:
         compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
         stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
                  "step_s": round(compute_t, 5), "every": self.every, "slot_bytes": writer.total_len}
+        if self.compute_s is not None:
+            stats["compute_s"] = round(self.compute_s, 5)
         self._submit_t = time.perf_counter()
 
         def copy() -> None:
@@ -624,11 +637,18 @@ class _StepScope:
         if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog
             job._last_ping = now
             job.link.send({"op": WorkerOp.PROGRESS, "step": self.k})
+        t0 = time.perf_counter()
+        if job.link.slow_factor > 1 and job._base_compute_s:
+            time.sleep((job.link.slow_factor - 1) * job._base_compute_s)   # fault drill: a straggler's compute
+        job._step_t0, job._compute_t0, job._first_collective = t0, time.perf_counter(), None
         return self.k
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         job = self.job
         if exc is None and not job.rt.quiesce_pending:
+            if job._first_collective is not None:
+                job.compute_s = job._first_collective - job._step_t0
+                job._base_compute_s = job._first_collective - job._compute_t0
             job.next_step = self.k + 1
             job._snapshot(self.k + 1)
             return False

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,10 @@ UNSUPPORTED = {
 }
 
 
+# called as each collective is issued (the runtime's straggler measure: a step's compute before its first collective)
+ON_COLLECTIVE: Callable[[], None] | None = None
+
+
 class ReconfigurableProcessGroup(ProcessGroup):
     """A process group of fixed members whose backend is replaced in place, generation by generation.
 
@@ -171,6 +176,8 @@ class ReconfigurableProcessGroup(ProcessGroup):
 
     def _fwd(name: str, target: str):  # noqa: N805 - builds forwarding methods
         def method(self, *args, **kwargs):
+            if ON_COLLECTIVE is not None:
+                ON_COLLECTIVE()
             if self.inner is None:
                 return self._local_op(name, args)
             fn = getattr(self.inner, target, None)

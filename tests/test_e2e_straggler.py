@@ -1,0 +1,35 @@
+"""Stragglers end to end with real processes: `phoenixrun inject --fault slow:3` makes one node's workers compute
+three times slower; the master reports it (`straggler` event) and, with --replace-stragglers, drains it to the
+spare - nothing replayed - and the job ends bit-identical to a fault-free torchrun run."""
+import subprocess
+
+import pytest
+
+from tests.harness import BIN, assert_identical, by_event, launch, torchrun
+
+STEPS = 40
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(900)   # minutes at a load average of 25 on 2 cores
+def test_a_slow_node_is_reported_and_drained(tmp_path):
+    ref = torchrun(tmp_path, "ref", nproc=4, steps=STEPS)
+    job = launch(tmp_path, "slow", nnodes=2, spares=1, steps=STEPS,
+                 extra_flags=["--replace-stragglers", "--straggler-window", "4", "--straggler-ratio", "2"])
+    state = job.wait_step(3, timeout=300)
+    slow = next(n for n in state["nodes"] if n["slot"] == 1)
+    r = subprocess.run([str(BIN / "phoenixrun"), "inject", "--run-dir", str(job.run_dir), "--node", "1",
+                        "--fault", "slow:3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert job.finish(timeout=600) == 0, job.log()[-3000:]
+    ev = job.events()
+    found = by_event(ev, "straggler")
+    assert [(e["node"], e["slot"], e["replace"]) for e in found][:1] == [(slow["node_id"], 1, True)], found
+    assert found[0]["ratio"] >= 2
+    req = by_event(ev, "drain_requested")
+    assert [(e["node"], e["by"], e["accepted"]) for e in req] == [(slow["node_id"], "straggler", True)]
+    done = by_event(ev, "recovery_done")
+    assert [(d["cause"], d["drained_node"]) for d in done] == [("drain", slow["node_id"])]
+    assert done[0]["replayed_steps"] <= 1, done     # no pause point holds this job: at most one, as for a fault
+    assert not by_event(ev, "fault_detected")
+    assert_identical(job.out, ref)
