@@ -1,5 +1,5 @@
-"""Stragglers end to end with real processes: `phoenixrun inject --fault slow:3` makes one node's workers compute
-three times slower; the master reports it (`straggler` event) and, with --replace-stragglers, drains it to the
+"""Stragglers end to end with real processes: `phoenixrun inject --fault slow:5` makes one node's workers compute
+five times slower; the master reports it (`straggler` event) and, with --replace-stragglers, drains it to the
 spare - nothing replayed - and the job ends bit-identical to a fault-free torchrun run."""
 import pytest
 
@@ -19,7 +19,7 @@ def test_a_slow_node_is_reported_and_drained(tmp_path):
     slow = next(n for n in state["nodes"] if n["slot"] == 1)
     # through the authenticated API in-process: on a loaded machine the CLI's start-up alone outlasted the job
     # (the command itself is tested in test_fault_matrix.py)
-    reply = client_for(job.run_dir, None, None).post("/v1/inject", {"slot": 1, "fault": "slow:3"})
+    reply = client_for(job.run_dir, None, None).post("/v1/inject", {"slot": 1, "fault": "slow:5"})
     assert reply["node"] == slow["node_id"]
     assert job.finish(timeout=600) == 0, job.log()[-3000:]
     ev = job.events()

@@ -182,3 +182,21 @@ from phoenixrun.control.decide import stragglers  # noqa: E402
 ])
 def test_stragglers(samples, ratio, window, found):
     assert stragglers(samples, ratio, window) == found
+
+
+def test_compute_samples_one_per_step_and_start_again_after_a_recovery(tmp_path):
+    m = _running(tmp_path)
+    node = m.nodes["b"]
+
+    def beat(step, *compute):
+        node.protection = {r: {"committed_step": step, "compute_s": c} for r, c in enumerate(compute)}
+        m.job.note_compute(node)
+    beat(1, 0.5, 0.5)                       # the first step seen: skipped (warm-up)
+    beat(2, 0.1, 0.3)
+    beat(2, 0.1, 0.9)                       # the same committed step again: not a new sample
+    beat(3, 0.2, 0.1)
+    assert list(m.job.compute["b"]) == [0.3, 0.2]          # one per step, the node's slowest rank
+    m.job.generation += 1                   # a recovery
+    beat(4, 0.7, 0.7)
+    beat(5, 0.4, 0.4)
+    assert list(m.job.compute["b"]) == [0.4]

@@ -76,6 +76,7 @@ class JobState:
         # stragglers: node id -> its slowest rank's compute per step (one sample per committed step), newest last
         self.compute: dict[str, deque[float]] = {}
         self.compute_step: dict[str, int] = {}
+        self.compute_generation = 0
         self.stragglers_at = 0.0
 
     # everything below: call with cv held
@@ -128,7 +129,16 @@ class JobState:
                    default=None)
         if not vals or step is None or self.compute_step.get(node.node_id) == step:
             return
+        if self.compute_generation != self.generation:
+            # a recovery disturbed every node's steps, and a promoted spare's first ones are slow (measured: a
+            # spare just drained to flagged at 2.55x its peers at load 31): every window starts again
+            self.compute_generation = self.generation
+            self.compute.clear()
+            self.compute_step.clear()
+        first = node.node_id not in self.compute_step
         self.compute_step[node.node_id] = step
+        if first:
+            return        # the first step seen: warming up, or measured across the recovery
         self.compute.setdefault(node.node_id, deque(maxlen=self.cfg.straggler_window)).append(max(vals))
 
     def new_stragglers(self) -> list[NodeRecord]:
