@@ -53,6 +53,9 @@ log = logging.getLogger("phoenixrun.agent")
 WATCH_INTERVAL_S = 0.05
 IDLE_SPARE_WATCH_INTERVAL_S = 0.2
 HEALTH_POLL_S = 0.2     # how often the health sources (NVML, injected) are sampled
+# SIGTERM on an active node of an API job asks the master to drain it; the node leaves as before (LEFT, persist,
+# exit) if it is not told to stop within this: below Slurm's default KillWait (30 s) before its SIGKILL
+DRAIN_WAIT_S = 20.0
 
 
 def watch_interval(role: str | None, warm_only: bool) -> float:
@@ -66,6 +69,9 @@ class Agent:
         node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.node = NodeState(node_id=node_id, nproc_per_node=cfg.nproc_per_node)
         self.life = Lifecycle()
+        self.drain_deadline: float | None = None   # SIGTERM asked for a drain: leave by then at the latest
+        self.drain_asked = False
+        self.drain_started = False
         self.cut = NetworkCut()            # partition drill: while active, this node's traffic is dropped
         self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         orphans = remove_orphans(socket.gethostname())
@@ -129,6 +135,15 @@ class Agent:
                     self.executor.apply(d)
                 except queue.Empty:
                     pass
+                if self.drain_deadline is not None and not self.drain_asked:
+                    self.drain_asked = True
+                    self._ask_drain()
+                if self.drain_deadline is not None and self.executor.drain_at is not None and not self.drain_started:
+                    self.drain_started = True     # the master took it on: the spare fetches from us from now on
+                    self.drain_deadline = time.time() + DRAIN_WAIT_S
+                if self.drain_deadline is not None and time.time() > self.drain_deadline:
+                    log.warning("no drain within %.0fs of SIGTERM: leaving", DRAIN_WAIT_S)
+                    self._leave(signal.SIGTERM)
                 self._poll_health()
                 self.supervisor.watch()
                 self.executor.maybe_quiesced()
@@ -149,6 +164,25 @@ class Agent:
                  f" (slot {node.slot})" if node.slot is not None else "")
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGTERM and self.drain_deadline is None and self.node.role == "active" and self.node.api:
+            # preemption or maintenance of this node: its ranks move to a spare at a step boundary, and the master
+            # tells this agent to stop once they did (no spare: it is told to stop at once, and leaves as below).
+            # Asked from the main loop (_ask_drain), not in the handler.
+            self.drain_deadline = time.time() + DRAIN_WAIT_S
+            return
+        self._leave(signum)
+
+    def _ask_drain(self) -> None:
+        """Ask the master, now, to drain this node; if it cannot be asked (it is down, or stopping with the whole
+        job), leave at once as on SIGTERM: waiting DRAIN_WAIT_S for nobody would outlast the launcher's grace."""
+        log.warning("agent got SIGTERM: asking the master to drain this node")
+        why = self.reporter.send_now({"kind": ReportKind.DRAIN,
+                                      "reason": "agent got SIGTERM (preemption or maintenance)"})
+        if why is not None:
+            log.warning("cannot ask the master for a drain (%s): leaving", why)
+            self._leave(signal.SIGTERM)
+
+    def _leave(self, signum: int) -> None:
         log.warning("agent got signal %d: stopping workers", signum)
         self.reporter.report({"kind": ReportKind.LEFT, "detail": f"agent got signal {signum}"})
         self.life.stop(128 + signum)

@@ -44,6 +44,9 @@ class FaultDrills:
             conns[0].send({"op": WorkerOp.ABORT_COMM})     # its collectives fail for real; the node stays healthy
         elif fault == "nan" and conns:
             conns[0].send({"op": WorkerOp.POISON_LOSS})    # its next job.observe_loss() sees NaN
+        elif fault.startswith("slow:"):
+            for c in conns:                                # every worker of the node computes slower: a straggler
+                c.send({"op": WorkerOp.SLOW, "factor": float(fault[5:])})
         elif fault == "partition" or fault.startswith("partition:"):
             self.partition(float(fault.partition(":")[2] or 0) or None, conns)
         elif fault == "crash-worker" and workers:

@@ -70,6 +70,7 @@ class DirectiveExecutor:
                  supervisor: WorkerSupervisor, phases: PhaseAcks, replicator: Replicator, reporter: Reporter):
         self.node, self.life, self.slots, self.replicas = node, life, slots, replicas
         self.supervisor, self.phases, self.replicator, self.reporter = supervisor, phases, replicator, reporter
+        self.drain_at: int | None = None     # the step boundary of the drain being quiesced for (None: not a drain)
 
     def apply(self, d: dict) -> None:
         if d["command"] == Command.NOOP:
@@ -77,6 +78,8 @@ class DirectiveExecutor:
         log.debug("directive %s gen %s", d["command"], d.get("generation"))
         with self.node.lock:
             self.node.take_directive(d)
+            if d["command"] != Command.QUIESCE:
+                self.drain_at = None
         if waits_for_io_process(d) and self.node.persister is not None:
             # before workers start (not under the lock: heartbeats go on)
             self.node.persister.ready.wait(timeout=60)
@@ -97,26 +100,36 @@ class DirectiveExecutor:
         elif step is Step.RESTART:
             self._restart(d)
         elif step is Step.QUIESCE:
-            self._quiesce()
+            self._quiesce(d.get("at_step"))
         elif step is Step.RESTORE:
             threading.Thread(target=self._restore, args=(d,), daemon=True, name="restore").start()
         elif step is Step.FENCED:
             self.life.fenced(d)
         elif step is Step.STOP:
+            if d.get("reason"):
+                log.warning("stopping (exit code %s): %s", d.get("exit_code", 0), d["reason"])
             self.life.stop(d.get("exit_code", 0))
 
     # ------------------------------------------------------------------ quiesce
-    def _quiesce(self) -> None:
+    def _quiesce(self, at_step: int | None = None) -> None:
+        """at_step: a drain's quiesce - the workers run on to that step boundary and stop there once its snapshot
+        is committed; the slots are frozen only when they all did (until then their last snapshots still commit,
+        and other nodes' replicas of that step still arrive: the replica store is not frozen by a drain)."""
         with self.node.lock:
-            self.replicator.freeze(True)
+            self.drain_at = at_step
+            if at_step is None:
+                self.replicator.freeze(True)
             live = self.supervisor.live_connected()
             self.phases.expect_quiesce(live, deadline=time.time() + QUIESCE_GRACE_S)
-            self.supervisor.send_all(live, {"op": WorkerOp.QUIESCE, "generation": self.node.generation})
+            self.supervisor.send_all(live, {"op": WorkerOp.QUIESCE, "generation": self.node.generation,
+                                            **({} if at_step is None else {"at_step": at_step})})
         self.maybe_quiesced()
 
     def maybe_quiesced(self) -> None:
         """Report `quiesced` once every worker did (or is gone)."""
         with self.node.lock:
+            if self.drain_at is not None and not self.phases.unacked_quiesce():
+                self.slots.frozen = True     # a drain's workers all stopped at the boundary: nothing more to write
             if not self.phases.quiesce_complete(self.slots.frozen):
                 return
             ev = {"kind": ReportKind.QUIESCED, "snapshots": self.slots.available(), "replicas": self.replicas.available(),

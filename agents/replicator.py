@@ -164,8 +164,15 @@ class Replicator:
         return {}, b""
 
     def _peer_get_private(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
-        # tests: a holder whose copy went bad (its first metadata byte, always under the checksum)
-        return {}, corrupt_point("get_private", self.replicas.get(int(h["rank"]), int(h["step"])), HEADER_SIZE)
+        rank, step = int(h["rank"]), int(h["step"])
+        idx = self.slots.slot_of(rank, step)
+        if idx is None:
+            # tests: a holder whose copy went bad (its first metadata byte, always under the checksum)
+            return {}, corrupt_point("get_private", self.replicas.get(rank, step), HEADER_SIZE)
+        # a rank of this node (a drain: the spare takes its state from here): the replicated prefix of its own
+        # committed slot, as a holder would send it (the spare checks the owner's checksums when installing it)
+        mm = self.slots.view(rank, idx)
+        return {}, bytes(mm[:SlotHeader.unpack(mm).replicated_len])
 
     def _peer_get_shared(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
         rank, step = int(h["rank"]), int(h["step"])

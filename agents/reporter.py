@@ -26,6 +26,18 @@ class Reporter:
         self.outbox.put({"node_id": self.node.node_id, "generation": self.node.generation, "slot": self.node.slot,
                          "t": time.time(), **ev})
 
+    def send_now(self, ev: dict, timeout: float = 2.0) -> str | None:
+        """Deliver one report now, past the outbox (the caller acts on whether the master got it): None if it
+        did, else why not."""
+        try:
+            reply = self.client.post("/v1/report", self._payload({"node_id": self.node.node_id,
+                                                                  "generation": self.node.generation,
+                                                                  "slot": self.node.slot, "t": time.time(), **ev}),
+                                     timeout=timeout)
+        except ControlError as e:
+            return str(e)
+        return reply.get("error") or ("fenced" if reply.get("fenced") else None)
+
     def start(self) -> None:
         self._sender = threading.Thread(target=self._send_reports, daemon=True, name="reports")
         self._sender.start()

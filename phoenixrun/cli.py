@@ -20,7 +20,7 @@ from phoenixrun import auth, config, netaddr
 from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConfig
 from phoenixrun.protocol.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
-SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject")
+SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject", "drain")
 
 
 def _opt(*names, env: str | None = None, **kw):
@@ -132,7 +132,8 @@ def _options(*opts):
 _job_shape = _options(*(_field(MasterConfig, n) for n in ("replicas", "tp", "pp")))
 _recovery_policy = _options(
     _field(MasterConfig, "max_restarts", env="PET_MAX_RESTARTS"),
-    *(_field(MasterConfig, n) for n in ("node_timeout", "spare_wait", "recovery_timeout", "max_local_resets")))
+    *(_field(MasterConfig, n) for n in ("node_timeout", "spare_wait", "recovery_timeout", "max_local_resets",
+                                        "straggler_ratio", "straggler_window", "replace_stragglers")))
 # what the agents watch: `phoenixrun` and `phoenixrun agent`
 _agent_timeouts = _options(_field(AgentConfig, "heartbeat_interval"), _field(AgentConfig, "hang_timeout"))
 _persistence = _options(*(_field(MasterConfig, n) for n in ("persist_every", "persist_dir", "persist_keep",
@@ -354,10 +355,11 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
 @_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--node", "slot", type=click.IntRange(min=0), required=True, help="Node slot to hit.")
 @click.option("--fault", required=True, metavar="FAULT",
-              help="crash-worker | kill-node | hang | xid:N | ecc | partition[:SECONDS] | comm-timeout | nan. "
+              help="crash-worker | kill-node | hang | xid:N | ecc | partition[:SECONDS] | comm-timeout | nan | slow:FACTOR. "
                    "xid and ecc go through the agent's injected health source, as NVML would report them; "
                    "partition drops the node's traffic (for SECONDS, or until its agent gets SIGUSR1); "
-                   "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN")
+                   "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN; "
+                   "slow:FACTOR makes the node's workers compute FACTOR times slower (a straggler, 1-100)")
 def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
     """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
     from phoenixrun.protocol.client import ControlError
@@ -373,6 +375,25 @@ def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
         click.echo(f"phoenixrun inject: {reply['error']}", err=True)
         sys.exit(1)
     click.echo(f"injected {fault} into slot {slot} (node {reply['node']})")
+
+
+@commands.command("drain")
+@_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--endpoint", default=None, help="host:port of the master (with --secret-file or $PHOENIXRUN_SECRET).")
+@_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--node", "slot", type=click.IntRange(min=0), required=True, help="Node slot to drain.")
+@click.option("--reason", default="operator request", show_default=True, help="Why (recorded in the events).")
+def drain_cmd(run_dir, endpoint, secret_file, slot, reason):
+    """Move a healthy node's ranks to a spare at a step boundary, nothing replayed; the node's agent then exits.
+    Returns once the master accepted the drain: follow it with `phoenixrun status` (docs/operations.md)."""
+    from phoenixrun.protocol.client import ControlError
+    from phoenixrun.status import client_for, refusal_text
+    try:
+        reply = client_for(run_dir, endpoint, secret_file).post("/v1/drain", {"slot": slot, "reason": reason})
+    except ControlError as e:
+        click.echo(f"phoenixrun drain: {refusal_text(e)}", err=True)
+        sys.exit(1)
+    click.echo(f"draining slot {slot} (node {reply['node']}): its ranks move to a spare at a step boundary")
 
 
 def register_simulate() -> None:

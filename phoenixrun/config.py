@@ -279,7 +279,7 @@ class MasterConfig(_Settings):
     persist_every: int = setting(
         0, flag="--persist-every", min=0,
         doc="Agents write each rank's committed snapshot to --persist-dir every N steps, in the background (0: "
-            "only when an agent gets SIGTERM). The fallback when in-memory recovery is impossible, and what a "
+            "only when an agent leaves on SIGTERM). The fallback when in-memory recovery is impossible, and what a "
             "job started on the same directory resumes from.")
     persist_keep: int = setting(
         2, flag="--persist-keep", min=1, doc="Complete checkpoints kept; older ones are pruned.")
@@ -288,6 +288,15 @@ class MasterConfig(_Settings):
     spares: int | None = setting(
         None, flag="--spares", min=0,
         doc="Spare nodes admitted at a time; more are told they are not needed [default: any number].")
+    straggler_ratio: float = setting(
+        2.0, flag="--straggler-ratio", min=1.0,
+        doc="A node whose compute per step (before its first collective; the median over --straggler-window "
+            "steps) is at least this many times its peers' median is a straggler: `straggler` event, status.")
+    straggler_window: int = setting(
+        20, flag="--straggler-window", min=1, doc="Steps of each node the straggler detector looks at.")
+    replace_stragglers: bool = setting(
+        False, flag="--replace-stragglers",
+        doc="Drain a straggler to a spare (a planned drain: nothing replayed) when one is registered.")
 
     def to_argv(self) -> list[str]:
         """`phoenixrun master` flags that give exactly this config."""

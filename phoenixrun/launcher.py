@@ -96,17 +96,23 @@ class ProcessSet:
         self.procs.append(p)
         return p
 
-    def terminate(self, grace: float = 5.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + grace
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    def terminate(self, grace: float = 5.0, first: subprocess.Popen | None = None, later_grace: float = 25.0) -> None:
+        """SIGTERM, then SIGKILL after the grace. `first` (the master) goes first: an agent that gets SIGTERM asks
+        the master to drain its node and leaves at once only if the master is gone; the agents then get
+        `later_grace` (a drain, or the 20 s an agent waits for one, must not be cut short by SIGKILL: its workers
+        would be left behind)."""
+        groups = [([first], grace)] if first is not None else []
+        for group, wait_s in [*groups, ([p for p in self.procs if p is not first], later_grace)]:
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.time() + wait_s
+            for p in group:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
 
 def run(c: LaunchConfig) -> int:
@@ -184,6 +190,6 @@ def run(c: LaunchConfig) -> int:
         print(f"phoenixrun: error: {e}", file=sys.stderr)
         return 1
     finally:
-        procs.terminate()
+        procs.terminate(first=master)
         for s, h in old.items():
             signal.signal(s, h)

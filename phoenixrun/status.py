@@ -28,6 +28,21 @@ def client_for(run_dir: Path | None, endpoint: str | None, secret_file: Path | N
     return ControlClient(endpoint, secret, timeout=3.0)
 
 
+def refusal_text(e: ControlError) -> str:
+    """What the master said when it refused a call (its JSON `error`), else the error itself. Pure."""
+    body = str(e).partition(": HTTP ")[2].partition(" ")[2]
+    try:
+        msg = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        msg = None
+    return msg.removeprefix("refused: ") if isinstance(msg, str) else str(e)
+
+
+def role_text(node: dict) -> str:
+    """A node's role as status shows it: an active node being drained is "draining". Pure."""
+    return "draining" if node.get("draining") and node["role"] == "active" else node["role"]
+
+
 def ranks_text(ranks: list[int]) -> str:
     """[0, 1, 2, 3] -> "0-3", [0, 2] -> "0,2", [] -> "-". Pure."""
     if not ranks:
@@ -48,7 +63,7 @@ def render(state: dict) -> Group:
                 f"{state['endpoint']} pid {state['master_pid']}")
     nodes = Table(title="nodes")
     for col in ("slot", "ranks", "role", "node", "agent pid", "worker pids", "heartbeat age", "committed step",
-                "replica lag", "d2h ms", "h2h ms", "stall ms", "every", "last fault"):
+                "replica lag", "d2h ms", "h2h ms", "stall ms", "every", "straggler", "last fault"):
         nodes.add_column(col)
     for n in state["nodes"]:
         prot = n.get("protection") or {}
@@ -58,11 +73,13 @@ def render(state: dict) -> Group:
         def ms(key, prot=prot):
             vals = [p.get(key) for p in prot.values() if p.get(key) is not None]
             return f"{1000 * max(vals):.1f}" if vals else "-"
-        nodes.add_row(str(n["slot"] if n["slot"] is not None else "-"), ranks_text(n.get("ranks") or []), n["role"], n["node_id"], str(n["agent_pid"]),
+        nodes.add_row(str(n["slot"] if n["slot"] is not None else "-"), ranks_text(n.get("ranks") or []), role_text(n), n["node_id"], str(n["agent_pid"]),
                       ",".join(map(str, n["worker_pids"])) or "-", f"{n['heartbeat_age_s']:.1f}s",
                       str(min(committed)) if committed else "-", str(max(lag)) if lag else "-",
                       ms("d2h_s"), ms("h2h_s"), ms("stall_s"),
-                      str(max((p.get("every", 1) for p in prot.values()), default="-")), n.get("last_fault") or "")
+                      str(max((p.get("every", 1) for p in prot.values()), default="-")),
+                      f"{n['straggler']}x slower" if n.get("straggler") else "-",
+                      n.get("last_fault") or (f"drain: {n['draining']}" if n.get("draining") else ""))
     events = Table(title="recent events")
     for col in ("time", "gen", "event", "details"):
         events.add_column(col)

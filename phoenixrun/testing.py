@@ -5,7 +5,8 @@ PHOENIXRUN_TEST_PAUSE_DIR/paused-<point> (its pid) and stop there until it is ki
 can SIGKILL it at exactly that moment. One-shot per run directory. Several points may be given,
 comma-separated; a point written "point+" (or "point:step+") holds only until the test creates
 PHOENIXRUN_TEST_PAUSE_DIR/release-<point>, so a test can act while a recovery is held at that point
-(a recovery takes ~30 ms on an idle machine: no fixed delay lands inside it reliably).
+(a recovery takes ~30 ms on an idle machine: no fixed delay lands inside it reliably). "point#2:step" holds the
+same point a second time, at another step (files paused-point#2, release-point#2).
 
 PHOENIXRUN_TEST_CORRUPT="point" makes the first process that serves bytes at `corrupt_point(point, ...)` a bad
 source: it writes PHOENIXRUN_TEST_PAUSE_DIR/corrupt-<point> (its pid) and from then on flips one bit of
@@ -31,6 +32,8 @@ def _points(spec: str) -> dict[str, tuple[int | None, bool]]:
 
 
 _POINTS = _points(_SPEC)
+# "point#2:step" is a second hold of the same point (at another step), with files paused-point#2/release-point#2
+_BASES = {name.partition("#")[0] for name in _POINTS}
 _CORRUPT = {c.rstrip("*"): c.endswith("*") for c in
             filter(None, (s.strip() for s in os.environ.get("PHOENIXRUN_TEST_CORRUPT", "").split(",")))}
 _BAD: set[str] = set()       # points where this process is the bad source
@@ -56,11 +59,15 @@ def corrupt_point(point: str, data: bytes, at: int = 0) -> bytes:
 
 
 def pause_point(point: str, step: int | None = None) -> None:
-    if point not in _POINTS:
+    if point not in _BASES:
         return
-    at, release = _POINTS[point]
-    if at is not None and step is not None and at != step:
-        return
+    for name, (at, release) in _POINTS.items():
+        if name.partition("#")[0] == point and (at is None or step is None or at == step):
+            _hold(name, release)
+            return
+
+
+def _hold(point: str, release: bool) -> None:
     d = os.environ.get("PHOENIXRUN_TEST_PAUSE_DIR", "/tmp")
     try:
         fd = os.open(os.path.join(d, f"paused-{point}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

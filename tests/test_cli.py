@@ -44,13 +44,18 @@ def test_pet_env_is_read():
     assert r.returncode == 2 and "not a node count" in r.stderr
 
 
-@pytest.mark.parametrize("sub", ["master", "agent", "status", "simulate", "inject"])
+@pytest.mark.parametrize("sub", ["master", "agent", "status", "simulate", "inject", "drain"])
 def test_subcommands_have_help(sub):
     assert run(sub, "--help").returncode == 0
 
 
 def test_status_without_job_is_clear(tmp_path):
     r = run("status", "--run-dir", str(tmp_path))
+    assert r.returncode == 1 and "master.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_drain_without_job_is_clear(tmp_path):
+    r = run("drain", "--run-dir", str(tmp_path), "--node", "1")
     assert r.returncode == 1 and "master.json" in r.stderr and "Traceback" not in r.stderr
 
 

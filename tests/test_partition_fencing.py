@@ -88,6 +88,7 @@ def test_cut_fails_control_and_peer_calls_and_heal_restores_them():
     ("partition", True), ("partition:2.5", True), ("partition:0", False), ("partition:x", False),
     ("partition:inf", False), ("comm-timeout", True), ("nan", True), ("xid:79", True), ("xid:", False),
     ("crash-worker", True), ("bogus", False), ("nan:1", False),
+    ("slow:3", True), ("slow:1.5", True), ("slow:0.5", False), ("slow:101", False), ("slow:x", False), ("slow", False),
 ])
 def test_inject_accepts_known_faults_only(fault, ok):
     assert valid_fault(fault) is ok

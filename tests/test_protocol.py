@@ -17,18 +17,19 @@ from phoenixrun.protocol.status import REASON_PHRASES, Status, refused
 FROZEN = {
     Command: {"noop", "wait", "run", "restart", "quiesce", "restore", "stop"},
     ReportKind: {"left", "workers_done", "worker_exit", "worker_hang", "restore_failed", "restore_refused", "resumed", "quiesced",
-                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "layout",
+                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "layout", "drain",
                  "joined", "node_lost", "attempt_check"},
     WorkerOp: {"hello", "alloc", "slots", "write", "written", "progress", "pong", "quiesced", "resumed",
                "comm_error", "nan_loss", "error", "protection_mode", "stats", "layout", "reply", "assign", "rebuild",
-               "quiesce", "committed", "commit_failed", "ping", "abort_comm", "poison_loss", "agent_gone"},
+               "quiesce", "committed", "commit_failed", "ping", "abort_comm", "poison_loss", "slow", "agent_gone"},
     PeerOp: {"put", "get_private", "get_shared", "ping"},
     Event: {"master_started", "master_recovered", "master_stalled", "node_joined", "node_rejoined",
             "node_refused", "node_fenced", "spare_lost", "spare_promoted", "job_started", "job_finished",
             "directive_sent", "fault_injected", "fault_detected", "protection_mode", "recovery_started",
             "recovery_plan", "recovery_done", "recovery_failed", "restore_refused", "restart", "fallback_restart", "fallback_done",
-            "checkpoint_rejected", "rejected_request"},
-    Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/directive", "/v1/inject", "/v1/state", "/metrics"},
+            "checkpoint_rejected", "rejected_request", "drain_requested", "straggler"},
+    Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/directive", "/v1/inject", "/v1/drain", "/v1/state",
+               "/metrics"},
 }
 
 

@@ -86,7 +86,7 @@ INTRO = """\
 
 ```
 phoenixrun [torchrun flags] [phoenixrun flags] SCRIPT [ARGS]...
-phoenixrun master|agent|status|simulate|inject [OPTIONS]
+phoenixrun master|agent|status|simulate|inject|drain [OPTIONS]
 ```
 
 The first form is the launcher: every flag must come before SCRIPT, and everything after SCRIPT is passed to
@@ -97,7 +97,8 @@ environment variables torchrun reads. Bad input gives a one-line `phoenixrun: er
 The second form runs one part of a job by hand (for clusters and schedulers, see [slurm.md](slurm.md)):
 `master` (the control plane), `agent` (one node), `status` (inspect a running job), `simulate` (the cost
 model, see [simulate.md](simulate.md)), `inject` (a fault drill: crash a worker, kill or hang a node, or feed
-an Xid/ECC event through the node's health source, see [fault-model.md](fault-model.md)).
+an Xid/ECC event through the node's health source, see [fault-model.md](fault-model.md)), `drain` (move a
+healthy node's ranks to a spare at a step boundary, nothing replayed, see [operations.md](operations.md)).
 """
 
 
@@ -112,7 +113,7 @@ def _registered() -> list[tuple[str, click.Command, click.Context]]:
         return click.Context(cmd, info_name=name, parent=parent, **{**cmd.context_settings, **kw})
     out = [("phoenixrun", launch, context(launch, "phoenixrun"))]
     group = context(commands, "phoenixrun")
-    for name in ("master", "agent", "status", "simulate", "inject"):
+    for name in ("master", "agent", "status", "simulate", "inject", "drain"):
         cmd = commands.get_command(group, name)
         if cmd is None:
             raise SystemExit(f"gen_cli_doc: phoenixrun has no {name!r} subcommand")

@@ -135,6 +135,9 @@ class Coordinator:
         if kind == ReportKind.ATTEMPT_CHECK:
             self.recovery.check_attempt(ev)
             return None
+        if kind == ReportKind.DRAIN and active:
+            self._drain(node, ev)
+            return None
         if not active or kind not in FAULT_REPORTS:
             return None
         if not job.hot_swap_capable() and ev.get("generation", job.generation) < job.generation:
@@ -143,6 +146,30 @@ class Coordinator:
         if incident is not None:
             self._handle_fault(*incident)
         return None
+
+    def _drain(self, node: NodeRecord, ev: dict) -> None:
+        """A drain asked for by an operator (`phoenixrun drain`) or by the node's agent (it got SIGTERM). Judged
+        again now (a fault may have come first). Refused: the operator was told already (the request is checked
+        when it arrives) - unless the state changed since; an agent that asked is treated as it was before
+        drains existed: it is told to stop as on SIGTERM and its slot is handled as a node that left."""
+        job = self.job
+        by = ev.get("by", "agent")
+        reason = ev.get("reason") or ev.get("detail") or "drain"
+        with job.cv:
+            refusal = job.drain_refusal(node.slot)
+            self.events.emit(Event.DRAIN_REQUESTED, job.generation, node=node.node_id, slot=node.slot, reason=reason,
+                             by=by, accepted=refusal is None, **({"refusal": refusal} if refusal else {}))
+            if refusal is not None and by == "agent":
+                self.orders.direct([node.node_id], command=Command.STOP, exit_code=128 + 15,
+                                   reason=f"drain refused ({refusal}): leaving as on SIGTERM")
+        if refusal is None:
+            self.recovery.drain(node, reason, ev.get("t", time.time()))
+        elif by == "agent":
+            log.warning("drain of slot %s refused: %s; the node leaves", node.slot, refusal)
+            self.inbox.put({"kind": ReportKind.LEFT, "node_id": node.node_id, "t": time.time(),
+                            "detail": f"{reason}; drain refused: {refusal}"})
+        else:
+            log.warning("drain of slot %s refused: %s", node.slot, refusal)
 
     def _slot_of(self, ev: dict) -> int | None:
         with self.job.cv:

@@ -8,15 +8,19 @@ control/state.py's `plan_recovery`. Table-tested in tests/test_master_decide.py.
 """
 from __future__ import annotations
 
+import math
 import re
+import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
+from phoenixrun.control.state import NodeRecord, PlanError, RankSource, RecoveryPlan, Role, restore_step
 from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, classify
 from phoenixrun.faults.escalate import Escalation
 from phoenixrun.faults.taxonomy import ACTION_PRECEDENCE
 from phoenixrun.protocol.names import Command, ReportKind
+from phoenixrun.topology import Layout
 
 K = ReportKind
 # reports that name a faulty node by themselves; a collective error only says "some peer failed"
@@ -165,3 +169,82 @@ def attempt_verdict(joined: set[int], world_size: int, joined_before: int | None
     if len(joined) == world_size or not joined or joined_before != len(joined):
         return None
     return sorted(set(range(world_size)) - joined)
+
+
+# ---------------------------------------------------------------- planned drains (`phoenixrun drain`, SIGTERM)
+def drain_refusal(slot: int, nnodes: int, node: NodeRecord | None, spares: int, running: bool,
+                  hot_swap_capable: bool, committed: int | None) -> str | None:
+    """Why a drain of node slot `slot` cannot be carried out now, as the operator reads it (what is wrong and
+    what to do); None: it can. `node`: the node holding the slot; `spares`: spare nodes registered; `running`:
+    the job runs and no recovery is in flight; `committed`: the newest step every rank has committed. Pure."""
+    if not 0 <= slot < nnodes:
+        return f"there is no node slot {slot}: the job's slots are 0..{nnodes - 1} (see `phoenixrun status`)"
+    if node is None or node.role != Role.ACTIVE:
+        return f"no active node holds slot {slot} (see `phoenixrun status`)"
+    if node.draining:
+        return f"node {node.node_id} in slot {slot} is already being drained ({node.draining})"
+    if not running:
+        return ("the job is not running (not started, finished, or a recovery is in flight): "
+                "drain again once `phoenixrun status` shows the phase running")
+    if not hot_swap_capable:
+        return ("the job's script does not use the phoenixrun API (torchrun-style): there are no snapshots to "
+                "move; stop the node instead and --max-restarts restarts the job")
+    if spares == 0:
+        return (f"no spare node to take slot {slot}'s ranks: start one (`phoenixrun agent --rdzv-endpoint "
+                "HOST:PORT`) or launch with --spares, then drain again")
+    if committed is None:
+        return "no step is committed by every rank yet: drain again once the job has taken a step"
+    return None
+
+
+def drain_step(newest: int, steps_per_s: float | None, lead_s: float, min_ahead: int = 2,
+               unknown_rate_ahead: int = 5, max_ahead: int = 8) -> int:
+    """The step boundary every rank stops at for a drain: far enough past the newest snapshot the master knows
+    of (`newest`) that no rank has started that step when the order reaches it, `lead_s` seconds from now (how
+    stale the master's view is, plus the delivery). A rank already inside the step or past it quiesces at once
+    as for a fault (correct, but it may replay a step): the margin makes that rare. At most `max_ahead` steps:
+    on a loaded 2-core machine a stale heartbeat and a burst in the step rate once asked for 38 steps ahead,
+    past the job's end (the drain then waited for the last step). Pure."""
+    if steps_per_s is None:
+        ahead = unknown_rate_ahead
+    else:
+        ahead = max(min_ahead, math.ceil(steps_per_s * lead_s) + 1)
+    return newest + min(ahead, max_ahead)
+
+
+def plan_drain(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mapping[int, str], drained_slot: int,
+               spare_id: str | None) -> RecoveryPlan:
+    """The restore of a drain: every rank at the newest step all of them committed (at the drain's step boundary
+    none went further, so nothing replays); the drained node's ranks go to the spare, which fetches their state,
+    private and shared parts alike, from the drained node's own agent (it is alive and holds the committed
+    slots). Every other rank restores from its own agent. No spare (it died since the drain was accepted):
+    everyone restores in place and the drained node stays. Raises PlanError when no step is common. Pure."""
+    drained = nodes[slots[drained_slot]]
+    npn = layout.nproc_per_node
+    available = {tuple(nodes[slots[s]].snapshots.get(r, ())) for s in range(layout.nnodes)
+                 for r in range(s * npn, (s + 1) * npn)}
+    step = restore_step(available)
+    if step is None:
+        raise PlanError("no snapshot step is available on every rank")
+    if spare_id is None:
+        return RecoveryPlan(restore_step=step, slots=dict(slots), fetch={}, replaced_slots={})
+    fetch = {r: RankSource(private=(drained.peer_addr,), shared=((drained.peer_addr, r),))
+             for r in layout.ranks_of_slot(drained_slot)}
+    return RecoveryPlan(restore_step=step, slots={**slots, drained_slot: spare_id}, fetch=fetch,
+                        replaced_slots={drained_slot: spare_id})
+
+
+# ---------------------------------------------------------------- stragglers
+def stragglers(samples: Mapping[int, Sequence[float]], ratio: float, window: int) -> dict[int, float]:
+    """slot -> how many times slower than its peers, for each node persistently slower: the median of its last
+    `window` samples (a step's compute time, newest last) at least `ratio` times the median of the other nodes'
+    medians. A node with fewer than `window` samples is not judged and is nobody's peer yet; a node without a
+    judged peer (or whose peers measure 0) is never a straggler. Pure."""
+    med = {s: statistics.median(v[-window:]) for s, v in samples.items() if len(v) >= window}
+    out: dict[int, float] = {}
+    for s, m in med.items():
+        peers = [x for t, x in med.items() if t != s]
+        base = statistics.median(peers) if peers else 0.0
+        if base > 0 and m / base >= ratio:
+            out[s] = round(m / base, 2)
+    return out

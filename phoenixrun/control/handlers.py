@@ -181,7 +181,21 @@ class Handlers:
                     if cold:
                         self.orders.direct(cold, command=Command.WAIT, warm=True)
             self.job.note_progress()
+            self.job.note_compute(node)
+            for n in self.job.new_stragglers():
+                self._straggler(n)
             return {"ok": True, "role": node.role.value, "inject": self.job.injections.pop(node.node_id, [])}
+
+    def _straggler(self, node: NodeRecord) -> None:
+        """A node became a straggler (call with the lock held): reported; with --replace-stragglers, drained."""
+        samples = list(self.job.compute.get(node.node_id, ()))
+        replace = self.cfg.replace_stragglers and self.job.drain_refusal(node.slot) is None
+        self.events.emit(Event.STRAGGLER, self.job.generation, node=node.node_id, slot=node.slot,
+                         ratio=node.straggler, compute_s=round(sorted(samples)[len(samples) // 2], 5) if samples else None,
+                         window=self.cfg.straggler_window, threshold=self.cfg.straggler_ratio, replace=replace)
+        if replace:
+            self.inbox.put({"kind": ReportKind.DRAIN, "node_id": node.node_id, "by": "straggler", "t": time.time(),
+                            "reason": f"straggler: {node.straggler}x slower than its peers"})
 
     def inject(self, p: dict) -> dict:
         """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
@@ -193,6 +207,19 @@ class Handlers:
             self.job.injections.setdefault(nid, []).append(msg.fault)
             self.events.emit(Event.FAULT_INJECTED, self.job.generation, node=nid, slot=msg.slot, fault=msg.fault)
             return {"ok": True, "node": nid}
+
+    def drain(self, p: dict) -> dict:
+        """`phoenixrun drain`: move a healthy node's ranks to a spare at a step boundary (the coordinator carries
+        it out, control/recovery.py's Recoveries.drain). Refused (409) with what is wrong and what to do."""
+        msg = messages.parse_drain(p, self._msg_job)
+        with self.job.cv:
+            refusal = self.job.drain_refusal(msg.slot)
+            if refusal is not None:
+                raise messages.MessageError(f"cannot drain slot {msg.slot}: {refusal}", code=409, reason="drain_refused")
+            nid = self.job.slots[msg.slot]
+        self.inbox.put({"kind": ReportKind.DRAIN, "node_id": nid, "reason": msg.reason, "by": "operator",
+                        "t": time.time()})
+        return {"ok": True, "node": nid, "slot": msg.slot}
 
     def report(self, p: dict) -> dict:
         msg = messages.parse_report(p, self._msg_job, time.time())

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Callable
 
+from phoenixrun.control.decide import drain_refusal, stragglers
 from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role
 from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
@@ -77,6 +78,11 @@ class JobState:
         self.progress: list[tuple[float, int]] = []
         self.progress_at = 0.0
         self.node_step: dict[str, int | None] = {}   # node id -> its ranks' oldest newest snapshot
+        # stragglers: node id -> its slowest rank's compute per step (one sample per committed step), newest last
+        self.compute: dict[str, deque[float]] = {}
+        self.compute_step: dict[str, int] = {}
+        self.compute_generation = 0
+        self.stragglers_at = 0.0
 
     # everything below: call with cv held
     def add_node(self, node: NodeRecord) -> None:
@@ -108,6 +114,55 @@ class JobState:
                     if steps:
                         newest[r] = max(newest.get(r, steps[0]), max(steps))
         return newest
+
+    def committed_step(self) -> int | None:
+        """The newest step every rank has a snapshot of (None until each has one)."""
+        newest = self.newest_snapshots()
+        return min(newest.values()) if len(newest) == self.layout.world_size else None
+
+    def drain_refusal(self, slot: int) -> str | None:
+        """Why a drain of node slot `slot` cannot start now (decide.drain_refusal on this state); None: it can."""
+        node = self.nodes.get(self.slots.get(slot, ""))
+        spares = sum(1 for n in self.nodes.values() if n.role == Role.SPARE)
+        return drain_refusal(slot, self.cfg.nnodes, node, spares, self.phase == Phase.RUNNING,
+                             self.hot_swap_capable(), self.committed_step())
+
+    def note_compute(self, node: NodeRecord) -> None:
+        """One straggler sample per committed step of a node: its slowest rank's compute (from its heartbeat)."""
+        vals = [p["compute_s"] for p in node.protection.values() if p.get("compute_s") is not None]
+        step = max((p["committed_step"] for p in node.protection.values() if p.get("committed_step") is not None),
+                   default=None)
+        if not vals or step is None or self.compute_step.get(node.node_id) == step:
+            return
+        if self.compute_generation != self.generation:
+            # a recovery disturbed every node's steps, and a promoted spare's first ones are slow (measured: a
+            # spare just drained to flagged at 2.55x its peers at load 31): every window starts again
+            self.compute_generation = self.generation
+            self.compute.clear()
+            self.compute_step.clear()
+        first = node.node_id not in self.compute_step
+        self.compute_step[node.node_id] = step
+        if first:
+            return        # the first step seen: warming up, or measured across the recovery
+        self.compute.setdefault(node.node_id, deque(maxlen=self.cfg.straggler_window)).append(max(vals))
+
+    def new_stragglers(self) -> list[NodeRecord]:
+        """The active nodes that just became stragglers (decide.stragglers; each node's `straggler` kept up to
+        date). O(nodes): at most twice a second."""
+        now = time.time()
+        if now - self.stragglers_at < 0.5 or self.phase != Phase.RUNNING:
+            return []
+        self.stragglers_at = now
+        actives = self.actives()
+        found = stragglers({n.slot: list(self.compute.get(n.node_id, ())) for n in actives},
+                           self.cfg.straggler_ratio, self.cfg.straggler_window)
+        newly = []
+        for n in actives:
+            r = found.get(n.slot)
+            if r is not None and n.straggler is None:
+                newly.append(n)
+            n.straggler = r
+        return newly
 
     def note_progress(self) -> None:
         """Throughput samples for status: O(nodes), so at most twice a second, not per heartbeat."""

@@ -106,6 +106,9 @@ class Master:
     def inject(self, p: dict) -> dict:
         return self.handlers.inject(p)
 
+    def drain(self, p: dict) -> dict:
+        return self.handlers.drain(p)
+
     def poll_intake(self, p: dict) -> messages.Poll:
         return self.handlers.poll_intake(p)
 

@@ -37,7 +37,7 @@ class HeartbeatMonitor:
                     stale.append(nid)
                 for nid in stale:
                     n = job.nodes[nid]
-                    if n.role != Role.FAILED:
+                    if n.role not in (Role.FAILED, Role.DRAINED):   # gone on purpose: nothing to report
                         self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": now,
                                         "detail": f"no heartbeat for {now - n.last_heartbeat:.1f}s"})
                     n.last_heartbeat = now  # report once per timeout period

@@ -17,8 +17,8 @@ import time
 from typing import Callable, Iterable
 
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
-from phoenixrun.control.decide import (NODE_LOSSES, attempt_ranks, attempt_verdict, detail_of, fallback_attempts,
-                                       loss_verdict, signal_of)
+from phoenixrun.control.decide import (NODE_LOSSES, attempt_ranks, attempt_verdict, detail_of, drain_step,
+                                       fallback_attempts, loss_verdict, plan_drain, signal_of)
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
@@ -32,6 +32,7 @@ log = logging.getLogger("phoenixrun.master")
 
 PROBE_AFTER_S = 0.3   # a recovery phase without a new ack this long: probe the nodes it waits for
 PROBE_MAX = 512       # ... this many at a time
+DRAIN_DELIVERY_S = 0.5   # a drain's quiesce order reaches every worker within this (plus the heartbeats' staleness)
 
 Probe = Callable[[list[str], float, bool], set[str]]   # control/probe.py's unreachable(addrs, timeout, silent_is_dead)
 
@@ -230,14 +231,15 @@ class Recoveries:
 
     # ---------------------------------------------------------------- hot swap
     def hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
-                  failing_code: int | None) -> None:
+                  failing_code: int | None, fresh: dict[int, str] | None = None) -> None:
+        """fresh: slots a spare was promoted into before (an interrupted drain's), which hold no state yet."""
         t0 = time.time()
         cause = ev.get("detail") or ev.get("text") or ev.get("kind")
         with self.job.cv:
             self.events.emit(Event.RECOVERY_STARTED, self.job.generation + 1, failed_node=node.node_id,
                              slot=node.slot, cause=cause, action=action.value)
         attempts = 0
-        fresh: dict[int, str] = {}    # slot -> spare promoted during this recovery (holds no state yet)
+        fresh = dict(fresh or {})     # slot -> spare promoted during this recovery (holds no state yet)
         while True:
             attempts += 1
             try:
@@ -265,6 +267,106 @@ class Recoveries:
             # one directive for every node: each got its slot and world with the restore order
             self.orders.direct(self.job.slots.values(), command=Command.RUN, restart_count=self.job.restart_count, resume=True)
         self.drain_stale()
+
+    # ---------------------------------------------------------------- planned drain
+    def drain(self, node: NodeRecord, reason: str, t_requested: float) -> None:
+        """Move a healthy node's ranks to a spare with nothing replayed (docs/operations.md, "Planned drains").
+
+        Every node is told to quiesce at one step boundary (`at_step`, decide.drain_step: past any step a rank
+        can have started by the time the order arrives); each rank runs on to it, waits for that step's
+        snapshot to commit and stops there, no socket shut down (no rank is inside a step with it). The plan
+        (decide.plan_drain) restores every rank at that step: the survivors from their own agents, the drained
+        node's ranks on the spare, fetched from the drained node's agent itself. Only then is the drained node
+        told to stop. A fault meanwhile turns the drain into an ordinary hot swap of the drained slot (the
+        drained node is stopped first), which replays at most one step."""
+        job = self.job
+        t0 = time.time()
+        slot = node.slot
+        with job.cv:
+            node.draining = reason
+            newest = max(job.newest_snapshots().values(), default=0)
+            heard = min((n.last_heartbeat for n in job.actives()), default=t0)
+            at_step = drain_step(newest, job.steps_per_s(), max(0.0, t0 - heard) + DRAIN_DELIVERY_S)
+            job.generation += 1
+            g = job.generation
+            job.phase = Phase.QUIESCE
+            self.events.emit(Event.RECOVERY_STARTED, g, failed_node=node.node_id, slot=slot, cause="drain",
+                             action="drain", reason=reason, at_step=at_step)
+            members = list(job.slots.values())
+            self.orders.direct(members, command=Command.QUIESCE, at_step=at_step)
+        lost: set[int] = set()
+        phases: dict[str, float] = {}
+        quiesced = Acks(ReportKind.QUIESCED, g, members, on_ack=self._quiesced_inventory)
+        try:
+            self._wait_event(quiesced, self.cfg.recovery_timeout, lost)
+        except Cascade as c:
+            self._drain_interrupted(node, lost, {}, c)
+            return
+        phases["quiesce_s"] = round(time.time() - t0, 4)
+        reached = max((a.get("next_step", 0) for a in quiesced.got.values()), default=0)
+        t = time.time()
+        with job.cv:
+            spare = pick_spare(job.nodes, avoid_domains=[node.fault_domain])
+            try:
+                plan = plan_drain(job.layout, job.nodes, job.slots, slot, spare and spare.node_id)
+            except PlanError as e:
+                plan = None
+                why = e
+            if plan is not None and spare is not None:
+                spare.role, spare.slot = Role.ACTIVE, slot
+                node.role, node.slot = Role.DRAINED, None
+                job.slots[slot] = spare.node_id
+                job.fault_history.pop(slot, None)
+                self.events.emit(Event.SPARE_PROMOTED, g, slot=slot, node=spare.node_id, replaces=node.node_id)
+            elif plan is not None:
+                node.draining = None     # no spare any more: everyone resumes in place, the node stays
+                log.warning("drain of slot %s: the spare is gone; resuming in place", slot)
+        if plan is None:
+            self._drain_interrupted(node, lost, {}, Cascade(f"drain plan impossible: {why}"))
+            return
+        with job.cv:
+            job.phase = Phase.RESTORE
+            job.restored_step = plan.restore_step
+            job.attempts = settle(job.attempts, plan.restore_step)
+            phases["plan_s"] = round(time.time() - t, 4)
+            self._order_restore(g, plan, cause="drain")
+        t = time.time()
+        resumed = Acks(ReportKind.RESUMED, g, plan.slots.values())
+        try:
+            self._wait_event(resumed, self.cfg.recovery_timeout, lost)
+        except Cascade as c:
+            self._drain_interrupted(node, lost, dict(plan.replaced_slots), c)
+            return
+        phases["restore_s"] = round(time.time() - t, 4)
+        for key in ("rebuild_s", "params_s", "optimizer_s", "fetch_s", "spawn_s"):
+            vals = [r.get("timings", {}).get(key) for r in resumed.got.values() if r.get("timings", {}).get(key) is not None]
+            if vals:
+                phases[key] = round(max(vals), 4)
+        with job.cv:
+            job.recoveries += 1
+            job.phase = Phase.RUNNING
+            job.done_nodes.clear()
+            self.events.emit(Event.RECOVERY_DONE, g, restored_step=plan.restore_step, cause="drain",
+                             replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
+                             duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - t_requested, 4),
+                             replaced_slots=plan.replaced_slots, drained_node=node.node_id, attempts=1, phases=phases)
+            self.orders.direct(job.slots.values(), command=Command.RUN, restart_count=job.restart_count, resume=True)
+            if plan.replaced_slots:   # its state is on the spare now: the drained node may go
+                self.orders.direct([node.node_id], command=Command.STOP, exit_code=0, reason=f"drained: {reason}")
+        self.drain_stale()
+
+    def _drain_interrupted(self, node: NodeRecord, lost: set[int], fresh: dict[int, str], c: Cascade) -> None:
+        """A fault (or a deadline) during a drain: the drained node is stopped and its slot hot-swapped as a lost
+        node's (state from replica holders and DP peers), together with whatever else was lost."""
+        log.warning("drain of %s interrupted, hot-swapping its slot instead: %s", node.node_id, c)
+        with self.job.cv:
+            slot = node.slot if node.slot is not None else next(iter(fresh), None)
+            if node.role == Role.ACTIVE and slot is not None:
+                lost.add(slot)
+            node.role, node.slot = Role.DRAINED, None
+            self.orders.direct([node.node_id], command=Command.STOP, exit_code=0, reason=f"drain interrupted: {c}")
+        self.hot_swap(lost, node, {"kind": "drain", "detail": f"drain interrupted: {c}", "t": time.time()},
+                      Action.NODE_REPLACE, None, fresh=fresh)
 
     def _recovery_cycle(self, lost: set[int], fresh: dict[int, str]) -> tuple[RecoveryPlan, dict, int]:
         """One attempt: quiesce survivors, fill lost slots from spares, plan, order the restore.
@@ -298,16 +400,7 @@ class Recoveries:
             self.job.restored_step = plan.restore_step
             self.job.attempts = settle(self.job.attempts, plan.restore_step)
             phases["plan_s"] = round(time.time() - t, 4)
-            self.events.emit(Event.RECOVERY_PLAN, g, restore_step=plan.restore_step, replaced_slots=dict(fresh),
-                             fetch={r: s.to_wire() for r, s in plan.fetch.items()})
-            # the ranks of replaced slots fetch their state from peers; everyone else restores locally
-            fetch: dict[int, dict] = {}
-            for r, src in plan.fetch.items():
-                fetch.setdefault(self.job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = src.to_wire()
-            # a new world only where it changed: the slots filled in this recovery and the slots whose
-            # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
-            self.orders.direct_slots(Command.RESTORE, own=fetch, world_for={c for s in fresh for c in self.job.needed_by.get(s, ())},
-                               restart_count=self.job.restart_count, restore_step=plan.restore_step)
+            self._order_restore(g, plan)
         t = time.time()
         resumed_acks = Acks(ReportKind.RESUMED, g, plan.slots.values())
         self._wait_event(resumed_acks, self.cfg.recovery_timeout, lost)
@@ -318,6 +411,20 @@ class Recoveries:
             if vals:
                 phases[key] = round(max(vals), 4)
         return plan, phases, reached
+
+    def _order_restore(self, g: int, plan: RecoveryPlan, **extra) -> None:
+        """Publish a plan (`recovery_plan`) and send the restore directive (under the job's lock). The ranks of
+        replaced slots fetch their state from the plan's sources; everyone else restores locally."""
+        self.events.emit(Event.RECOVERY_PLAN, g, restore_step=plan.restore_step, replaced_slots=dict(plan.replaced_slots),
+                         fetch={r: s.to_wire() for r, s in plan.fetch.items()}, **extra)
+        fetch: dict[int, dict] = {}
+        for r, src in plan.fetch.items():
+            fetch.setdefault(self.job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = src.to_wire()
+        # a new world only where it changed: the slots filled in this recovery and the slots whose
+        # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
+        self.orders.direct_slots(Command.RESTORE, own=fetch,
+                                 world_for={c for s in plan.replaced_slots for c in self.job.needed_by.get(s, ())},
+                                 restart_count=self.job.restart_count, restore_step=plan.restore_step)
 
     def _quiesced_inventory(self, ack: dict) -> None:
         """A survivor's snapshot inventory as it quiesced (fresher than its last heartbeat's), taken as each

@@ -261,7 +261,8 @@ class ControlServer:
         self._thread = threading.Thread(target=self._run, daemon=True, name="control-server")
         self._started = threading.Event()
         self._routes = {Endpoint.REGISTER: master.register, Endpoint.HEARTBEAT: master.heartbeat,
-                        Endpoint.REPORT: master.report, Endpoint.INJECT: master.inject}
+                        Endpoint.REPORT: master.report, Endpoint.INJECT: master.inject,
+                        Endpoint.DRAIN: master.drain}
 
     def start(self) -> None:
         self._thread.start()

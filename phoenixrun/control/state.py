@@ -22,6 +22,7 @@ class Role(str, Enum):
     ACTIVE = "active"
     SPARE = "spare"
     FAILED = "failed"
+    DRAINED = "drained"        # moved to a spare by a drain: holds no slot, told to stop, never fenced
 
 
 class Phase(str, Enum):
@@ -51,6 +52,8 @@ class NodeRecord:
     protection: dict[int, dict] = field(default_factory=dict)  # rank -> figures for status
     api: bool = False          # its workers use the phoenixrun API (hot-swap capable)
     warm_ready: bool = False   # a spare whose pre-started workers are all up (its agent says so)
+    draining: str | None = None   # a drain of this node is under way (or done: role drained): its reason
+    straggler: float | None = None   # how many times slower than its peers, while it is a straggler
 
     def to_json(self, now: float) -> dict:
         d = asdict(self)

@@ -193,6 +193,11 @@ def valid_fault(fault: str) -> bool:
             return 0 < float(arg) < float("inf")
         except ValueError:
             return False
+    if name == "slow":
+        try:
+            return 1 <= float(arg) <= 100
+        except ValueError:
+            return False
     return False
 
 
@@ -250,6 +255,12 @@ class Report:
 class Inject:
     slot: int
     fault: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    slot: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,8 +450,16 @@ def parse_inject(p, job: Job) -> Inject:
     slot = _slot(_get(p, "slot"), "slot", job, none=False)
     fault = _get(p, "fault")
     if not valid_fault(fault):
-        raise MessageError(f"unknown fault {_show(fault)}: one of {' | '.join(FAULTS)} | xid:N | partition:SECONDS")
+        raise MessageError(f"unknown fault {_show(fault)}: one of {' | '.join(FAULTS)} | xid:N | partition:SECONDS | slow:FACTOR")
     return Inject(slot=slot, fault=fault)
+
+
+def parse_drain(p, job: Job) -> Drain:
+    """`phoenixrun drain`: the node slot to move to a spare, and why (free text, for the events)."""
+    p = _obj(p)
+    slot = _slot(_get(p, "slot"), "slot", job, none=False)
+    reason = _str(p.get("reason") or "operator request", "reason", limit=MAX_TEXT)
+    return Drain(slot=slot, reason=reason)
 
 
 def parse_poll(p, newest_version: int) -> Poll:

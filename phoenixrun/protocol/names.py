@@ -23,7 +23,8 @@ class Command(StrEnum):
     WAIT = "wait"              # a spare: stand by (`warm`: pre-start workers without a rank)
     RUN = "run"                # start (or, with `resume`, keep) this slot's workers
     RESTART = "restart"        # kill and start the workers (from `restore_step` on disk, or from scratch)
-    QUIESCE = "quiesce"        # recovery phase 1: stop after the current step, report `quiesced`
+    QUIESCE = "quiesce"        # recovery phase 1: stop after the current step, report `quiesced` (`at_step`:
+                               # a drain's, stop at that step boundary, the step's snapshot committed)
     RESTORE = "restore"        # recovery phase 2: fetch the plan's state, rebuild, report `resumed`
     STOP = "stop"              # exit with `exit_code` (or `fenced`: replaced while away, never rejoin)
 
@@ -44,6 +45,7 @@ class ReportKind(StrEnum):
     PROTECTION_MODE = "protection_mode"
     HEALTH = "health"
     LAYOUT = "layout"          # where the job's DTensor state has identical copies (redundancy.PeerSet), once
+    DRAIN = "drain"            # the agent got SIGTERM: move its ranks to a spare (also queued for `phoenixrun drain`)
     # queued by the master itself, never accepted from the wire
     JOINED = "joined"
     NODE_LOST = "node_lost"
@@ -58,7 +60,8 @@ REPORT_KINDS: dict[ReportKind, bool] = {
     ReportKind.RESUMED: False,
     ReportKind.QUIESCED: False, ReportKind.COMM_ERROR: True, ReportKind.NAN_LOSS: True,
     ReportKind.WORKER_ERROR: True, ReportKind.PROTECTION_MODE: False, ReportKind.HEALTH: False,
-    ReportKind.LAYOUT: False}
+    ReportKind.LAYOUT: False,
+    ReportKind.DRAIN: False}
 
 
 class WorkerOp(StrEnum):
@@ -82,12 +85,13 @@ class WorkerOp(StrEnum):
     REPLY = "reply"                      # the answer to a request, carrying its id
     ASSIGN = "assign"                    # the worker's rank and world
     REBUILD = "rebuild"                  # restore and rebuild process groups (recovery phase 2)
-    QUIESCE = "quiesce"                  # stop after the current step (recovery phase 1)
+    QUIESCE = "quiesce"                  # stop after the current step (recovery phase 1; `at_step`: at that boundary)
     COMMITTED = "committed"              # a snapshot step is replicated
     COMMIT_FAILED = "commit_failed"      # replicating it failed
     PING = "ping"                        # liveness probe (hang watchdog)
     ABORT_COMM = "abort_comm"            # fault drill: make this worker's collectives fail
     POISON_LOSS = "poison_loss"          # fault drill: the next observed loss is NaN
+    SLOW = "slow"                        # fault drill: compute `factor` times slower (a straggler)
     # inside the worker: its link to the agent closed
     AGENT_GONE = "agent_gone"
 
@@ -125,6 +129,8 @@ class Event(StrEnum):
     FALLBACK_DONE = "fallback_done"
     CHECKPOINT_REJECTED = "checkpoint_rejected"
     REJECTED_REQUEST = "rejected_request"
+    DRAIN_REQUESTED = "drain_requested"
+    STRAGGLER = "straggler"
 
 
 class Endpoint(StrEnum):
@@ -133,5 +139,6 @@ class Endpoint(StrEnum):
     REPORT = "/v1/report"                # POST: a ReportKind
     DIRECTIVE = "/v1/directive"          # POST: the directive long-poll (answered with a Command)
     INJECT = "/v1/inject"                # POST: `phoenixrun inject`
+    DRAIN = "/v1/drain"                  # POST: `phoenixrun drain`
     STATE = "/v1/state"                  # GET: the job's state (`phoenixrun status`)
     METRICS = "/metrics"                 # GET: Prometheus text

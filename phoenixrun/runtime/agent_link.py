@@ -36,7 +36,10 @@ class AgentLink:
         self.closed = False
         self.on_quiesce: Callable[[int], None] = lambda g: None
         self.on_abort: Callable[[], None] = lambda: None   # fault drill: make this worker's collectives fail
+        # a drain's quiesce (`at_step`): True if the training thread will stop at that step boundary by itself
+        self.on_drain: Callable[[int, int], bool] = lambda g, at_step: False
         self.poison_loss = False                           # fault drill: the next observed loss is NaN
+        self.slow_factor = 1.0                             # fault drill: each step's compute this many times longer
         self._reader = threading.Thread(target=self._read, daemon=True, name="phoenixrun-agent-link")
         self._reader.start()
 
@@ -95,8 +98,12 @@ class AgentLink:
                     self.on_abort()
                 elif op == WorkerOp.POISON_LOSS:           # `phoenixrun inject --fault nan`
                     self.poison_loss = True
+                elif op == WorkerOp.SLOW:                  # `phoenixrun inject --fault slow:FACTOR`
+                    self.slow_factor = float(msg.get("factor", 1.0))
                 elif op == WorkerOp.QUIESCE:
                     g = int(msg["generation"])
+                    if msg.get("at_step") is not None and self.on_drain(g, int(msg["at_step"])):
+                        continue                           # stops at the boundary: nothing to interrupt
                     with self.cv:
                         self.quiesce_generation = max(self.quiesce_generation, g)
                         self.cv.notify_all()

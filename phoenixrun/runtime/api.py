@@ -39,7 +39,7 @@ import torch.distributed as dist
 from phoenixrun.config import WorkerSettings
 from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol.names import WorkerOp
-from phoenixrun.runtime import layout_check
+from phoenixrun.runtime import layout_check, process_group
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
@@ -249,6 +249,10 @@ class _Runtime:
         self.link = AgentLink(sock_path)
         self.link.on_quiesce = self._on_quiesce
         self.link.on_abort = self.abort   # `phoenixrun inject --fault comm-timeout`: fail our collectives now
+        self.link.on_drain = self._on_drain
+        self.drain_at: tuple[int, int] | None = None   # (generation, step boundary) of a drain's quiesce
+        self.running_step = -1            # the step the training thread has set out to run (under link.cv)
+        self.final_step = 1 << 62         # job.steps()'s total: its end is the last boundary a drain can stop at
         self.link.send({"op": WorkerOp.HELLO, "local_rank": local_rank, "pid": os.getpid(), "api": True})
         assign = self.next_order({WorkerOp.ASSIGN})
         self.rank, self.world_size = assign["rank"], assign["world_size"]
@@ -294,6 +298,15 @@ class _Runtime:
     def abort(self) -> None:
         self.gens.abort()
 
+    def _on_drain(self, generation: int, at_step: int) -> bool:
+        """A drain's quiesce (reader thread): stop at step boundary `at_step`. False when the training thread is
+        already in that step or a later one: then it quiesces at once, as for a fault (the step is abandoned)."""
+        with self.link.cv:
+            if self.running_step >= min(at_step, self.final_step):
+                return False
+            self.drain_at = (generation, at_step)
+            return True
+
     def close(self) -> None:
         """At exit, while the interpreter is whole: stop the agent-link thread and free the gloo
         backends in order. Left to interpreter teardown, a daemon thread or a late destructor
@@ -338,6 +351,13 @@ class Job:
         self._restored_meta_cap = 0     # metadata capacity of the snapshot last restored (a floor for the layout)
         self.copier = BackgroundCopier()
         self.awaited_step = -1          # step of the last snapshot submitted: opt.step waits for its commit
+        # straggler measure: a step's time until it issues its first collective - this rank's own compute, before
+        # it can wait for anyone (the step's wall time is every rank's alike: DP ranks wait for the slowest)
+        self.compute_s: float | None = None
+        self._base_compute_s = 0.0      # the same, without an injected slowdown (`inject --fault slow:F`)
+        self._step_t0 = self._compute_t0 = 0.0
+        self._first_collective: float | None = None
+        process_group.ON_COLLECTIVE = self._on_collective
         self.stall_s = 0.0
         self._submit_t = 0.0
         self._restore_callbacks: list[Callable[[int, int], None]] = []
@@ -376,15 +396,54 @@ class Job:
 
     # ---------------------------------------------------------------- the loop
     def steps(self, total: int) -> Iterator[int]:
+        self.rt.final_step = total
         while True:
             while self.next_step < total:
+                if self._drain_due(total):
+                    self._stop_for_drain()
+                    continue
                 yield self.next_step
+            if self._drain_due(total):     # a drain whose boundary is past the end stops at the end
+                self._stop_for_drain()
+                continue
             try:  # nobody leaves while a peer might still need to replay a step with them
                 dist.barrier()
                 self.copier.wait()
                 return
             except Exception as e:  # noqa: BLE001 - any failure here is a recovery
                 self._recover(e)
+
+    def _on_collective(self) -> None:
+        if self._first_collective is None:
+            self._first_collective = time.perf_counter()
+
+    def _drain_due(self, total: int) -> bool:
+        """At a step boundary: has a drain asked this rank to stop here? If not, the next step (or, at the end,
+        the final barrier) is set out on: a drain order arriving from now on for this step or an earlier one
+        quiesces at once (see _on_drain)."""
+        rt = self.rt
+        with self.link.cv:
+            if rt.drain_at is not None and rt.drain_at[0] > rt.generation \
+                    and self.next_step >= min(rt.drain_at[1], total):
+                return True
+            rt.running_step = self.next_step
+            return False
+
+    def _stop_for_drain(self) -> None:
+        """The drain's step boundary: wait until this step's snapshot is committed, then report quiesced and wait
+        for the rebuild, as a quiesce would - without shutting any socket down: every rank stops here, none is
+        inside a step with this one, so nothing is abandoned and nothing replays."""
+        t0 = time.time()
+        generation = self.rt.drain_at[0]
+        self.copier.wait()
+        with self.link.cv:
+            while (self.link.committed_step < self.awaited_step and self.link.commit_error is None
+                   and not self.link.closed and self.link.quiesce_generation < generation):
+                self.link.cv.wait(0.5)
+            self.link.commit_error = None
+            self.link.quiesce_generation = max(self.link.quiesce_generation, generation)
+        self.copier.error = None
+        self._await_rebuild(t0)
 
     def step(self, k: int) -> "_StepScope":
         return _StepScope(self, k)
@@ -471,6 +530,8 @@ class Job:
         compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
         stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
                  "step_s": round(compute_t, 5), "every": self.every, "slot_bytes": writer.total_len}
+        if self.compute_s is not None:
+            stats["compute_s"] = round(self.compute_s, 5)
         self._submit_t = time.perf_counter()
 
         def copy() -> None:
@@ -595,11 +656,18 @@ class _StepScope:
         if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog
             job._last_ping = now
             job.link.send({"op": WorkerOp.PROGRESS, "step": self.k})
+        t0 = time.perf_counter()
+        if job.link.slow_factor > 1 and job._base_compute_s:
+            time.sleep((job.link.slow_factor - 1) * job._base_compute_s)   # fault drill: a straggler's compute
+        job._step_t0, job._compute_t0, job._first_collective = t0, time.perf_counter(), None
         return self.k
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         job = self.job
         if exc is None and not job.rt.quiesce_pending:
+            if job._first_collective is not None:
+                job.compute_s = job._first_collective - job._step_t0
+                job._base_compute_s = job._first_collective - job._compute_t0
             job.next_step = self.k + 1
             job._snapshot(self.k + 1)
             return False

@@ -28,7 +28,7 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -415,6 +415,10 @@ UNSUPPORTED = {
 }
 
 
+# called as each collective is issued (the runtime's straggler measure: a step's compute before its first collective)
+ON_COLLECTIVE: Callable[[], None] | None = None
+
+
 class ReconfigurableProcessGroup(ProcessGroup):
     """A process group of fixed members whose backend is replaced in place, generation by generation.
 
@@ -472,6 +476,8 @@ class ReconfigurableProcessGroup(ProcessGroup):
 
     def _fwd(name: str, target: str):  # noqa: N805 - builds forwarding methods
         def method(self, *args, **kwargs):
+            if ON_COLLECTIVE is not None:
+                ON_COLLECTIVE()
             if self.inner is None:
                 return self._local_op(name, args)
             fn = getattr(self.inner, target, None)
