@@ -62,7 +62,7 @@ def test_plan_drain_fetches_from_the_drained_node_at_the_common_step():
     layout, nodes, slots = _job({0: {0: [6, 7], 1: [6, 7]}, 1: {2: [6, 7], 3: [6, 7]}, 2: {4: [6, 7], 5: [6, 7]}})
     plan = plan_drain(layout, nodes, slots, 1, "sp")
     assert plan.restore_step == 7
-    assert plan.fetch == {2: RankSource("n1:1", "n1:1", 2), 3: RankSource("n1:1", "n1:1", 3)}
+    assert plan.fetch == {r: RankSource(private=("n1:1",), shared=(("n1:1", r),)) for r in (2, 3)}
     assert plan.slots == {0: "n0", 1: "sp", 2: "n2"} and plan.replaced_slots == {1: "sp"}
 
 
