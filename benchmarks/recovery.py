@@ -155,21 +155,30 @@ def main() -> int:
     if args.long_steps is not None:
         layers = max(1, round(args.long_steps / 0.5))
         model, script, args.no_baseline = ["--layers", str(layers), "--sleep", "0.5"], LONG_STEPS, True
-    ph, tr = [], []
+    ph, tr, failed = [], [], []
     for i in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="phoenixrun-recovery-") as tmp:
-            ph.append(phoenix_trial(Path(tmp), args.nodes, args.nproc, args.steps, args.kill, model, script))
+            try:
+                ph.append(phoenix_trial(Path(tmp), args.nodes, args.nproc, args.steps, args.kill, model, script))
+            except (RuntimeError, subprocess.CalledProcessError) as e:   # e.g. the master not up in 60 s under load
+                failed.append(f"trial {i}: {e}")
+                print(f"trial {i}: phoenixrun failed: {e}", flush=True)
+                continue
             print(f"trial {i}: phoenixrun {json.dumps(ph[-1])}", flush=True)
             if not args.no_baseline:
                 tr.append(torchrun_trial(Path(tmp), args.nodes * args.nproc, args.steps, args.kill, args.ckpt_every,
                                          model))
                 print(f"         torchrun   {json.dumps(tr[-1])}", flush=True)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    summary = {"config": vars(args), "phoenixrun": ph, "torchrun": tr, "world_size": args.nodes * args.nproc,
+    if not ph:
+        print("no trial finished", flush=True)
+        return 1
+    summary = {"config": vars(args), "phoenixrun": ph, "torchrun": tr, "failed_trials": failed,
+               "world_size": args.nodes * args.nproc,
                "phoenix_lost_s": med(ph, "lost_s"), "phoenix_recovery_s": med(ph, "recovery_s"),
                "phoenix_detect_s": med(ph, "detect_s")}
     print(f"{args.nodes} nodes x {args.nproc} ranks, kill at step {args.kill}, checkpoint every {args.ckpt_every}, "
-          f"{args.trials} trial(s), medians:")
+          f"{len(ph)} of {args.trials} trial(s) finished, medians:")
     print(f"  phoenixrun hot swap : lost {summary['phoenix_lost_s']:.2f} s, detection {summary['phoenix_detect_s']:.3f} s, "
           f"recovery {summary['phoenix_recovery_s']:.3f} s, replayed {med(ph, 'replayed_steps')} step(s)")
     kept = sum(r["survivors_kept"] is True for r in ph)
