@@ -89,11 +89,14 @@ def phoenix_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, mode
         time.sleep(0.2)
     node = next(n for n in state["nodes"] if n["slot"] == 1)
     survivors = {n["slot"]: sorted(n["worker_pids"]) for n in state["nodes"] if n["role"] == "active" and n["slot"] != 1}
-    wait_all_reached(prog, world, kill - 1, 0, proc)
+    # at step KILL, or at the next step once the spare's wait took longer (long steps on a loaded machine)
+    wait_all_reached(prog, world, max(kill - 1, latest_step(prog)), 0, proc)
     t_kill = time.time()
     for pid in [node["agent_pid"], *node["worker_pids"]]:
         os.kill(pid, signal.SIGKILL)
     target = latest_step(prog) + 1   # the step in flight when the node died
+    if target >= steps:
+        raise RuntimeError(f"the kill landed after the last step ({target} of {steps}): give more --steps")
     t_back = wait_all_reached(prog, world, target, t_kill, proc)
     try:   # the survivors' slots, now: the same processes, or respawned ones
         after = {n["slot"]: sorted(n["worker_pids"]) for n in status(run)["nodes"] if n["slot"] in survivors}
