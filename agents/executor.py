@@ -17,7 +17,7 @@ from phoenixrun.testing import pause_point
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.peer import PeerError
 from phoenixrun.agents.persister import PersistError
-from phoenixrun.agents.phases import QUIESCE_GRACE_S, PhaseAcks
+from phoenixrun.agents.phases import PhaseAcks
 from phoenixrun.agents.replicator import Replicator
 from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError
@@ -120,7 +120,8 @@ class DirectiveExecutor:
             if at_step is None:
                 self.replicator.freeze(True)
             live = self.supervisor.live_connected()
-            self.phases.expect_quiesce(live, deadline=time.time() + QUIESCE_GRACE_S)
+            grace = self.supervisor.step_times.grace()      # follows the measured step time (phases.quiesce_grace)
+            self.phases.expect_quiesce(live, deadline=time.time() + grace, grace=grace)
             self.supervisor.send_all(live, {"op": WorkerOp.QUIESCE, "generation": self.node.generation,
                                             **({} if at_step is None else {"at_step": at_step})})
         self.maybe_quiesced()
@@ -138,8 +139,10 @@ class DirectiveExecutor:
 
     def _await_quiesced(self) -> None:
         """Wait until the live workers stopped touching their slots (the checkpoint is staged into them); one
-        that does not answer within QUIESCE_GRACE_S (blocked in a collective) is killed and respawned."""
-        deadline = time.time() + QUIESCE_GRACE_S
+        that does not answer within the quiesce grace (blocked in a collective; `phases.quiesce_grace`: it follows
+        the measured step time) is killed and respawned."""
+        with self.node.lock:
+            deadline = time.time() + self.supervisor.step_times.grace()
         while time.time() < deadline:
             with self.node.lock:
                 if not self.phases.unacked_quiesce():

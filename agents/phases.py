@@ -6,28 +6,64 @@ was reported already (a late or repeated ack reports nothing).
 """
 from __future__ import annotations
 
-# A worker normally acknowledges a quiesce within milliseconds (its sockets are shut down under it). One whose
-# training thread is waiting on a gloo op that was enqueued as its connections went down stays blocked until the
-# collective timeout; past this grace it is killed and restarts from this node's snapshot (a local reset).
-QUIESCE_GRACE_S = 5.0
+import math
+from collections import deque
+from typing import Iterable
+
+# A worker acknowledges a quiesce at its next boundary: at once when blocked in a collective (its sockets are shut
+# down under it), else at its next collective (a DDP gradient bucket, a ZeRO broadcast), its next forward or its
+# optimizer step (runtime/api.py). One whose training thread is waiting on a gloo op that was enqueued as its
+# connections went down stays blocked until the collective timeout; past the grace it is killed and restarts from
+# this node's snapshot (a local reset). The grace follows the measured step time (`quiesce_grace`): a constant 5 s
+# killed every survivor whose step was longer (the PHOENIX paper's take 5-6 s), and the 7.7-8.5 s recovery tails in
+# docs/benchmarks.md were survivors killed at that constant on a loaded machine.
+QUIESCE_GRACE_FLOOR_S = 5.0      # no step measured yet, or short steps: the old constant, never less
+QUIESCE_GRACE_STEPS = 2.0        # the grace covers this many of the longest recent steps (load varies step to step)
+QUIESCE_GRACE_CAP_S = 45.0       # below the master's default --recovery-timeout (60 s): the agent acts first
+STEP_SAMPLES = 20                # recent steps per local rank the grace looks at
 REPORTED = -1
+
+
+def quiesce_grace(step_seconds: Iterable[float], floor: float = QUIESCE_GRACE_FLOOR_S,
+                  steps: float = QUIESCE_GRACE_STEPS, cap: float = QUIESCE_GRACE_CAP_S) -> float:
+    """How long a worker may take to acknowledge a quiesce, given the durations of this node's recent steps
+    (seconds, any order; non-finite or negative ones ignored): `steps` x the longest, at least `floor`, at most
+    `cap` (never below `floor`). Any boundary is at most one step away, so the longest step bounds the wait. Pure."""
+    longest = max((s for s in step_seconds if math.isfinite(s) and s >= 0), default=0.0)
+    return max(floor, min(cap, steps * longest))
+
+
+class StepTimes:
+    """The recent step durations each local worker reported (its `progress` messages), for `quiesce_grace`."""
+
+    def __init__(self, per_rank: int = STEP_SAMPLES) -> None:
+        self.per_rank = per_rank
+        self.samples: dict[int, deque[float]] = {}
+
+    def record(self, local_rank: int, seconds: float) -> None:
+        self.samples.setdefault(local_rank, deque(maxlen=self.per_rank)).append(float(seconds))
+
+    def grace(self) -> float:
+        return quiesce_grace(s for q in self.samples.values() for s in q)
 
 
 class PhaseAcks:
     def __init__(self) -> None:
         self.pending_quiesce: set[int] = set()
         self.quiesce_deadline = 0.0
+        self.quiesce_grace_s = 0.0
         self.quiesced_next_step = 0          # furthest step any local worker had completed when quiesced
         self.pending_resume: set[int] = set()
         self.resume_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ quiesce
-    def expect_quiesce(self, live: set[int], deadline: float | None = None) -> None:
+    def expect_quiesce(self, live: set[int], deadline: float | None = None, grace: float = 0.0) -> None:
         """Wait for these local ranks to quiesce; `deadline` (None: keep the last one) is when the watch kills
-        those that did not."""
+        those that did not, `grace` the seconds it allowed (`quiesce_grace`, for the log)."""
         self.pending_quiesce = set(live)
         if deadline is not None:
             self.quiesce_deadline = deadline
+            self.quiesce_grace_s = grace
             self.quiesced_next_step = 0
 
     def quiesced(self, local_rank: int | None, next_step: int) -> None:

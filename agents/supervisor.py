@@ -17,7 +17,7 @@ from phoenixrun.config import AgentConfig
 from phoenixrun.protocol import ReportKind, WorkerOp
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
-from phoenixrun.agents.phases import QUIESCE_GRACE_S, PhaseAcks
+from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS, PhaseAcks, StepTimes
 from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import LocalSlots
 from phoenixrun.agents.workers import Placement, Worker, worker_env
@@ -82,6 +82,7 @@ class WorkerSupervisor:
         self.done: set[int] = set()
         self.reported_exit: set[int] = set()             # exits already accounted for (or caused by us)
         self.last_progress: dict[int, float] = {}
+        self.step_times = StepTimes()                    # what the quiesce grace follows (phases.quiesce_grace)
         self.pinged: dict[int, float] = {}
         self.error_text: dict[int, str] = {}             # a worker's own exception, sent before it exits
 
@@ -202,6 +203,13 @@ class WorkerSupervisor:
         self.last_progress[local_rank] = time.time()
         self.pinged.pop(local_rank, None)
 
+    def stepped(self, local_rank: int, seconds) -> None:
+        """A worker's `progress` carried the longest step it took since its last one (what the grace follows)."""
+        try:
+            self.step_times.record(local_rank, float(seconds))
+        except (TypeError, ValueError):
+            pass
+
     def unwatch(self, conn: WorkerConn) -> None:
         """A worker closed its link: it crashed (its exit is what counts: `watch` sees it) or it left the
         protected loop and is exiting. Either way the hang watchdog stops watching it: a worker past its last
@@ -222,8 +230,10 @@ class WorkerSupervisor:
             if self.slots.frozen and self.phases.quiesce_overdue(now):
                 for lr in self.phases.unacked_quiesce():
                     w = self.workers.get(lr)
-                    log.warning("rank %s did not quiesce within %.0fs (blocked in a collective): killing it; it "
-                                "restarts from this node's snapshot", w.rank if w else lr, QUIESCE_GRACE_S)
+                    log.warning("rank %s did not quiesce within %.1fs (its grace: %g x this node's longest recent "
+                                "step, at least %gs; blocked in a collective): killing it; it restarts from this "
+                                "node's snapshot", w.rank if w else lr, self.phases.quiesce_grace_s,
+                                QUIESCE_GRACE_STEPS, QUIESCE_GRACE_FLOOR_S)
                     self.kill(lr)
                 self.phases.drop_quiesce()
             if not self.slots.frozen:   # waiting is legitimate during a recovery

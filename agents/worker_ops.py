@@ -44,7 +44,7 @@ class WorkerOps:
             WorkerOp.PROTECTION_MODE: self._protection_mode,
             WorkerOp.STATS: self._stats,
             WorkerOp.LAYOUT: self._layout,
-            WorkerOp.PROGRESS: self._alive, WorkerOp.PONG: self._alive,
+            WorkerOp.PROGRESS: self._progress, WorkerOp.PONG: self._alive,
         }
 
     def on_message(self, conn: WorkerConn, msg: dict) -> None:
@@ -134,6 +134,12 @@ class WorkerOps:
     def _stats(self, conn: WorkerConn, msg: dict) -> None:
         with self.node.lock:
             self.node.protection[self._rank(conn)] = msg.get("stats", {})
+
+    def _progress(self, conn: WorkerConn, msg: dict) -> None:
+        """A step began; `step_s`: the longest step since the worker's last progress (the quiesce grace's input)."""
+        if conn.local_rank is not None and msg.get("step_s") is not None:
+            with self.node.lock:
+                self.supervisor.stepped(conn.local_rank, msg["step_s"])
 
     def _alive(self, conn: WorkerConn, msg: dict) -> None:
         """Nothing to do beyond restarting the hang clock (PROGRESS_OPS)."""

@@ -13,6 +13,11 @@ the ranks' own progress logs), the recovery latency and the replayed steps, and 
 
 --no-baseline skips torchrun: the per-phase recovery times at several sizes are what the
 recovery-time fit (phoenixrun/sim/recovery_fit.py) needs.
+
+--long-steps S runs tests/scripts/long_steps.py instead of the example: steps of about S seconds spent in backward
+(sleeps between DDP gradient buckets, so the machine's load hardly matters), the kill early in a step. It also
+reports whether the survivors kept their worker processes (the same pids after the recovery) and the quiesce
+phase against the step time.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
+LONG_STEPS = ROOT / "tests" / "scripts" / "long_steps.py"
 
 
 def progress(d: Path) -> dict[int, list[tuple[int, float]]]:
@@ -60,35 +66,52 @@ def latest_step(d: Path) -> int:
     return max(s for lines in progress(d).values() for s, _ in lines)
 
 
-def phoenix_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, model: list[str]) -> dict:
+def status(run: Path) -> dict:
+    return json.loads(subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(run), "--json"],
+                                     capture_output=True, text=True, check=True).stdout)
+
+
+def phoenix_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, model: list[str],
+                  script: Path = EXAMPLE) -> dict:
     run, prog = tmp / "ph-run", tmp / "ph-progress"
     prog.mkdir(parents=True)
     world = nodes * nproc
     cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--spares", "1",
-           "--run-dir", str(run), str(EXAMPLE), "--steps", str(steps), "--out", str(tmp / "ph-out"),
+           "--run-dir", str(run), str(script), "--steps", str(steps), "--out", str(tmp / "ph-out"),
            "--progress-dir", str(prog), *model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING"})
     wait_all_reached(prog, world, 0, 0, proc)
     while True:  # steady state of a real job: the spare's workers are up (warm) long before a failure
-        state = json.loads(subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(run), "--json"],
-                                          capture_output=True, text=True, check=True).stdout)
+        state = status(run)
         if all(len(n["worker_pids"]) == nproc for n in state["nodes"]):
             break
         time.sleep(0.2)
     node = next(n for n in state["nodes"] if n["slot"] == 1)
-    wait_all_reached(prog, world, kill - 1, 0, proc)
+    survivors = {n["slot"]: sorted(n["worker_pids"]) for n in state["nodes"] if n["role"] == "active" and n["slot"] != 1}
+    # at step KILL, or at the next step once the spare's wait took longer (long steps on a loaded machine)
+    wait_all_reached(prog, world, max(kill - 1, latest_step(prog)), 0, proc)
     t_kill = time.time()
     for pid in [node["agent_pid"], *node["worker_pids"]]:
         os.kill(pid, signal.SIGKILL)
     target = latest_step(prog) + 1   # the step in flight when the node died
+    if target >= steps:
+        raise RuntimeError(f"the kill landed after the last step ({target} of {steps}): give more --steps")
     t_back = wait_all_reached(prog, world, target, t_kill, proc)
+    try:   # the survivors' slots, now: the same processes, or respawned ones
+        after = {n["slot"]: sorted(n["worker_pids"]) for n in status(run)["nodes"] if n["slot"] in survivors}
+    except (subprocess.CalledProcessError, ValueError):
+        after = None       # the job ended first: not known
     rc = proc.wait(timeout=600)
     ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     fault = next(e for e in ev if e["event"] == "fault_detected")
     done = next(e for e in ev if e["event"] == "recovery_done")
+    step_s = statistics.median(b - a for lines in progress(prog).values() for (s0, a), (s1, b) in zip(lines, lines[1:])
+                               if s1 == s0 + 1 and b < t_kill)
     return {"exit_code": rc, "lost_s": t_back - t_kill, "detect_s": fault["t"] - t_kill,
-            "recovery_s": done["duration_s"], "replayed_steps": done["replayed_steps"], "phases": done["phases"]}
+            "recovery_s": done["duration_s"], "replayed_steps": done["replayed_steps"], "phases": done["phases"],
+            "survivors_kept": after == survivors, "step_s": round(step_s, 3),
+            "quiesce_over_step": round(done["phases"]["quiesce_s"] / step_s, 4)}
 
 
 def torchrun_trial(tmp: Path, world: int, steps: int, kill: int, every: int, model: list[str]) -> dict:
@@ -127,25 +150,45 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--model", default="--d-model 128 --layers 2 --heads 4 --vocab 512 --seq 32 --batch 4")
     p.add_argument("--json", default=None)
+    p.add_argument("--long-steps", type=float, default=None, metavar="S",
+                   help="tests/scripts/long_steps.py with steps of about S s (0.5 s sleeps between gradient buckets); "
+                        "phoenixrun only; use with a small --steps/--kill, e.g. --steps 5 --kill 2")
     args = p.parse_args()
-    model = args.model.split()
-    ph, tr = [], []
+    model, script = args.model.split(), EXAMPLE
+    if args.long_steps is not None:
+        layers = max(1, round(args.long_steps / 0.5))
+        model, script, args.no_baseline = ["--layers", str(layers), "--sleep", "0.5"], LONG_STEPS, True
+    ph, tr, failed = [], [], []
     for i in range(args.trials):
         with tempfile.TemporaryDirectory(prefix="phoenixrun-recovery-") as tmp:
-            ph.append(phoenix_trial(Path(tmp), args.nodes, args.nproc, args.steps, args.kill, model))
+            try:
+                ph.append(phoenix_trial(Path(tmp), args.nodes, args.nproc, args.steps, args.kill, model, script))
+            except (RuntimeError, subprocess.CalledProcessError) as e:   # e.g. the master not up in 60 s under load
+                failed.append(f"trial {i}: {e}")
+                print(f"trial {i}: phoenixrun failed: {e}", flush=True)
+                continue
             print(f"trial {i}: phoenixrun {json.dumps(ph[-1])}", flush=True)
             if not args.no_baseline:
                 tr.append(torchrun_trial(Path(tmp), args.nodes * args.nproc, args.steps, args.kill, args.ckpt_every,
                                          model))
                 print(f"         torchrun   {json.dumps(tr[-1])}", flush=True)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    summary = {"config": vars(args), "phoenixrun": ph, "torchrun": tr, "world_size": args.nodes * args.nproc,
+    if not ph:
+        print("no trial finished", flush=True)
+        return 1
+    summary = {"config": vars(args), "phoenixrun": ph, "torchrun": tr, "failed_trials": failed,
+               "world_size": args.nodes * args.nproc,
                "phoenix_lost_s": med(ph, "lost_s"), "phoenix_recovery_s": med(ph, "recovery_s"),
                "phoenix_detect_s": med(ph, "detect_s")}
     print(f"{args.nodes} nodes x {args.nproc} ranks, kill at step {args.kill}, checkpoint every {args.ckpt_every}, "
-          f"{args.trials} trial(s), medians:")
+          f"{len(ph)} of {args.trials} trial(s) finished, medians:")
     print(f"  phoenixrun hot swap : lost {summary['phoenix_lost_s']:.2f} s, detection {summary['phoenix_detect_s']:.3f} s, "
           f"recovery {summary['phoenix_recovery_s']:.3f} s, replayed {med(ph, 'replayed_steps')} step(s)")
+    kept = sum(r["survivors_kept"] is True for r in ph)
+    summary.update(survivors_kept=kept, phoenix_step_s=med(ph, "step_s"),
+                   phoenix_quiesce_s=statistics.median(r["phases"]["quiesce_s"] for r in ph))
+    print(f"  survivors kept their processes in {kept} of {len(ph)} trial(s); step {summary['phoenix_step_s']:.2f} s, "
+          f"quiesce {summary['phoenix_quiesce_s']:.3f} s")
     if tr:
         summary.update(torchrun_lost_s=med(tr, "lost_s"), torchrun_restart_s=med(tr, "recovery_s"),
                        lost_time_ratio=med(tr, "lost_s") / med(ph, "lost_s"))

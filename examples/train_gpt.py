@@ -160,7 +160,7 @@ def main() -> None:
                 progress["pad"][str(step)] = (f"{step:08d}" * (args.state_growth // 8 + 1))[:args.state_growth]
         # the whole iteration, including phoenixrun's end-of-step work
         progress["step_seconds"][str(step)] = time.perf_counter() - t0
-        if log:
+        if log and str(step) in progress["losses"]:   # not a step abandoned for a recovery (it is replayed)
             log.write(f"{step} {time.time():.6f}\n")
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(args, rank, step + 1, model, opt, progress)

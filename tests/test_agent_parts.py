@@ -12,7 +12,8 @@ from phoenixrun.config import AgentConfig
 from phoenixrun.agents.executor import Step, plan_directive, waits_for_io_process
 from phoenixrun.agents.ipc import WorkerChannelServer
 from phoenixrun.agents.peer import PeerServer
-from phoenixrun.agents.phases import PhaseAcks
+from phoenixrun.agents.phases import (QUIESCE_GRACE_CAP_S, QUIESCE_GRACE_FLOOR_S, PhaseAcks, StepTimes,
+                                      quiesce_grace)
 from phoenixrun.agents.replicator import holders_of, peer_addr_of
 from phoenixrun.agents.supervisor import PING_GRACE_MIN_S, Exit, Hang, exit_detail, exit_outcome, hang_check
 from phoenixrun.agents.workers import WorkerSpec
@@ -120,6 +121,33 @@ def test_quiesce_overdue_and_a_new_quiesce_forgets_the_last_steps():
     assert not p.quiesce_overdue(100.0) and p.unacked_quiesce() == []   # reported: nothing is overdue
 
 
+@pytest.mark.parametrize("steps, floor, k, cap, grace", [
+    ([], 5.0, 2.0, 45.0, 5.0),                        # nothing measured yet: the floor
+    ([0.2, 0.3, 0.25], 5.0, 2.0, 45.0, 5.0),          # short steps: the floor (the old constant)
+    ([8.0], 5.0, 2.0, 45.0, 16.0),                    # an 8 s step: two of them, the survivor keeps its process
+    ([0.2, 8.0, 0.2], 5.0, 2.0, 45.0, 16.0),          # the longest recent step counts, not the last
+    ([3.0], 5.0, 2.0, 45.0, 6.0),                     # just above the floor
+    ([100.0], 5.0, 2.0, 45.0, 45.0),                  # capped: the agent acts before the master's phase deadline
+    ([100.0], 5.0, 2.0, 3.0, 5.0),                    # a cap below the floor: never less than the floor
+    ([float("nan"), float("inf"), -1.0, 4.0], 5.0, 2.0, 45.0, 8.0),   # nonsense samples are ignored
+    ([1.0], 0.5, 3.0, 45.0, 3.0),
+])
+def test_quiesce_grace(steps, floor, k, cap, grace):
+    assert quiesce_grace(steps, floor=floor, steps=k, cap=cap) == grace
+
+
+def test_quiesce_grace_defaults_and_step_times_per_rank():
+    assert quiesce_grace([]) == QUIESCE_GRACE_FLOOR_S and quiesce_grace([1e9]) == QUIESCE_GRACE_CAP_S
+    t = StepTimes(per_rank=2)
+    assert t.grace() == QUIESCE_GRACE_FLOOR_S
+    t.record(0, 8.0)
+    t.record(1, 1.0)
+    assert t.grace() == quiesce_grace([8.0])
+    t.record(0, 1.0)
+    t.record(0, 1.0)                                  # rank 0's 8 s step is no longer recent
+    assert t.grace() == QUIESCE_GRACE_FLOOR_S
+
+
 def test_resume_reports_the_slowest_timings_once():
     p = PhaseAcks()
     p.expect_resume(range(2), {"fetch_s": 0.5})
@@ -208,6 +236,9 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
         assert link.request({"op": "slots"}, timeout=30)["paths"] == paths
         assert a.node.protection[0]["committed_step"] == 5 and a.node.protection[0]["snap_s"] == 0.1
         assert 0 in a.supervisor.last_progress                  # write/written restart the hang clock
+        link.send({"op": "progress", "step": 6, "step_s": 9.5})  # its longest step since the last progress
+        link.request({"op": "slots"}, timeout=30)
+        assert a.supervisor.step_times.grace() == quiesce_grace([9.5]) > QUIESCE_GRACE_FLOOR_S
 
         link.send({"op": "comm_error", "text": "boom", "step": 6})
         link.send({"op": "resumed", "generation": 0, "timings": {"rebuild_s": 0.2}})

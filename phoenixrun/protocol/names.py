@@ -71,7 +71,7 @@ class WorkerOp(StrEnum):
     SLOTS = "slots"                      # request: the paths of the slots already allocated
     WRITE = "write"                      # request: a slot to write the next snapshot into
     WRITTEN = "written"                  # a snapshot is in its slot: replicate and commit it
-    PROGRESS = "progress"                # a step finished (hang watchdog)
+    PROGRESS = "progress"                # a step began (hang watchdog); step_s: its longest step since (quiesce grace)
     PONG = "pong"                        # answer to PING
     QUIESCED = "quiesced"                # stopped for a recovery, at next_step
     RESUMED = "resumed"                  # rebuilt after a recovery (timings)

@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Reducer
 
 from phoenixrun.config import WorkerSettings
 from phoenixrun.faults.classify import collective_cause
@@ -61,6 +62,25 @@ ADAPT_PERIOD = 20   # steps between protection-interval decisions
 
 class Quiesced(RuntimeError):
     """Raised inside a step when the master ordered this generation to stop."""
+
+
+class QuiescedBackend:
+    """What every group points at once its generation is quiesced, until the next one is joined: any collective
+    raises Quiesced at once, on the thread that issues it. The gloo ops on the shut-down sockets fail only when
+    waited for, and DDP waits for its gradient buckets at the end of backward: without this a survivor ran the rest
+    of its backward (seconds) before it noticed. Raised from DDP's reducer at a bucket boundary, it abandons the
+    backward there."""
+
+    def __init__(self, generation: int):
+        self.generation = generation
+
+    def __getattr__(self, op: str):
+        raise Quiesced(f"generation {self.generation} is quiesced: {op} refused")
+
+
+def _ddp_modules(model: torch.nn.Module) -> list:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return [m for m in model.modules() if isinstance(m, DDP)]
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -270,6 +290,7 @@ class _Runtime:
         # every generation of the groups' backends: created, aborted and destroyed by one lifecycle
         self.gens = Generations(generation_kind(settings.backend), self.master_addr, self.master_port, self.rank,
                                 self.world_size, self.timeout, GROUPS)
+        self.refuse_on_quiesce = True        # protect() clears it for FSDP2 (see Job)
         self.pg: ReconfigurableProcessGroup = install_default_group(self.rank, self.world_size)
         atexit.register(self.close)
         if self.restore_step is None:
@@ -292,7 +313,14 @@ class _Runtime:
                 return msg
 
     def _on_quiesce(self, generation: int) -> None:
-        # called on the reader thread: unblock whatever the training thread is stuck in
+        # called on the reader thread: unblock whatever the training thread is stuck in, and refuse its next
+        # collective (a gradient bucket's: the step is abandoned at that boundary, not at its end)
+        gen = self.gens.current
+        if self.refuse_on_quiesce and gen is not None and gen.generation < generation:
+            refused = QuiescedBackend(gen.generation)
+            for pg in [GROUPS.world, *GROUPS.subgroups]:
+                if pg is not None and pg.inner is not None:
+                    pg.set_backend(refused)
         self.gens.abort()
 
     def abort(self) -> None:
@@ -343,6 +371,8 @@ class Job:
         self._iteration_t = 0.0
         self._last_ping = 0.0
         self._last_iteration_s = 0.0
+        self._enter_t = 0.0             # when the current step began (0: none since the start or a recovery)
+        self._longest_step_s = 0.0      # longest step since the last progress message (the agent's quiesce grace)
         self.next_step = 0
         self.current = -1
         self.binding: StateBinding | None = None
@@ -366,6 +396,13 @@ class Job:
         stats_dir = settings.stats_dir   # per-step protection figures (benchmarks)
         self._stats = open(os.path.join(stats_dir, f"rank{rt.rank}.jsonl"), "a", buffering=1) if stats_dir else None
         optimizer.register_step_pre_hook(self._before_optimizer_step)
+        # a quiesce boundary at every forward (each micro-batch); first, before a wrapper's own hooks communicate
+        model.register_forward_pre_hook(self._before_forward, prepend=True)
+        # a boundary at every collective (DDP: each gradient bucket) - except under FSDP2, whose backward hooks keep
+        # state (parameters unsharded by a prefetch, gradients to reduce) that an exception raised inside them would
+        # leave behind for the replay; there the quiesce waits for the next forward, optimizer step or collective wait
+        from torch.distributed.fsdp import FSDPModule
+        rt.refuse_on_quiesce = not any(isinstance(m, FSDPModule) for m in model.modules())
         if rt.restore_step is not None:
             self._join(rt.generation, rt.restore_step)
         self._protected = True
@@ -460,8 +497,18 @@ class Job:
             loss = loss * float("nan")
         check_loss(loss, self.current)
 
+    # ---------------------------------------------------------------- quiesce boundaries
+    def _check_quiesce(self, where: str) -> None:
+        """A boundary: abandon the step here when this generation was told to stop (one flag read otherwise)."""
+        if self.rt.quiesce_pending:
+            raise Quiesced(f"quiesced at {where} of step {self.current}")
+
+    def _before_forward(self, module, args) -> None:
+        self._check_quiesce("a forward")
+
     # ---------------------------------------------------------------- snapshot path
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._check_quiesce("the optimizer step")   # an abandoned step applies nothing
         if self.adaptive and self.current > 0 and self.current % ADAPT_PERIOD == 0:
             self._adapt()
         if self.awaited_step < 0:
@@ -571,6 +618,12 @@ class Job:
             self.rt.abort()   # let peers blocked on us fail now instead of at their timeout
         self.copier.wait()
         self.copier.error = None
+        self._enter_t = 0.0                 # the time to the next step is the recovery's, not a step's
+        for ddp in _ddp_modules(self.model):
+            try:   # a backward abandoned at a bucket boundary leaves DDP's reducer expecting the rest of it
+                Reducer._check_reducer_finalized(ddp.reducer)
+            except RuntimeError:   # "Expected to have finished reduction in the prior iteration" at the replay
+                Reducer._reset_state(ddp.reducer)   # (what DDP's own _update_process_group does first)
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         self._await_rebuild(t0)
@@ -653,9 +706,15 @@ class _StepScope:
         job = self.job
         job.current = self.k
         now = time.monotonic()
-        if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog
+        if job._enter_t:                  # the last step, with what the loop did between steps
+            job._longest_step_s = max(job._longest_step_s, now - job._enter_t)
+        job._enter_t = now
+        if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog and quiesce grace
             job._last_ping = now
-            job.link.send({"op": WorkerOp.PROGRESS, "step": self.k})
+            msg = {"op": WorkerOp.PROGRESS, "step": self.k}
+            if job._longest_step_s:
+                msg["step_s"], job._longest_step_s = round(job._longest_step_s, 4), 0.0
+            job.link.send(msg)
         t0 = time.perf_counter()
         if job.link.slow_factor > 1 and job._base_compute_s:
             time.sleep((job.link.slow_factor - 1) * job._base_compute_s)   # fault drill: a straggler's compute
