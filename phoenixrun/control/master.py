@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from phoenixrun.config import MasterConfig
+from phoenixrun.control import layout_file
 from phoenixrun.control.coordinator import Coordinator
 from phoenixrun.control.directives import Directive, DirectiveBoard
 from phoenixrun.control.events import EventLog
@@ -49,6 +50,8 @@ class Master:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.job = JobState(cfg)
+        # a master started again over this run's directory plans from the DTensor peer set the first one was told
+        self.job.peer_set = layout_file.load(self.run_dir, cfg.run_id, cfg.nnodes * cfg.nproc_per_node)
         self.orders = Orders(self.job, self.events)
         self._inbox = Inbox()
         self.rejections = Rejections(lambda **f: self.events.emit(Event.REJECTED_REQUEST, self.job.generation, **f))

@@ -23,6 +23,7 @@ from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
+from phoenixrun.control import layout_file
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, by_rank, pick_spare, plan_recovery
 from phoenixrun.faults import Action
 from phoenixrun.faults.escalate import settle
@@ -91,6 +92,8 @@ class Recoveries:
 
     def absorb(self, ev: dict) -> None:
         self.job.absorb(ev, self.events.emit)
+        if ev.get("kind") == ReportKind.LAYOUT:    # kept for a restarted master (control/layout_file.py)
+            layout_file.save(self.cfg.run_dir, self.cfg.run_id, self.job.peer_set)
 
     # ---------------------------------------------------------------- torchrun-style restart
     def restart(self, lost: set[int], failing_code: int | None, why: str) -> None:
