@@ -104,7 +104,8 @@ def _space_message(path: Path, size: int, e: OSError) -> str:
 
 
 def _release(mm: mmap.mmap, path: Path) -> None:
-    """Drop a slot file replaced by a larger one (a worker may still map it: unlinking is safe)."""
+    """Drop a slot file (replaced by a larger one, or the rank's slots cleared): a worker may still map it and a
+    transfer may still hold a view of it, so unlink it and close it only if nothing else holds it."""
     path.unlink(missing_ok=True)
     try:
         mm.close()
@@ -363,8 +364,7 @@ class LocalSlots:
     def _drop(self, rank: int) -> None:
         rs = self._ranks.pop(rank)
         for mm, p in zip(rs.maps, rs.paths):
-            mm.close()
-            p.unlink(missing_ok=True)
+            _release(mm, p)   # a peer's restore may still be sending from it (BufferError on close)
 
 
 class ReplicaStore:
