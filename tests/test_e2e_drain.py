@@ -38,8 +38,8 @@ def test_drain_by_command_then_by_sigterm(tmp_path):
     """Two drains in one job (2 nodes x 2 ranks + 2 spares): node 1 by `phoenixrun drain`, then node 0 by SIGTERM to
     its agent. Each time the job is held at a step (one rank's snapshot copy held at a pause point, steps 5 and 20)
     until the drain's quiesce is ordered: on a loaded machine the CLI alone took longer than the whole job."""
-    ref = torchrun(tmp_path, "ref", nproc=4, steps=STEPS)
-    job = launch(tmp_path, "drain", nnodes=2, spares=2, steps=STEPS, extra_flags=["--hang-timeout", "120"],
+    ref = torchrun(tmp_path, "ref", nproc=2, steps=STEPS)
+    job = launch(tmp_path, "drain", nnodes=2, nproc=1, spares=2, steps=STEPS, extra_flags=["--hang-timeout", "120"],
                  PHOENIXRUN_TEST_PAUSE="d2h:5+,d2h#2:20+")
     job.wait_file(tmp_path / "paused-d2h", timeout=300)
     before = job.state()

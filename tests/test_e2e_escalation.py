@@ -10,7 +10,7 @@ def test_a_fault_repeating_at_one_step_escalates_and_stops_with_the_reason(tmp_p
     # rank 0 kills itself whenever it reaches step 6, so no recovery can get past it: a local reset (one:
     # --max-local-resets 1, each costs a fresh worker process), then a node replace (the spare's rank 0 does
     # the same), then the fallback - none is configured - and a stop
-    job = launch(tmp_path, "repeat", nnodes=2, nproc=2, spares=1, steps=20, script_args=["--crash-at", "6"],
+    job = launch(tmp_path, "repeat", nnodes=2, nproc=1, spares=1, steps=20, script_args=["--crash-at", "6"],
                  extra_flags=["--max-local-resets", "1"])
     rc = job.finish(timeout=300)
     assert rc != 0, job.log()[-3000:]

@@ -8,7 +8,7 @@ import pytest
 from phoenixrun import auth
 from tests.harness import assert_identical, launch, torchrun
 
-STEPS = 16
+STEPS = 40
 pytestmark = pytest.mark.e2e
 
 
@@ -26,8 +26,8 @@ def _post(endpoint: str, secret: str, path: str, body) -> tuple[int, dict]:
 
 
 def test_malformed_and_forged_messages_are_refused_while_the_job_finishes_bit_identical(tmp_path):
-    ref = torchrun(tmp_path, "ref", nproc=4, steps=STEPS)
-    job = launch(tmp_path, "hostile", nnodes=2, steps=STEPS)
+    ref = torchrun(tmp_path, "ref", nproc=2, steps=STEPS)
+    job = launch(tmp_path, "hostile", nnodes=2, nproc=1, steps=STEPS)
     state = job.wait_step(3)
     endpoint, secret = state["endpoint"], auth.read_secret(run_dir=job.run_dir)
     ids = {n["slot"]: n["node_id"] for n in state["nodes"] if n["role"] == "active"}
@@ -50,7 +50,7 @@ def test_malformed_and_forged_messages_are_refused_while_the_job_finishes_bit_id
           for s, nid in ids.items()],
         ("/v1/heartbeat", {"node_id": ids[1], "snapshots": {"0": "abc"}}),
         ("/v1/directive", {"node_id": ids[0], "version": 1e30, "timeout": 30}),
-        ("/v1/report", {"node_id": ids[1], "kind": "comm_error", "rank": 2, "generation": 0, "text": "replayed"}),
+        ("/v1/report", {"node_id": ids[1], "kind": "comm_error", "rank": 1, "generation": 0, "text": "replayed"}),
     ]
     for path, body in cases:
         code, reply = _post(endpoint, secret, path, body)

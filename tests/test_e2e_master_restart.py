@@ -14,8 +14,8 @@ STEPS = 400      # the job must outlast a master restart, which takes seconds on
 
 
 @pytest.fixture(scope="module")
-def ref4(tmp_path_factory):
-    return torchrun(tmp_path_factory.mktemp("ref4"), "ref", nproc=4, steps=STEPS)
+def ref2(tmp_path_factory):
+    return torchrun(tmp_path_factory.mktemp("ref2"), "ref", nproc=2, steps=STEPS)
 
 
 def finished_steps(progress_dir) -> list[tuple[int, float]]:
@@ -24,10 +24,10 @@ def finished_steps(progress_dir) -> list[tuple[int, float]]:
     return [(int(a), float(b)) for a, b in (ln.split() for ln in lines if ln.strip())]
 
 
-def test_master_killed_mid_run_training_continues_and_recovery_still_works(tmp_path, ref4):
+def test_master_killed_mid_run_training_continues_and_recovery_still_works(tmp_path, ref2):
     progress = tmp_path / "progress"
     progress.mkdir()
-    job = launch(tmp_path, "mk", nnodes=2, spares=1, steps=STEPS, script_args=["--progress-dir", str(progress)])
+    job = launch(tmp_path, "mk", nnodes=2, nproc=1, spares=1, steps=STEPS, script_args=["--progress-dir", str(progress)])
     before = job.wait_step(5)
     old_pid = before["master_pid"]
     os.kill(old_pid, signal.SIGKILL)
@@ -52,11 +52,11 @@ def test_master_killed_mid_run_training_continues_and_recovery_still_works(tmp_p
     done = by_event(ev, "recovery_done")
     assert done and done[0]["replayed_steps"] <= 1 and done[0]["t"] > starts[1]["t"]
     assert ev[0]["event"] == "master_started" and ev[-1]["event"] == "job_finished"   # one log, both masters
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)
 
 
-def test_node_lost_while_the_master_is_down_is_recovered_once_it_is_back(tmp_path, ref4):
-    job = launch(tmp_path, "both", nnodes=2, spares=1, steps=STEPS)
+def test_node_lost_while_the_master_is_down_is_recovered_once_it_is_back(tmp_path, ref2):
+    job = launch(tmp_path, "both", nnodes=2, nproc=1, spares=1, steps=STEPS)
     before = job.wait_step(5)
     os.kill(before["master_pid"], signal.SIGKILL)
     lost = kill_node(before, 1)                  # dies while nobody is watching
@@ -69,16 +69,16 @@ def test_node_lost_while_the_master_is_down_is_recovered_once_it_is_back(tmp_pat
     assert f["slot"] == 1 and f["action"] == "node_replace"
     done = by_event(ev, "recovery_done")
     assert done and done[0]["replaced_slots"] == {"1": next(n["node_id"] for n in before["nodes"] if n["role"] == "spare")}
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)
 
 
-def test_a_new_node_joins_a_running_job_as_spare_and_replaces_a_failed_one(tmp_path, ref4):
+def test_a_new_node_joins_a_running_job_as_spare_and_replaces_a_failed_one(tmp_path, ref2):
     """Spare replenishment: `phoenixrun agent` started by hand against a running job."""
     from tests.harness import BIN, EXAMPLE, SMALL, env
-    job = launch(tmp_path, "late", nnodes=2, spares=0, steps=STEPS)
+    job = launch(tmp_path, "late", nnodes=2, nproc=1, spares=0, steps=STEPS)
     state = job.wait_step(3)
     late = subprocess.Popen(
-        [str(BIN / "phoenixrun"), "agent", "--rdzv-endpoint", state["endpoint"], "--nproc-per-node", "2",
+        [str(BIN / "phoenixrun"), "agent", "--rdzv-endpoint", state["endpoint"], "--nproc-per-node", "1",
          "--heartbeat-interval", "0.1", "--secret-file", str(job.run_dir / "secret"), "--",
          str(EXAMPLE), "--steps", str(STEPS), "--out", str(job.out), *SMALL],   # the same script and args
         env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
@@ -95,4 +95,4 @@ def test_a_new_node_joins_a_running_job_as_spare_and_replaces_a_failed_one(tmp_p
     finally:
         if late.poll() is None:
             late.kill()
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)

@@ -20,6 +20,13 @@ def ref4(tmp_path_factory):
     return torchrun(tmp_path_factory.mktemp("ref4"), "ref", nproc=4, steps=STEPS)
 
 
+# A job's cost here is its processes (each worker imports torch: ~7 CPU s), not its steps: the tests that are about
+# nodes, not about two ranks sharing one, run one rank per node against a 2-rank reference.
+@pytest.fixture(scope="module")
+def ref2(tmp_path_factory):
+    return torchrun(tmp_path_factory.mktemp("ref2"), "ref", nproc=2, steps=STEPS)
+
+
 def _recovered(job, n=1):
     done = by_event(job.events(), "recovery_done")
     assert len(done) >= n, job.log()[-3000:]
@@ -45,15 +52,15 @@ def test_standalone_matches_torchrun_and_shows_status(tmp_path, ref4):
 
 
 def test_node_kill_hot_swap_three_nodes(tmp_path):
-    ref6 = torchrun(tmp_path, "ref6", nproc=6, steps=STEPS)
-    job = launch(tmp_path, "node", nnodes=3, spares=1, steps=STEPS)
+    ref3 = torchrun(tmp_path, "ref3", nproc=3, steps=STEPS)
+    job = launch(tmp_path, "node", nnodes=3, nproc=1, spares=1, steps=STEPS)
     kill_node(job.wait_step(8), slot=1)
     assert job.finish() == 0, job.log()[-3000:]
     d = _recovered(job)[0]
     assert d["replaced_slots"] and d["phases"]["quiesce_s"] >= 0
     started = by_event(job.events(), "recovery_started")[0]
     assert started["slot"] == 1 and started["action"] == "node_replace"
-    assert_identical(job.out, ref6)
+    assert_identical(job.out, ref3)
 
 
 def test_worker_kill_local_reset(tmp_path, ref4):
@@ -68,40 +75,40 @@ def test_worker_kill_local_reset(tmp_path, ref4):
     assert_identical(job.out, ref4)
 
 
-def test_kill_node_hosting_rank0(tmp_path, ref4):
-    job = launch(tmp_path, "rank0", nnodes=2, spares=1, steps=STEPS)
+def test_kill_node_hosting_rank0(tmp_path, ref2):
+    job = launch(tmp_path, "rank0", nnodes=2, nproc=1, spares=1, steps=STEPS)
     kill_node(job.wait_step(6), slot=0)
     assert job.finish() == 0, job.log()[-3000:]
     assert _recovered(job)[0]["replaced_slots"] == {"0": by_event(job.events(), "spare_promoted")[0]["node"]}
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)
 
 
-def test_two_failures_in_a_row(tmp_path, ref4):
-    job = launch(tmp_path, "two", nnodes=2, spares=2, steps=STEPS)
+def test_two_failures_in_a_row(tmp_path, ref2):
+    job = launch(tmp_path, "two", nnodes=2, nproc=1, spares=2, steps=STEPS)
     kill_node(job.wait_step(5), slot=1)
     state = job.wait_for(lambda s: s["recoveries"] >= 1 and (s["step"] or 0) >= 12, what="first recovery")
     kill_node(state, slot=0)
     assert job.finish() == 0, job.log()[-3000:]
     done = _recovered(job, 2)
     assert len(done) == 2
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)
     # job.on_restore ran on every rank after each recovery: survivors and replacement processes alike
     log = job.log()
     for d in done:
-        for rank in range(4):
+        for rank in range(2):
             line = f"rank {rank}: restored step {d['restored_step']} in generation {d['generation']}"
             assert line in log, (line, log[-3000:])
 
 
-def test_spare_killed_during_recovery(tmp_path, ref4):
-    job = launch(tmp_path, "cascade", nnodes=2, spares=2, steps=STEPS, PHOENIXRUN_TEST_PAUSE="fetch")
+def test_spare_killed_during_recovery(tmp_path, ref2):
+    job = launch(tmp_path, "cascade", nnodes=2, nproc=1, spares=2, steps=STEPS, PHOENIXRUN_TEST_PAUSE="fetch")
     kill_node(job.wait_step(6), slot=1)
     spare_pid = int(job.wait_file(tmp_path / "paused-fetch"))     # the promoted spare, mid-restore
     os.kill(spare_pid, signal.SIGKILL)
     assert job.finish() == 0, job.log()[-3000:]
     assert _recovered(job)[0]["attempts"] >= 2
     assert len(by_event(job.events(), "spare_promoted")) == 2
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)
 
 
 def test_worker_killed_mid_snapshot_copy(tmp_path, ref4):
@@ -114,27 +121,27 @@ def test_worker_killed_mid_snapshot_copy(tmp_path, ref4):
     assert_identical(job.out, ref4)
 
 
-def test_agent_killed_mid_replication(tmp_path, ref4):
+def test_agent_killed_mid_replication(tmp_path, ref2):
     """SIGKILL a node while its agent is halfway through sending a replica: the holder keeps S_8."""
-    job = launch(tmp_path, "h2h", nnodes=2, spares=1, steps=STEPS, PHOENIXRUN_TEST_PAUSE="h2h:9")
+    job = launch(tmp_path, "h2h", nnodes=2, nproc=1, spares=1, steps=STEPS, PHOENIXRUN_TEST_PAUSE="h2h:9")
     agent_pid = int(job.wait_file(tmp_path / "paused-h2h"))
     state = job.state()
     node = next(n for n in state["nodes"] if n["agent_pid"] == agent_pid)
     kill_node(state, slot=node["slot"])
     assert job.finish() == 0, job.log()[-3000:]
     assert _recovered(job)[0]["restored_step"] == 8
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)
 
 
-def test_node_kill_with_snapshot_every_third_step(tmp_path, ref4):
+def test_node_kill_with_snapshot_every_third_step(tmp_path, ref2):
     """Protection every n-th step (what adaptive protection switches to) still resumes exactly."""
-    job = launch(tmp_path, "every3", nnodes=2, spares=1, steps=STEPS, PHOENIXRUN_PROTECT_EVERY="3",
+    job = launch(tmp_path, "every3", nnodes=2, nproc=1, spares=1, steps=STEPS, PHOENIXRUN_PROTECT_EVERY="3",
                  PHOENIXRUN_ADAPTIVE="0")
     kill_node(job.wait_step(7), slot=1)
     assert job.finish() == 0, job.log()[-3000:]
     d = _recovered_any(job)
     assert d["restored_step"] % 3 == 0 and d["replayed_steps"] <= 3
-    assert_identical(job.out, ref4)
+    assert_identical(job.out, ref2)
 
 
 def _recovered_any(job):
@@ -145,7 +152,7 @@ def _recovered_any(job):
 
 def test_no_spare_stops_with_reason(tmp_path):
     """A lost node and no spare within --spare-wait: a clear stop, never a resume on missing state."""
-    job = launch(tmp_path, "nospare", nnodes=2, spares=0, steps=STEPS, extra_flags=["--spare-wait", "1"])
+    job = launch(tmp_path, "nospare", nnodes=2, nproc=1, spares=0, steps=STEPS, extra_flags=["--spare-wait", "1"])
     kill_node(job.wait_step(6), slot=1)
     rc = job.finish()
     fin = by_event(job.events(), "job_finished")[-1]

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.timeout(900)   # minutes at a load average of 25 on 2 cores
 def test_a_slow_node_is_reported_and_drained(tmp_path):
-    ref = torchrun(tmp_path, "ref", nproc=4, steps=STEPS)
-    job = launch(tmp_path, "slow", nnodes=2, spares=1, steps=STEPS,
+    ref = torchrun(tmp_path, "ref", nproc=2, steps=STEPS)
+    job = launch(tmp_path, "slow", nnodes=2, nproc=1, spares=1, steps=STEPS,
                  extra_flags=["--replace-stragglers", "--straggler-window", "8", "--straggler-ratio", "2"])
     state = job.wait_step(2, timeout=300)
     slow = next(n for n in state["nodes"] if n["slot"] == 1)
