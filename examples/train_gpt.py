@@ -172,6 +172,11 @@ def main() -> None:
         "step_seconds": [progress["step_seconds"].get(str(s)) for s in range(args.steps)],
         "param_sha256": digest(model.module.state_dict().values()),
         "optim_sha256": digest(v for i in sorted(shard) for k, v in sorted(shard[i].items()) if torch.is_tensor(v)),
+        # this rank's ZeRO shard: how many parameters' worth of Adam moments it holds, and their step counts (a
+        # parameter whose state was lost and recreated on the way would count fewer steps)
+        "optim_numel": sum(s["exp_avg"].numel() for s in shard.values() if "exp_avg" in s),
+        "optim_steps": sorted({int(s["step"]) for s in shard.values() if "step" in s}),
+        "param_numel": sum(p.numel() for p in model.module.parameters()),
     }
     if args.state_growth:   # what was restored of the state dict (timings aside) must match an unprotected run
         kept = {k: v for k, v in progress.items() if k != "step_seconds"}
