@@ -13,24 +13,23 @@ import pytest
 
 from tests.harness import BIN, EXAMPLE, SMALL, by_event, env, kill_node, launch, results
 
-STEPS = 30
+STEPS = 60
+PACE = ["--step-seconds", "0.5"]   # the small model's steps take 0.1 s: the grow-back must land before the end
 
 
 @pytest.mark.e2e
 def test_a_job_shrinks_without_a_spare_and_grows_back_when_one_registers(tmp_path):
     job = launch(tmp_path, "shrink", nnodes=3, nproc=1, spares=0, steps=STEPS,
-                 extra_flags=["--on-no-spare", "shrink", "--spare-wait", "1"])
+                 extra_flags=["--on-no-spare", "shrink", "--spare-wait", "1"], script_args=PACE)
     kill_node(job.wait_step(4), slot=1)
     shrunk = job.wait_for(lambda s: s.get("active_nnodes") == 2 and s["phase"] == "running", what="the shrink")
     shown = subprocess.run([str(BIN / "phoenixrun"), "status", "--run-dir", str(job.run_dir)],
                            capture_output=True, text=True, env=env(), timeout=60)
     assert shown.returncode == 0 and "shrunk: 2 of 3 nodes" in shown.stdout, shown.stdout + shown.stderr
-    job.wait_for(lambda s: s.get("step") is not None and s["step"] >= (shrunk.get("step") or 0) + 3,
-                 what="steps while shrunk")
     late = subprocess.Popen(
         [str(BIN / "phoenixrun"), "agent", "--rdzv-endpoint", shrunk["endpoint"], "--nproc-per-node", "1",
          "--heartbeat-interval", "0.1", "--secret-file", str(job.run_dir / "secret"), "--",
-         str(EXAMPLE), "--steps", str(STEPS), "--out", str(job.out), *SMALL],
+         str(EXAMPLE), "--steps", str(STEPS), "--out", str(job.out), *SMALL, *PACE],
         env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
     try:
         assert job.finish() == 0, job.log()[-4000:]
@@ -42,7 +41,7 @@ def test_a_job_shrinks_without_a_spare_and_grows_back_when_one_registers(tmp_pat
     s, g = by_event(events, "job_shrunk"), by_event(events, "job_grown")
     assert len(s) == 1 and (s[0]["was_world_size"], s[0]["world_size"]) == (3, 2), s
     assert len(g) == 1 and (g[0]["was_world_size"], g[0]["world_size"]) == (2, 3), g
-    assert s[0]["restored_step"] <= g[0]["restored_step"] - 3        # it trained while shrunk
+    assert s[0]["restored_step"] < g[0]["restored_step"] < STEPS     # it trained shrunk, then grown
     assert by_event(events, "job_finished")[-1]["exit_code"] == 0
     res = results(job.out)
     assert sorted(res) == [0, 1, 2] and {r["world_size"] for r in res.values()} == {3}
