@@ -114,6 +114,7 @@ def _same_state(a: dict, b: dict) -> None:
         assert torch.equal(v, b["model"][k]), k
 
 
+@pytest.mark.e2e     # real processes: three 2-3 rank gloo jobs (about 90 s on a loaded 2-core machine)
 def test_shrink_then_grow_repartitions_every_shard(tmp_path):
     tmp = str(tmp_path)
     mp.spawn(_phase, args=(3, _port(), tmp, "start"), nprocs=3)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phoenixrun.runtime.snapshot import _is_zero, entry_view
+from phoenixrun.runtime.snapshot import entry_view, local_optimizer
 from phoenixrun.slot_format import HEADER_SIZE, Entry, SlotHeader, crc_private, crc_shared
 
 
@@ -141,7 +141,7 @@ def reshard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: di
         if meta.get("dtensors") or meta.get("peer_shared") is False:
             raise ReshardError(f"old rank {r}'s snapshot holds DTensor or rank-private plain state: a shrink or grow "
                                "re-partitions only DDP + ZeRO (or a replicated optimizer)")
-    zero = _is_zero(optimizer)
+    zero = local_optimizer(optimizer) is not optimizer     # ZeroRedundancyOptimizer
     shards: dict[int, dict[int, dict]] = {}
     if zero:
         numels = [[p.numel() for p in g["params"]] for g in optimizer.param_groups]
