@@ -209,27 +209,29 @@ class DirectiveExecutor:
             self.node.role = "active"
             self.supervisor.kill_all()
             self._drop_reshard()
-            files: dict[int, tuple[int, str]] = {}
-            try:
-                for img in info["images"]:
-                    old = int(img["old_rank"])
-                    if img["own"]:
-                        idx = self.slots.slot_of(old, step)
-                        if idx is None:
-                            raise SlotError(f"no snapshot of rank {old} at step {step} in this node's slots")
-                        mm = self.slots.view(old, idx)
-                        data = bytes(mm[:SlotHeader.unpack(mm).total_len])
-                    else:
-                        data = self.replicas.get(old, step)
-                    path = SHM_DIR / f"{self.slots.prefix}-reshard-r{old}"
-                    path.write_bytes(data)
-                    files[old] = (int(img["reader"]), str(path))
-            except (SlotError, OSError) as e:
-                log.error("cannot hand the snapshots over for the %s: %s", info.get("kind"), e)
-                for _, path in files.values():
-                    Path(path).unlink(missing_ok=True)
-                self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e)})
-                return
+        # not under the lock (the heartbeats go on): the slots and replicas are frozen since the quiesce
+        files: dict[int, tuple[int, str]] = {}
+        try:
+            for img in info["images"]:
+                old = int(img["old_rank"])
+                if img["own"]:
+                    idx = self.slots.slot_of(old, step)
+                    if idx is None:
+                        raise SlotError(f"no snapshot of rank {old} at step {step} in this node's slots")
+                    mm = self.slots.view(old, idx)
+                    data = bytes(mm[:SlotHeader.unpack(mm).total_len])
+                else:
+                    data = self.replicas.get(old, step)
+                path = SHM_DIR / f"{self.slots.prefix}-reshard-r{old}"
+                path.write_bytes(data)
+                files[old] = (int(img["reader"]), str(path))
+        except (SlotError, OSError) as e:
+            log.error("cannot hand the snapshots over for the %s: %s", info.get("kind"), e)
+            for _, path in files.values():
+                Path(path).unlink(missing_ok=True)
+            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e)})
+            return
+        with self.node.lock:
             self.slots.clear()
             self.replicas.clear()
             self.node.reshard = {"old_world": info["old_world"], "predecessor": info["predecessor"], "files": files}
