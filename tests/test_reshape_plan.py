@@ -82,3 +82,14 @@ def test_grow_appends_a_slot_and_keeps_every_rank():
 def test_grow_refusals(layout, fresh, snaps, why):
     plan = plan_grow(layout, fresh, snaps, max_nnodes=3)
     assert isinstance(plan, Refusal) and why in plan.reason
+
+
+@pytest.mark.parametrize("state, text", [
+    ({"nnodes": 3, "active_nnodes": 3, "world_size": 6}, None),
+    ({"nnodes": 3, "world_size": 6}, None),                     # a master from before shrinks
+    ({"nnodes": 3, "active_nnodes": 2, "world_size": 4}, "shrunk: 2 of 3 nodes, world size 4"),
+])
+def test_status_names_the_shrunk_world(state, text):
+    from phoenixrun.status import shrunk_text
+    got = shrunk_text(state)
+    assert got == text if text is None else got.startswith(text)
