@@ -11,8 +11,10 @@ import logging
 import threading
 import time
 from enum import Enum
+from pathlib import Path
 
 from phoenixrun.protocol import Command, ReportKind, WorkerOp
+from phoenixrun.slot_format import SlotHeader
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.peer import PeerError
@@ -20,7 +22,7 @@ from phoenixrun.agents.persister import PersistError
 from phoenixrun.agents.phases import PhaseAcks
 from phoenixrun.agents.replicator import Replicator
 from phoenixrun.agents.reporter import Reporter
-from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError
+from phoenixrun.agents.slots import SHM_DIR, IntegrityError, LocalSlots, ReplicaStore, SlotError
 from phoenixrun.agents.supervisor import WorkerSupervisor
 
 log = logging.getLogger("phoenixrun.agent")
@@ -33,6 +35,7 @@ class Step(Enum):
     RESUME = "resume"                        # the recovery is over: snapshots and replicas flow again
     RESTART_IN_PLACE = "restart_in_place"    # from a checkpoint, keeping the live and warm workers it can
     RESTART = "restart"                      # kill every worker, start new ones (from a checkpoint, or not)
+    RESHAPE = "reshape"                      # a shrink or grow: new workers in a new world, state from memory
     QUIESCE = "quiesce"
     RESTORE = "restore"
     STOP = "stop"
@@ -48,6 +51,8 @@ def plan_directive(d: dict, *, has_workers: bool, in_place: bool) -> Step:
     if cmd == Command.RUN:
         return Step.RESUME if d.get("resume") else Step.START
     if cmd == Command.RESTART:
+        if d.get("reshard") is not None:
+            return Step.RESHAPE
         return Step.RESTART_IN_PLACE if d.get("restore_step") is not None and in_place else Step.RESTART
     if cmd == Command.QUIESCE:
         return Step.QUIESCE
@@ -91,6 +96,7 @@ class DirectiveExecutor:
             with self.node.lock:
                 self.node.role = "active"
                 self.replicator.freeze(False)
+                self._drop_reshard()
                 if step is Step.START:
                     self.node.restore_step = None
                     self.supervisor.kill_all()
@@ -99,6 +105,8 @@ class DirectiveExecutor:
             self._restart_in_place(d["restore_step"])
         elif step is Step.RESTART:
             self._restart(d)
+        elif step is Step.RESHAPE:
+            self._reshape(d)
         elif step is Step.QUIESCE:
             self._quiesce(d.get("at_step"))
         elif step is Step.RESTORE:
@@ -190,6 +198,55 @@ class DirectiveExecutor:
                 self.replicas.restore_point(step)
                 self.phases.expect_resume(self.node.local_ranks())
             self.supervisor.spawn_all(rank_known=True)
+
+    def _reshape(self, d: dict) -> None:
+        """A shrink or grow (control/reshape.py): export the old ranks' snapshots the plan gives this node to files
+        its new workers read (its own ranks' slots, replicas it holds of lost ranks), then drop every slot and
+        replica (they are keyed by the old ranks) and start the new world's workers."""
+        info = d["reshard"]
+        step = info["step"]
+        with self.node.lock:
+            self.node.role = "active"
+            self.supervisor.kill_all()
+            self._drop_reshard()
+        # not under the lock (the heartbeats go on): the slots and replicas are frozen since the quiesce
+        files: dict[int, tuple[int, str]] = {}
+        try:
+            for img in info["images"]:
+                old = int(img["old_rank"])
+                if img["own"]:
+                    idx = self.slots.slot_of(old, step)
+                    if idx is None:
+                        raise SlotError(f"no snapshot of rank {old} at step {step} in this node's slots")
+                    mm = self.slots.view(old, idx)
+                    data = bytes(mm[:SlotHeader.unpack(mm).total_len])
+                else:
+                    data = self.replicas.get(old, step)
+                path = SHM_DIR / f"{self.slots.prefix}-reshard-r{old}"
+                path.write_bytes(data)
+                files[old] = (int(img["reader"]), str(path))
+        except (SlotError, OSError) as e:
+            log.error("cannot hand the snapshots over for the %s: %s", info.get("kind"), e)
+            for _, path in files.values():
+                Path(path).unlink(missing_ok=True)
+            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e)})
+            return
+        with self.node.lock:
+            self.slots.clear()
+            self.replicas.clear()
+            self.node.reshard = {"old_world": info["old_world"], "predecessor": info["predecessor"], "files": files}
+            self.node.restore_step = step
+            self.replicator.freeze(False)
+            self.phases.expect_resume(self.node.local_ranks())
+            self.supervisor.spawn_all(rank_known=True)
+        log.info("%s: %d old rank snapshot(s) handed to the new workers (step %d)", info.get("kind"), len(files), step)
+
+    def _drop_reshard(self) -> None:
+        """The reshape's images are read once every worker resumed (call with the lock held)."""
+        if self.node.reshard is not None:
+            for _, path in self.node.reshard["files"].values():
+                Path(path).unlink(missing_ok=True)
+            self.node.reshard = None
 
     def _restart_in_place(self, step: int) -> None:
         """Fallback restart of a node whose workers use the phoenixrun API, without starting processes where it

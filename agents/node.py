@@ -33,9 +33,21 @@ class NodeState:
     token: str | None = None           # from the master's reply to our registration: our later calls carry it
     protection: dict[int, dict] = field(default_factory=dict)   # per rank: snapshot stats for the heartbeat
     persister: Persister | None = None   # with --persist-every, once registered
+    # a shrink or grow's restart (control/reshape.py): old world, predecessors, and the old ranks' snapshot images
+    # this node exported for its new workers (old rank -> (reading local rank, file))
+    reshard: dict | None = None
 
     def rank(self, local_rank: int) -> int:
         return self.slot * self.nproc_per_node + local_rank
+
+    def reshard_of(self, local_rank: int) -> dict | None:
+        """The `reshard` part of a new worker's assignment: the images it reads and the old rank it continues."""
+        if self.reshard is None:
+            return None
+        r = self.reshard
+        pred = r["predecessor"].get(self.rank(local_rank), r["predecessor"].get(str(self.rank(local_rank))))
+        return {"old_world": r["old_world"], "predecessor": pred,
+                "images": {old: path for old, (reader, path) in r["files"].items() if reader == local_rank}}
 
     def local_ranks(self) -> range:
         return range(self.nproc_per_node)
@@ -51,6 +63,8 @@ class NodeState:
             self.slot = d["slot"]
         if "world" in d:
             self.world = d["world"]
+        if "nnodes" in d:       # the job shrank or grew (control/reshape.py)
+            self.job["nnodes"] = d["nnodes"]
         self.restart_count = d.get("restart_count", self.restart_count)
 
 

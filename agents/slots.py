@@ -417,3 +417,9 @@ class ReplicaStore:
     def nbytes(self) -> int:
         with self._lock:
             return sum(len(b) for bs in self._bufs.values() for b in bs if b is not None)
+
+    def clear(self) -> None:
+        """Drop every replica (a shrink or grow renumbered the ranks they are of)."""
+        with self._lock:
+            self._bufs.clear()
+            self._steps.clear()

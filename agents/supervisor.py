@@ -165,7 +165,7 @@ class WorkerSupervisor:
                 "store_prefix": node.store_prefix,
                 "restart_count": node.restart_count, "restore_step": node.restore_step,
                 "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": node.job_store_port(),
-                "tp": job["tp"], "pp": job["pp"], "run_id": job["run_id"]}
+                "tp": job["tp"], "pp": job["pp"], "run_id": job["run_id"], "reshard": node.reshard_of(local_rank)}
 
     def hello(self, conn: WorkerConn, local_rank: int) -> None:
         """A worker connected: a ranked one gets its assignment, a warm spare's waits for its rank."""

@@ -118,6 +118,8 @@ def main() -> None:
     p.add_argument("--nan-at", type=int, default=None, help="fault drill: rank 0's loss is NaN at this step")
     p.add_argument("--crash-at", type=int, default=None,
                    help="fault drill: rank 0 kills itself (SIGKILL) whenever it reaches this step")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="test pacing: each step lasts at least this long (a sleep after it; changes no number)")
     p.add_argument("--state-growth", type=int, default=0, metavar="BYTES",
                    help="test: grow the state dict given to protect() by BYTES a step (snapshots must grow)")
     args = p.parse_args()
@@ -158,6 +160,8 @@ def main() -> None:
             progress["losses"][str(step)] = loss.item()
             if args.state_growth:
                 progress["pad"][str(step)] = (f"{step:08d}" * (args.state_growth // 8 + 1))[:args.state_growth]
+        if args.step_seconds:
+            time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - t0)))
         # the whole iteration, including phoenixrun's end-of-step work
         progress["step_seconds"][str(step)] = time.perf_counter() - t0
         if log and str(step) in progress["losses"]:   # not a step abandoned for a recovery (it is replayed)
@@ -172,6 +176,11 @@ def main() -> None:
         "step_seconds": [progress["step_seconds"].get(str(s)) for s in range(args.steps)],
         "param_sha256": digest(model.module.state_dict().values()),
         "optim_sha256": digest(v for i in sorted(shard) for k, v in sorted(shard[i].items()) if torch.is_tensor(v)),
+        # this rank's ZeRO shard: how many parameters' worth of Adam moments it holds, and their step counts (a
+        # parameter whose state was lost and recreated on the way would count fewer steps)
+        "optim_numel": sum(s["exp_avg"].numel() for s in shard.values() if "exp_avg" in s),
+        "optim_steps": sorted({int(s["step"]) for s in shard.values() if "step" in s}),
+        "param_numel": sum(p.numel() for p in model.module.parameters()),
     }
     if args.state_growth:   # what was restored of the state dict (timings aside) must match an unprotected run
         kept = {k: v for k, v in progress.items() if k != "step_seconds"}

@@ -47,7 +47,7 @@ def _field(cls: type, name: str, *, help: str | None = None, env: str | None = N
         kw["is_flag"] = True
     else:
         kw["type"] = {"int": click.IntRange(s.min, s.max), "float": click.FloatRange(s.min, s.max),
-                      "Path": click.Path(file_okay=False, path_type=Path), "str": None, "ranks": RANKS}[k]
+                      "Path": click.Path(file_okay=False, path_type=Path), "str": click.Choice(s.choices) if s.choices else None, "ranks": RANKS}[k]
         if default is MISSING:
             kw["required"] = True
         else:
@@ -132,7 +132,7 @@ def _options(*opts):
 _job_shape = _options(*(_field(MasterConfig, n) for n in ("replicas", "tp", "pp")))
 _recovery_policy = _options(
     _field(MasterConfig, "max_restarts", env="PET_MAX_RESTARTS"),
-    *(_field(MasterConfig, n) for n in ("node_timeout", "spare_wait", "recovery_timeout", "max_local_resets",
+    *(_field(MasterConfig, n) for n in ("node_timeout", "spare_wait", "on_no_spare", "recovery_timeout", "max_local_resets",
                                         "straggler_ratio", "straggler_window", "replace_stragglers")))
 # what the agents watch: `phoenixrun` and `phoenixrun agent`
 _agent_timeouts = _options(_field(AgentConfig, "heartbeat_interval"), _field(AgentConfig, "hang_timeout"))

@@ -44,6 +44,7 @@ class Setting:
     cli_default: Any = _SAME          # the flag's default, where it deliberately differs from the field's
     negate: bool = False              # a boolean field set by a flag that turns it off (--no-tee)
     travels: str = ""                 # how a field without a flag reaches a process started with to_argv()
+    choices: tuple[str, ...] = ()     # the values a str field may take (empty: any)
 
 
 def setting(default: Any = MISSING, *, doc: str, factory: Any = MISSING, **kw: Any) -> Any:
@@ -127,6 +128,8 @@ def _check(cls: type, f, v: Any) -> Any:
         if not isinstance(v, Mapping):
             raise ConfigError(f"{name}: {v!r} is not a mapping")
         v = dict(v)
+    if s.choices and v not in s.choices:
+        raise ConfigError(f"{name}: {v!r} is not one of {', '.join(s.choices)}")
     if k in ("int", "float") and ((s.min is not None and v < s.min) or (s.max is not None and v > s.max)):
         raise ConfigError(f"{name}: {v!r} is out of range; give a value {_bound_text(s)}")
     return v
@@ -265,6 +268,11 @@ class MasterConfig(_Settings):
     spare_wait: float = setting(
         30.0, flag="--spare-wait", min=0,
         doc="How long a recovery waits for a spare to register before giving up.")
+    on_no_spare: str = setting(
+        "stop", flag="--on-no-spare", choices=("stop", "shrink"),
+        doc="When no spare registers within --spare-wait for a lost node: stop (exit code 75), or shrink - go on "
+            "without the node's data-parallel replica (ZeRO shards re-partitioned from memory) and grow back when "
+            "a spare registers (docs/operations.md, \"Shrink and grow\").")
     recovery_timeout: float = setting(60.0, flag="--recovery-timeout", min=1, doc="Deadline of each recovery phase.")
     correlation_window: float = setting(
         0.5, min=0, doc="Seconds the master waits for more reports of a fault before it decides.")

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from phoenixrun import auth
 from phoenixrun.protocol.client import ControlClient, ControlError
@@ -52,6 +53,15 @@ def ranks_text(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+def shrunk_text(state: dict) -> str | None:
+    """While the job is shrunk (--on-no-spare shrink): how many of its nodes it runs on."""
+    active, nnodes = state.get("active_nnodes", state["nnodes"]), state["nnodes"]
+    if active >= nnodes:
+        return None
+    return (f"shrunk: {active} of {nnodes} nodes, world size {state['world_size']}; grows back when a spare "
+            "registers (phoenixrun agent --rdzv-endpoint HOST:PORT)")
+
+
 def render(state: dict) -> Group:
     job = Table(title=f"phoenixrun job {state['run_id']}", show_header=True)
     for col in ("phase", "generation", "step", "steps/s", "world", "restarts", "recoveries", "refused requests",
@@ -87,7 +97,8 @@ def render(state: dict) -> Group:
         details = {k: v for k, v in e.items() if k not in ("t", "event", "generation")}
         events.add_row(time.strftime("%H:%M:%S", time.localtime(e["t"])), str(e["generation"]), e["event"],
                        json.dumps(details)[:120])
-    return Group(job, nodes, events)
+    shrunk = shrunk_text(state)
+    return Group(job, *([Text(shrunk, style="bold yellow")] if shrunk else []), nodes, events)
 
 
 def show(run_dir, endpoint, secret_file, as_json: bool, watch: bool, interval: float) -> int:

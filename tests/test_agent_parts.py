@@ -35,6 +35,8 @@ RUNTIME = Path(__file__).resolve().parents[1] / "phoenixrun" / "runtime"
     ({"command": "restart", "restore_step": 8}, True, False, Step.RESTART),   # a plain script: new processes
     ({"command": "restart", "restore_step": 8}, True, True, Step.RESTART_IN_PLACE),
     ({"command": "restart", "restore_step": 0}, True, True, Step.RESTART_IN_PLACE),   # step 0 is a step
+    ({"command": "restart", "restore_step": 8, "reshard": {"kind": "shrink"}}, True, True, Step.RESHAPE),
+    ({"command": "restart", "restore_step": 8, "reshard": {"kind": "grow"}}, True, False, Step.RESHAPE),
     ({"command": "quiesce"}, True, True, Step.QUIESCE),
     ({"command": "restore", "restore_step": 3}, True, True, Step.RESTORE),
     ({"command": "stop", "exit_code": 1}, True, True, Step.STOP),
@@ -333,3 +335,16 @@ def test_restore_takes_the_next_option_when_one_is_refused(two_agents):
         b.replicator.fetch({0: {"private": [holder], "shared": [[dead, 0], [peer, 1]]}}, STEP)
     assert not isinstance(e.value, IntegrityError)     # one was unreachable: the master plans again
     assert [r[1:] for r in refusals()] == [("shared", peer, 1, True), ("shared", dead, 0, False), ("shared", peer, 1, True)]
+
+
+def test_a_reshape_hands_each_new_worker_its_images_and_predecessor():
+    from phoenixrun.agents.node import NodeState
+    node = NodeState(node_id="n", nproc_per_node=2, slot=1, job={"nnodes": 3})
+    node.take_directive({"command": "restart", "slot": 1, "nnodes": 2})
+    assert node.job["nnodes"] == 2
+    assert node.reshard_of(0) is None
+    # over the wire the predecessor map's keys may arrive as strings
+    node.reshard = {"old_world": 6, "predecessor": {"2": 4, "3": 5},
+                    "files": {4: (0, "/dev/shm/a"), 5: (1, "/dev/shm/b"), 2: (0, "/dev/shm/c")}}
+    assert node.reshard_of(0) == {"old_world": 6, "predecessor": 4, "images": {4: "/dev/shm/a", 2: "/dev/shm/c"}}
+    assert node.reshard_of(1) == {"old_world": 6, "predecessor": 5, "images": {5: "/dev/shm/b"}}

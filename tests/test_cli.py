@@ -21,6 +21,7 @@ def run(*args, **extra_env):
     (["--standalone", "--nnodes", "2", "--replicas", "2", str(EXAMPLE)], "need at least 3 nodes"),
     (["--rdzv-endpoint", "head", str(EXAMPLE)], "is not host:port"),
     (["--bogus-flag", str(EXAMPLE)], "No such option"),
+    (["--on-no-spare", "grow", str(EXAMPLE)], "is not one of"),
     (["-m", "--no-python", "x"], "cannot be combined"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):

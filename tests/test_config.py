@@ -32,7 +32,8 @@ masters = st.builds(
     MasterConfig, run_dir=abs_paths, nnodes=st.integers(1, 1 << 20), nproc_per_node=st.integers(1, 1024),
     run_id=text, tp=st.integers(1, 64), pp=st.integers(1, 64), replicas=st.integers(0, 8),
     max_restarts=st.integers(0, 100), host=text, port=st.integers(0, 65535), store_port=st.integers(0, 65535),
-    node_timeout=secs(0.1), spare_wait=secs(0), recovery_timeout=secs(1), max_local_resets=st.integers(0, 100),
+    node_timeout=secs(0.1), spare_wait=secs(0), on_no_spare=st.sampled_from(["stop", "shrink"]),
+    recovery_timeout=secs(1), max_local_resets=st.integers(0, 100),
     persist_dir=st.none() | abs_paths, persist_every=st.integers(0, 1000), persist_keep=st.integers(1, 100),
     max_fallbacks=st.integers(0, 100), spares=st.none() | st.integers(0, 100))
 
@@ -97,6 +98,7 @@ def test_settings_without_a_flag_are_refused_by_to_argv():
     (MasterConfig, {"nnodes": "2"}, "--nnodes: '2' is not a whole number"),
     (MasterConfig, {"tp": True}, "--tp: True is not a whole number"),
     (MasterConfig, {"spare_wait": float("nan")}, "--spare-wait: nan is not a number"),
+    (MasterConfig, {"on_no_spare": "grow"}, "--on-no-spare: 'grow' is not one of stop, shrink"),
     (MasterConfig, {"correlation_window": -1.0}, "MasterConfig.correlation_window: -1.0 is out of range"),
     (MasterConfig, {"run_dir": None}, "--run-dir: a value is required"),
     (AgentConfig, {"hang_timeout": 0}, "--hang-timeout: 0.0 is out of range; give a value of at least 0.1"),

@@ -71,6 +71,8 @@ def test_replica_store_verifies_checksum_and_keeps_previous(slots):
         store.put(0, 2, bytes(corrupt))
     assert store.available() == {0: [1]}     # the failed write left the good copy alone
     assert crc_private(store.get(0, 1), h) == h.crc_private
+    store.clear()                            # a shrink or grow renumbered the ranks: nothing is kept
+    assert store.available() == {} and store.nbytes() == 0
 
 
 def test_orphaned_files_of_dead_agents_are_removed():

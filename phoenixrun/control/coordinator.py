@@ -45,6 +45,8 @@ class Coordinator:
                 gc.disable()
                 try:
                     end = self._dispatch(ev)
+                    if end is None and self.job.shrunk:
+                        self.recovery.grow()     # a spare registered (or was there): take it back in
                 finally:
                     if self.job.generation != generation:
                         gc.freeze()   # the new membership lives on (see _wait_for_start)

@@ -309,6 +309,7 @@ class Handlers:
                 "protect_every": self.job.protect_every,
                 "nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
                 "world_size": self.job.layout.world_size, "replicas": self.cfg.replicas,
+                "active_nnodes": self.job.layout.nnodes,    # fewer than nnodes while shrunk (--on-no-spare shrink)
                 "nodes": sorted(({**n.to_json(now), "ranks": self._ranks_json(n.slot)} for n in self.job.nodes.values()),
                                 key=lambda d: (d["slot"] is None, d["slot"] or 0, d["node_id"])),
                 "events": list(self.events.recent)[-15:],

@@ -29,17 +29,7 @@ class JobState:
         self.cfg = cfg
         self.cv = threading.Condition()
         self.stopped = threading.Event()          # set once the job is over
-        self.layout = Layout(cfg.nnodes, cfg.nproc_per_node, cfg.tp, cfg.pp)
-        self.placement = place_replicas(self.layout, min(cfg.replicas, cfg.nnodes - 1), cfg.fault_domains)
-        # per slot (fixed for the job): its ranks' replica holders, and the slots whose addresses it needs
-        self.slot_placement: dict[int, tuple[dict[int, list[int]], list[int]]] = {}
-        self.needed_by: dict[int, list[int]] = {}   # slot -> the slots whose world holds its address
-        for slot in range(cfg.nnodes):
-            placement = {r: self.placement.get(r, []) for r in self.layout.ranks_of_slot(slot)}
-            need = sorted({h for hs in placement.values() for h in hs} | {slot})
-            self.slot_placement[slot] = placement, need
-            for s in need:
-                self.needed_by.setdefault(s, []).append(slot)
+        self.relayout(Layout(cfg.nnodes, cfg.nproc_per_node, cfg.tp, cfg.pp))
         self.endpoint = ""
         self.store_port = 0
         # membership
@@ -85,6 +75,26 @@ class JobState:
         self.stragglers_at = 0.0
 
     # everything below: call with cv held
+    def relayout(self, layout: Layout) -> None:
+        """The job's layout and replica placement: --nnodes at the start, fewer nodes while shrunk
+        (control/reshape.py). Per slot: its ranks' replica holders, and the slots whose addresses it needs."""
+        cfg = self.cfg
+        self.layout = layout
+        self.placement = place_replicas(layout, min(cfg.replicas, layout.nnodes - 1), cfg.fault_domains)
+        self.slot_placement: dict[int, tuple[dict[int, list[int]], list[int]]] = {}
+        self.needed_by: dict[int, list[int]] = {}   # slot -> the slots whose world holds its address
+        for slot in range(layout.nnodes):
+            placement = {r: self.placement.get(r, []) for r in layout.ranks_of_slot(slot)}
+            need = sorted({h for hs in placement.values() for h in hs} | {slot})
+            self.slot_placement[slot] = placement, need
+            for s in need:
+                self.needed_by.setdefault(s, []).append(slot)
+
+    @property
+    def shrunk(self) -> bool:
+        """Running on fewer nodes than --nnodes (a shrink; a spare that registers grows the job back)."""
+        return self.layout.nnodes < self.cfg.nnodes
+
     def add_node(self, node: NodeRecord) -> None:
         self.nodes[node.node_id] = node
         self.heard[node.node_id] = None

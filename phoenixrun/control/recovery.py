@@ -24,6 +24,7 @@ from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control import layout_file
+from phoenixrun.control.reshape import Refusal, ReshapePlan, plan_grow, plan_shrink
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, by_rank, pick_spare, plan_recovery
 from phoenixrun.faults import Action
 from phoenixrun.faults.escalate import settle
@@ -52,6 +53,14 @@ class Stop(Exception):
     def __init__(self, exit_code: int, reason: str):
         super().__init__(reason)
         self.exit_code, self.reason = exit_code, reason
+
+
+class NoSpare(Exception):
+    """No spare registered within --spare-wait for these slots, and --on-no-spare shrink: the caller shrinks."""
+
+    def __init__(self, slots: set[int], reached: int = 0):
+        super().__init__(f"no spare for slot(s) {sorted(slots)}")
+        self.slots, self.reached = slots, reached    # reached: the survivors' next step as they quiesced
 
 
 class Acks:
@@ -156,8 +165,9 @@ class Recoveries:
         g = self.job.generation
         self.inbox.take(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
 
-    def _replace_slots(self, lost: set[int]) -> dict[int, str]:
-        """Promote a spare into every lost slot (waiting up to --spare-wait for one)."""
+    def _replace_slots(self, lost: set[int], may_shrink: bool = False) -> dict[int, str]:
+        """Promote a spare into every lost slot (waiting up to --spare-wait for one). may_shrink: a hot swap's, with
+        --on-no-spare shrink - NoSpare for the slots left without one (the others keep their spare)."""
         out: dict[int, str] = {}
         for slot in sorted(lost):
             deadline = time.time() + self.cfg.spare_wait
@@ -176,6 +186,8 @@ class Recoveries:
                         out[slot] = spare.node_id
                         break
                 if time.time() > deadline:
+                    if may_shrink and self.cfg.on_no_spare == "shrink" and not out:
+                        raise NoSpare(set(lost))
                     raise Stop(75, f"node in slot {slot} lost and no spare registered within "
                                    f"--spare-wait {self.cfg.spare_wait:g}s")
                 self.pump(min(0.5, max(0.01, deadline - time.time())), lost)
@@ -248,6 +260,9 @@ class Recoveries:
             try:
                 plan, phases, reached = self._recovery_cycle(lost, fresh)
                 break
+            except NoSpare as e:
+                self.shrink(e.slots, node, t0, e.reached)
+                return
             except Cascade as c:
                 log.warning("fault during recovery, restarting at quiesce: %s", c)
                 if attempts > 5:
@@ -269,6 +284,98 @@ class Recoveries:
                              replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
             # one directive for every node: each got its slot and world with the restore order
             self.orders.direct(self.job.slots.values(), command=Command.RUN, restart_count=self.job.restart_count, resume=True)
+        self.drain_stale()
+
+    # ---------------------------------------------------------------- shrink and grow
+    def shrink(self, lost: set[int], node: NodeRecord, t0: float, reached: int) -> None:
+        """Go on without the nodes of `lost` (no spare within --spare-wait, --on-no-spare shrink). The survivors
+        are quiesced already and their inventories current; control/reshape.py decides, `_reshape` carries out."""
+        job = self.job
+        with job.cv:
+            alive = {s: job.nodes[nid] for s, nid in job.slots.items() if s not in lost}
+            plan = plan_shrink(job.layout, lost, {s: n.snapshots for s, n in alive.items()},
+                               {s: n.replicas for s, n in alive.items()}, job.placement)
+            if isinstance(plan, Refusal):
+                self.events.emit(Event.RECOVERY_FAILED, job.generation, reason=f"cannot shrink: {plan.reason}")
+                raise Stop(75, f"node(s) in slot(s) {sorted(lost)} lost, no spare registered within --spare-wait "
+                               f"{self.cfg.spare_wait:g}s, and the job cannot shrink: {plan.reason}")
+            gone = {}
+            for s in lost:
+                failed = job.nodes[job.slots[s]]
+                gone[s] = failed.node_id
+                failed.role, failed.slot = Role.FAILED, None
+                job.fault_history.pop(s, None)
+        self._reshape(plan, {}, t0, reached, lost_nodes=gone, cause=node.last_fault or "node lost")
+
+    def grow(self) -> None:
+        """A shrunk job with a spare registered: quiesce, take the spare into a new last slot, re-partition."""
+        job = self.job
+        t0 = time.time()
+        with job.cv:
+            spare = pick_spare(job.nodes, avoid_domains=[]) if job.shrunk and job.phase == Phase.RUNNING else None
+            if spare is None:
+                return
+            job.generation += 1
+            g = job.generation
+            job.phase = Phase.QUIESCE
+            members = list(job.slots.values())
+            self.orders.direct(members, command=Command.QUIESCE)
+        quiesced = Acks(ReportKind.QUIESCED, g, members, on_ack=self._quiesced_inventory)
+        try:
+            self._wait_event(quiesced, self.cfg.recovery_timeout, set())
+        except Cascade as c:
+            raise Stop(1, f"a fault while growing the job back: {c}") from None
+        reached = max((a.get("next_step", 0) for a in quiesced.got.values()), default=0)
+        with job.cv:
+            plan = plan_grow(job.layout, 1, {s: job.nodes[nid].snapshots for s, nid in job.slots.items()},
+                             self.cfg.nnodes)
+            if isinstance(plan, Refusal) or spare.role != Role.SPARE:
+                why = plan.reason if isinstance(plan, Refusal) else "the spare is gone"
+                raise Stop(1, f"cannot grow the job back after quiescing it: {why}")
+            self.events.emit(Event.SPARE_PROMOTED, g, slot=plan.new_slots[0], node=spare.node_id, replaces=None)
+        self._reshape(plan, {plan.new_slots[0]: spare}, t0, reached, added=spare.node_id)
+
+    def _reshape(self, plan: ReshapePlan, joining: dict[int, NodeRecord], t0: float, reached: int, **what) -> None:
+        """Carry a shrink or grow plan out: renumber the slots, relay the job out, restart every worker from
+        memory with its `reshard` order (agents hand the old ranks' snapshots to the new workers, which
+        re-partition them: runtime/reshard.py), wait until every rank resumed, then let them run.
+
+        The old snapshots leave the agents' slots when the workers restart: a fault before every rank resumed
+        cannot be recovered in memory, and the job stops (with --persist-every, start it again to resume)."""
+        job = self.job
+        with job.cv:
+            job.generation += 1
+            g = job.generation
+            renumbered = {plan.slot_map[s]: nid for s, nid in job.slots.items() if s in plan.slot_map}
+            renumbered.update({s: n.node_id for s, n in joining.items()})
+            job.slots.clear()
+            job.slots.update(renumbered)
+            for s, nid in renumbered.items():
+                n = job.nodes[nid]
+                n.role, n.slot = Role.ACTIVE, s
+                n.snapshots, n.replicas = {}, {}     # keyed by the old ranks: the new ones report theirs
+            job.relayout(plan.new)
+            job.phase = Phase.RESTORE
+            job.restored_step = plan.restore_step
+            job.attempts = settle(job.attempts, plan.restore_step)
+            job.done_nodes.clear()
+            self.orders.direct_slots(Command.RESTART, own={s: {"reshard": plan.reshard_for(s), "nnodes": plan.new.nnodes}
+                                                         for s in renumbered},
+                                     restart_count=job.restart_count, restore_step=plan.restore_step)
+            resumed = Acks(ReportKind.RESUMED, g, renumbered.values())
+        try:
+            self._wait_event(resumed, self.cfg.recovery_timeout, set())
+        except (Cascade, PlanError) as c:
+            raise Stop(1, f"a fault while the job was being re-partitioned ({plan.kind}): {c}") from None
+        with job.cv:
+            job.recoveries += 1
+            job.phase = Phase.RUNNING
+            self.events.emit(Event.JOB_SHRUNK if plan.kind == "shrink" else Event.JOB_GROWN, g,
+                             nnodes=plan.new.nnodes, world_size=plan.new.world_size, was_nnodes=plan.old.nnodes,
+                             was_world_size=plan.old.world_size, restored_step=plan.restore_step,
+                             replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
+                             slot_map=dict(plan.slot_map), duration_s=round(time.time() - t0, 4), **what)
+            self.orders.direct(job.slots.values(), command=Command.RUN, restart_count=job.restart_count, resume=True)
         self.drain_stale()
 
     # ---------------------------------------------------------------- planned drain
@@ -394,7 +501,10 @@ class Recoveries:
         phases["quiesce_s"] = round(time.time() - t, 4)
         t = time.time()
         reached = max((a.get("next_step", 0) for a in acked.values()), default=0)
-        fresh.update(self._replace_slots(lost))
+        try:
+            fresh.update(self._replace_slots(lost, may_shrink=not fresh))
+        except NoSpare as e:
+            raise NoSpare(e.slots, reached) from None
         lost.clear()
         with self.job.cv:
             plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh,

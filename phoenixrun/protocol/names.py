@@ -115,6 +115,8 @@ class Event(StrEnum):
     SPARE_PROMOTED = "spare_promoted"
     JOB_STARTED = "job_started"
     JOB_FINISHED = "job_finished"
+    JOB_SHRUNK = "job_shrunk"            # --on-no-spare shrink: the job goes on without a lost node (control/reshape.py)
+    JOB_GROWN = "job_grown"              # a shrunk job took a spare back in
     DIRECTIVE_SENT = "directive_sent"
     FAULT_INJECTED = "fault_injected"
     FAULT_DETECTED = "fault_detected"

@@ -43,6 +43,7 @@ from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check, process_group
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
+from phoenixrun.runtime.reshard import reshard
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
                                               install_default_group)
 from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
@@ -281,6 +282,7 @@ class _Runtime:
         self.generation = assign["generation"]
         self.store_prefix = assign.get("store_prefix")
         self.restore_step = assign["restore_step"]
+        self.reshard: dict | None = assign.get("reshard")   # a shrink or grow's restart (runtime/reshard.py)
         settings = WorkerSettings.from_env()
         self.timeout = timedelta(seconds=settings.collective_timeout)
         # a warm spare learns its identity only now: give the script what torchrun would have
@@ -403,7 +405,9 @@ class Job:
         # leave behind for the replay; there the quiesce waits for the next forward, optimizer step or collective wait
         from torch.distributed.fsdp import FSDPModule
         rt.refuse_on_quiesce = not any(isinstance(m, FSDPModule) for m in model.modules())
-        if rt.restore_step is not None:
+        if rt.restore_step is not None and rt.reshard is not None:
+            self._reshape(rt.generation, rt.restore_step, rt.reshard)
+        elif rt.restore_step is not None:
             self._join(rt.generation, rt.restore_step)
         self._protected = True
 
@@ -672,6 +676,28 @@ class Job:
         self._restored(restore_step)
         self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
             "optimizer_s": round(t1 - t0, 4), "params_s": round(t1 - t0, 4), "rebuild_s": round(time.time() - t1, 4),
+            "worker_recovery_s": round(time.time() - t0, 4)}})
+
+    def _reshape(self, generation: int, step: int, info: dict) -> None:
+        """A new worker of a shrunk or grown world (control/reshape.py): join the new world, then re-partition the
+        old ranks' snapshots this worker's agent handed over (runtime/reshard.py) - collectively, every rank."""
+        t0 = time.time()
+        self.rt.connect(generation)
+        t1 = time.time()
+        images = {}
+        for old, path in info["images"].items():
+            with open(path, "rb") as f:
+                images[int(old)] = f.read()
+        extra = reshard(self.model, self.optimizer, images, info.get("predecessor"), int(info["old_world"]))
+        self.state.clear()
+        self.state.update(extra)
+        self.next_step = step
+        self.binding = None
+        self.awaited_step = step
+        self.link.committed_step = max(self.link.committed_step, step)
+        self._restored(step)
+        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
+            "rebuild_s": round(t1 - t0, 4), "optimizer_s": round(time.time() - t1, 4),
             "worker_recovery_s": round(time.time() - t0, 4)}})
 
     def _restore(self, step: int) -> None:
