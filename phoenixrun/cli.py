@@ -260,6 +260,8 @@ def commands():
 @_field(MasterConfig, "port", alias=False)
 @_field(MasterConfig, "store_port", alias=False)
 @_field(MasterConfig, "spares", alias=False)
+@_field(MasterConfig, "lease_ttl")
+@_field(MasterConfig, "max_clock_skew")
 @_job_shape
 @_recovery_policy
 @_persistence
@@ -273,6 +275,9 @@ def master_cmd(**o):
     auth.write_secret(cfg.run_dir, secret)
     try:
         m = Master(cfg, secret)
+        finished = m.acquire_lease()    # with --lease-ttl: a standby waits here until it takes over
+        if finished is not None:        # the job finished under another master: exit as it did
+            sys.exit(finished)
         m.start()
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None

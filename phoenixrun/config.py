@@ -297,6 +297,15 @@ class MasterConfig(_Settings):
     replace_stragglers: bool = setting(
         False, flag="--replace-stragglers",
         doc="Drain a straggler to a spare (a planned drain: nothing replayed) when one is registered.")
+    lease_ttl: float = setting(
+        0.0, flag="--lease-ttl", min=0,
+        doc="Seconds a master's lease in RUN_DIR/master-lease lives (renewed every third of it); with it, a second "
+            "master started on the same run directory waits as a standby and takes over once the lease is stale "
+            "(0: no lease, one master).")
+    max_clock_skew: float = setting(
+        2.0, flag="--max-clock-skew", min=0,
+        doc="Seconds the masters' clocks may differ; a standby takes over a lease not renewed for --lease-ttl "
+            "plus this.")
 
     def to_argv(self) -> list[str]:
         """`phoenixrun master` flags that give exactly this config."""
