@@ -74,6 +74,8 @@ class Master:
         None once it holds it (start() next), or the job's exit code if it finished under another master."""
         if not self.cfg.lease_ttl or self.acquired is not None:
             return None
+        # the store is torch's: imported before the wait, not after the takeover (20 s on a loaded 2-core machine)
+        from torch.distributed import TCPStore  # noqa: F401
 
         def on_wait(rec, why):
             log.info("standby: %s; waiting to take over", why)
