@@ -318,7 +318,10 @@ class MasterConfig(_Settings):
 @dataclass(frozen=True)
 class AgentConfig(_Settings):
     """One node's agent. `phoenixrun agent` takes these as flags (the secret from a file or the environment)."""
-    endpoint: str = setting(flag="--rdzv-endpoint", doc="host:port of the master.")
+    endpoint: str = setting(
+        flag="--rdzv-endpoint",
+        doc="host:port of the master; HOST:PORT,HOST:PORT for a master and its standby (the agent uses whichever "
+            "holds the lease).")
     secret: str = setting(travels="the environment", doc="The job secret ($PHOENIXRUN_SECRET or --secret-file).")
     spec: WorkerSpec = setting(travels="SCRIPT [ARGS]", doc="What every worker runs: SCRIPT [ARGS] after the flags.")
     nproc_per_node: int = setting(flag="--nproc-per-node", min=1, doc="Workers on this node.")
