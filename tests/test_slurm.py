@@ -214,3 +214,81 @@ def test_node_failure_is_survived_by_a_spare(slurm, tmp_path):
         if victim:
             slurm.resume(victim)
             slurm.wait_idle(timeout=60)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_master_node_failure_is_survived_by_the_standby(slurm, tmp_path):
+    """STANDBY=1: the master on the second node, a standby master on the batch node. The master's node dies
+    (SIGKILL of its master, its agent and their workers; the node marked DOWN): the standby takes over on its
+    own endpoint, the agents rejoin it, and the job ends bit-identical to a fault-free torchrun. The master's
+    node also runs an agent: active or spare, whichever registered first; the job's one spare covers it."""
+    from tests.harness import assert_identical, torchrun
+    steps = LONG_STEPS
+    ref = torchrun(tmp_path, "ref", nproc=2, steps=steps, model_args=TRAIN[1:])
+    job = submit(slurm, tmp_path, "vista.sbatch", ["-A", "phxtest", "-N", "3"],
+                 {"SPARES": "1", "STANDBY": "1", "LEASE_TTL": "3", "STANDBY_PORT": str(_free_port())}, steps=steps)
+    victim = None
+    try:
+        deadline = time.time() + 120
+        st = None
+        while time.time() < deadline:
+            if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
+                pytest.fail("the job ended before its master's node could be failed\n" + job.diagnostics())
+            st = job.status() if (job.run_dir / "master.json").exists() else None
+            if st and (st.get("step") or 0) >= 3 and sum(n["role"] == "spare" for n in st["nodes"]) == 1:
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"steps did not advance (last status: {st})\n" + job.diagnostics())
+        assert st["step"] < steps - 20, f"too late to fail the master's node mid-run: step {st['step']}"
+        assert st["master_epoch"] == 1, st
+        batch_host = slurm.job_info(job.jid)["BatchHost"]
+        master_host = st["endpoint"].rsplit(":", 1)[0]
+        victim = slurm.node_of_addr(master_host)
+        assert victim != batch_host, (victim, batch_host)   # the standby waits on the batch host
+        on_victim = [n for n in st["nodes"] if n["host"] == master_host]
+        assert len(on_victim) == 1, st["nodes"]
+        victim_agent = on_victim[0]
+        for pid in [st["master_pid"], victim_agent["agent_pid"], *victim_agent["worker_pids"]]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        slurm.set_down(victim, reason="phoenixrun-test-master-node-failure")
+        killed_at = time.time()
+        # phoenixrun status follows the master that took over (master.json), with its epoch
+        taken = None
+        while taken is None and slurm.job_info(job.jid).get("JobState") == "RUNNING" and time.time() < killed_at + 90:
+            s = job.status()
+            taken = s if s and s.get("master_epoch") == 2 else None
+            time.sleep(0.5)
+        ranks = check_completed(job, world=2, steps=steps)
+        events = job.events()
+        takeover = [e for e in events if e["event"] == "master_takeover"]
+        assert len(takeover) == 1, job.diagnostics()
+        t = takeover[0]
+        assert t["epoch"] == 2 and t["previous_epoch"] == 1 and t["previous_endpoint"] == st["endpoint"], t
+        assert t["endpoint"].startswith(slurm.addrs[batch_host] + ":"), t
+        assert t["t"] - killed_at < 60, t
+        assert taken is not None and taken["endpoint"] == t["endpoint"], taken
+        started = [e for e in events if e["event"] == "master_started"]
+        assert [e["epoch"] for e in started] == [1, 2], started
+        assert any(e["event"] == "master_standby" for e in events)
+        if victim_agent["role"] == "active":      # its ranks moved to the spare under the new master
+            done = [e for e in events if e["event"] == "recovery_done"]
+            assert done and done[0]["t"] > t["t"] and done[0]["replayed_steps"] <= 1, job.diagnostics()
+        assert not [e for e in events if e["event"] == "job_finished" and e["exit_code"] != 0]
+        assert len({r["param_sha256"] for r in ranks}) == 1
+        assert_identical(job.out, ref)
+        print(f"victim's agent was {victim_agent['role']}; takeover {t['t'] - killed_at:.1f}s after the kill")
+    finally:
+        slurm.cmd("scancel", job.jid, check=False)
+        if victim:
+            slurm.resume(victim)
+            slurm.wait_idle(timeout=60)
