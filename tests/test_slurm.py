@@ -120,6 +120,33 @@ def check_completed(job: Job, world: int, steps: int) -> list[dict]:
     return ranks
 
 
+def training(slurm: SlurmCluster, job: Job, steps: int, timeout: float = 120) -> dict:
+    """The job's status once training steps advance with both actives and the spare registered, early enough to
+    fail a node mid-run."""
+    deadline = time.time() + timeout
+    st = None
+    while time.time() < deadline:
+        if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
+            pytest.fail("the job ended before a node could be failed\n" + job.diagnostics())
+        st = job.status() if (job.run_dir / "master.json").exists() else None
+        if st and (st.get("step") or 0) >= 3 and sum(n["role"] == "spare" for n in st["nodes"]) == 1:
+            break
+        time.sleep(0.3)
+    else:
+        pytest.fail(f"steps did not advance (last status: {st})\n" + job.diagnostics())
+    assert st["step"] < steps - 20, f"too late to fail a node mid-run: step {st['step']}"
+    return st
+
+
+def sigkill(pids: list[int]) -> None:
+    """Kill these processes the way a dying node does (already gone: fine)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_perlmutter_template_completes(slurm, tmp_path):
     job = submit(slurm, tmp_path, "perlmutter.sbatch", ["-A", "phxtest", "-N", "2"],
                  {"SPARES": "0", "NPROC_PER_NODE": "2"}, steps=8)
@@ -164,30 +191,14 @@ def test_node_failure_is_survived_by_a_spare(slurm, tmp_path):
     master_node = None
     victim = None
     try:
-        # wait until training steps advance, with both actives and the spare registered
-        deadline = time.time() + 90
-        st = None
-        while time.time() < deadline:
-            if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
-                pytest.fail("the job ended before a node could be failed\n" + job.diagnostics())
-            st = job.status() if (job.run_dir / "master.json").exists() else None
-            if st and (st.get("step") or 0) >= 3 and sum(n["role"] == "spare" for n in st["nodes"]) == 1:
-                break
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"steps did not advance (last status: {st})\n" + job.diagnostics())
-        assert st["step"] < LONG_STEPS - 20, f"too late to fail a node mid-run: step {st['step']}"
+        st = training(slurm, job, LONG_STEPS)
         master_node = slurm.job_info(job.jid)["BatchHost"]
         active = [n for n in st["nodes"] if n["role"] == "active"]
         assert len(active) == 2
         # fail an active node that does not host the master (losing that one is --requeue's business)
         target = next(n for n in active if slurm.node_of_addr(n["host"]) != master_node)
         victim = slurm.node_of_addr(target["host"])
-        for pid in [target["agent_pid"], *target["worker_pids"]]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill([target["agent_pid"], *target["worker_pids"]])
         slurm.set_down(victim, reason="phoenixrun-test-node-failure")
         killed_at = time.time()
 
@@ -235,18 +246,7 @@ def test_master_node_failure_is_survived_by_the_standby(slurm, tmp_path):
                  {"SPARES": "1", "STANDBY": "1", "LEASE_TTL": "3", "STANDBY_PORT": str(_free_port())}, steps=steps)
     victim = None
     try:
-        deadline = time.time() + 120
-        st = None
-        while time.time() < deadline:
-            if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
-                pytest.fail("the job ended before its master's node could be failed\n" + job.diagnostics())
-            st = job.status() if (job.run_dir / "master.json").exists() else None
-            if st and (st.get("step") or 0) >= 3 and sum(n["role"] == "spare" for n in st["nodes"]) == 1:
-                break
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"steps did not advance (last status: {st})\n" + job.diagnostics())
-        assert st["step"] < steps - 20, f"too late to fail the master's node mid-run: step {st['step']}"
+        st = training(slurm, job, steps)
         assert st["master_epoch"] == 1, st
         batch_host = slurm.job_info(job.jid)["BatchHost"]
         master_host = st["endpoint"].rsplit(":", 1)[0]
@@ -255,11 +255,7 @@ def test_master_node_failure_is_survived_by_the_standby(slurm, tmp_path):
         on_victim = [n for n in st["nodes"] if n["host"] == master_host]
         assert len(on_victim) == 1, st["nodes"]
         victim_agent = on_victim[0]
-        for pid in [st["master_pid"], victim_agent["agent_pid"], *victim_agent["worker_pids"]]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill([st["master_pid"], victim_agent["agent_pid"], *victim_agent["worker_pids"]])
         slurm.set_down(victim, reason="phoenixrun-test-master-node-failure")
         killed_at = time.time()
         # phoenixrun status follows the master that took over (master.json), with its epoch
