@@ -119,10 +119,12 @@ def test_standby_waits_while_renewed_then_takes_over_and_the_old_holder_is_depos
     standby.start()
     standby.join(timeout=2.0)                # renewed meanwhile: still waiting
     assert standby.is_alive() and waits and "held by a" in waits[0]
+    assert [sb["endpoint"] for sb in LeaseDir(tmp_path).standbys()] == ["hB:2"]    # listed while it waits
     keeper.stopped.set()                      # the holder stops renewing (paused, or its node died)
     standby.join(timeout=30)
     got = result["got"]
     assert got.epoch == 2 and got.previous.holder == "a"
+    assert LeaseDir(tmp_path).standbys() == []
     assert keeper.renew() is False and lost and "epoch 2" in lost[0]     # the old holder, resumed: deposed
     assert LeaseDir(tmp_path).read()[0].holder == "b"                   # and it did not overwrite the record
     new = LeaseKeeper(LeaseDir(tmp_path), "b", 2, "hB:2", ttl, 0.2, lost.append)

@@ -12,6 +12,16 @@ from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.control.lease import LeaseDir
 from phoenixrun.control.master import EXIT_DEPOSED, Master, MasterConfig
 from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.status import render
+
+
+def render_text(state: dict) -> str:
+    """What `phoenixrun status` prints for this state."""
+    import io
+    from rich.console import Console
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(render(state))
+    return console.export_text()
 
 
 def test_a_master_that_lost_its_lease_stops_acting(tmp_path):
@@ -19,7 +29,11 @@ def test_a_master_that_lost_its_lease_stops_acting(tmp_path):
     m = Master(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1, lease_ttl=30), secret)
     m.start()
     client = ControlClient(m.endpoint, secret, timeout=5)
-    assert client.get_json("/v1/state")["master_epoch"] == 1
+    LeaseDir(tmp_path).announce("b", {"endpoint": "hostB:29500", "pid": 1, "since": 0})   # a standby waits
+    state = client.get_json("/v1/state")
+    assert state["master_epoch"] == 1 and state["standbys"][0]["endpoint"] == "hostB:29500"
+    shown = render_text(state)
+    assert "epoch 1, standby hostB:29500" in shown, shown
     assert json.loads((tmp_path / "master.json").read_text())["epoch"] == 1
     assert m.keeper.renew() is True                        # still the holder
     assert LeaseDir(tmp_path).claim(2, "standby", "elsewhere:1")   # a standby took over (this one was paused)

@@ -124,11 +124,32 @@ class LeaseDir:
             json.dump({"holder": me, "endpoint": endpoint, "t": time.time()}, f)
         return True
 
+    def announce(self, me: str, info: dict) -> None:
+        """A standby says it waits (`phoenixrun status` lists it): standby-<id>.json, until withdraw()."""
+        self._replace(self.dir / f"standby-{me}.json", info)
+
+    def withdraw(self, me: str) -> None:
+        (self.dir / f"standby-{me}.json").unlink(missing_ok=True)
+
+    def standbys(self) -> list[dict]:
+        """The standbys waiting now (unreadable entries skipped)."""
+        out = []
+        for p in sorted(self.dir.glob("standby-*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                pass
+        return out
+
     def write(self, rec: Lease) -> None:
         """Replace lease.json atomically (temporary file, fsync, rename): readers see the old or the new."""
-        tmp = self.dir / f".{RECORD}.{os.getpid()}.tmp"
+        self._replace(self.dir / RECORD, asdict(rec))
+
+    @staticmethod
+    def _replace(path: Path, obj: dict) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
-            json.dump(asdict(rec), f)
+            json.dump(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.dir / RECORD)
+        os.replace(tmp, path)

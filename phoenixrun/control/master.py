@@ -180,7 +180,9 @@ class Master:
         self.handlers.directives_sent(sent)
 
     def state(self) -> dict:
-        return self.handlers.state()
+        state = self.handlers.state()
+        state["standbys"] = LeaseDir(self.run_dir).standbys() if self.cfg.lease_ttl else []
+        return state
 
     def store_prefix(self, generation: int) -> str:
         return self.orders.store_prefix(generation)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +33,16 @@ class Acquired:
 def await_lease(leases: LeaseDir, me: str, endpoint: str, ttl: float, max_skew: float,
                 stop: threading.Event, on_wait: Callable[[Lease | None, str], None] = lambda rec, why: None) -> Acquired:
     """Block until this master holds an epoch, or the job finished (Acquired.epoch 0), or `stop` is set (epoch 0).
-    `on_wait` is called once, when this master first has to wait (it is the standby)."""
+    `on_wait` is called once, when this master first has to wait (it is the standby); while it waits, it is
+    listed in the lease directory (`phoenixrun status` shows it)."""
+    try:
+        return _await(leases, me, endpoint, ttl, max_skew, stop, on_wait)
+    finally:
+        leases.withdraw(me)
+
+
+def _await(leases: LeaseDir, me: str, endpoint: str, ttl: float, max_skew: float, stop: threading.Event,
+           on_wait: Callable[[Lease | None, str], None]) -> Acquired:
     t0 = time.monotonic()
     seen: tuple | None = None
     since = t0
@@ -52,6 +62,7 @@ def await_lease(leases: LeaseDir, me: str, endpoint: str, ttl: float, max_skew: 
             continue      # another master claimed it first: look again at once
         if not waiting:
             waiting = True
+            leases.announce(me, {"endpoint": endpoint, "pid": os.getpid(), "since": time.time()})
             on_wait(rec, d.reason)
         stop.wait(min(d.wait_s, ttl))
     return Acquired(0, None, "stopped", time.monotonic() - t0)
