@@ -154,6 +154,7 @@ class Agent:
     def _registered(self, reg: dict) -> None:
         node = self.node
         node.job = reg
+        node.joined(reg, self.client.host)
         node.role, node.slot = reg["role"], reg["slot"]
         node.token = reg.get("token")
         persist_cfg = PersistConfig.from_json(reg.get("persist"))

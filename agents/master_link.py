@@ -1,6 +1,11 @@
 """The agent's link to the master: registration (and the rejoin of a restarted master), the directive long-poll
 and the heartbeat, each poll and heartbeat on a thread of its own. Directives are handed to the main loop
-through a queue, newest version only."""
+through a queue, newest version only.
+
+Master epochs (docs/operations.md, "A standby master"): every reply and directive of a master holding the lease
+carries its epoch. The link remembers the highest it has seen; a master of an older epoch (a deposed one that
+ran on after a pause) is not listened to - the client moves on to the next endpoint - and a newer epoch (a
+standby that took over) starts its directive versions afresh."""
 from __future__ import annotations
 
 import logging
@@ -29,6 +34,25 @@ class MasterLink:
         self.node_state, self.rejoin_state, self.on_inject = node_state, rejoin_state, on_inject
         self.directives: queue.Queue[dict] = queue.Queue()
         self._version = -1
+        self.epoch = 0          # the highest master epoch seen (0: masters without a lease)
+
+    def current_master(self, reply: dict) -> bool:
+        """Is `reply` from a master this node may listen to? A newer epoch is a new master: its directive versions
+        are its own. An older one is a deposed master's: the client moves on to the next endpoint. (An answer
+        without an epoch - an expired long-poll's noop - orders nothing.)"""
+        if "master_epoch" not in reply:
+            return True
+        epoch = reply["master_epoch"]
+        if not isinstance(epoch, int) or epoch < self.epoch:
+            log.warning("ignoring a master of epoch %s (epoch %d acts now): trying the next endpoint", epoch, self.epoch)
+            self.client.move_on()
+            return False
+        if epoch > self.epoch:
+            if self.epoch:
+                log.warning("master epoch %d at %s (was %d)", epoch, self.client.base, self.epoch)
+            self.epoch = epoch
+            self._version = -1
+        return True
 
     def register(self, rejoin: dict | None = None, node_rank: int | None = None) -> dict:
         deadline = time.time() + 60
@@ -37,7 +61,13 @@ class MasterLink:
             payload["node_rank"] = node_rank
         while True:
             try:
-                return self.client.post("/v1/register", payload)
+                reply = self.client.post("/v1/register", payload)
+                if not self.current_master(reply):
+                    raise ControlError("a deposed master answered the registration")
+                with self.node.lock:
+                    if "store_port" in reply:
+                        self.node.joined(reply, self.client.host)
+                return reply
             except ControlError as e:
                 if e.refused or time.time() > deadline:   # refused (4xx): asking again gets the same answer
                     raise
@@ -70,6 +100,9 @@ class MasterLink:
                 log.debug("directive poll failed: %s", e)
                 time.sleep(0.2)
                 continue
+            if not self.current_master(d):
+                time.sleep(0.2)
+                continue
             if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
                 self._version = d["version"]
                 self.directives.put(decode_directive(d))     # int-keyed maps: protocol/codec.py
@@ -80,11 +113,12 @@ class MasterLink:
             payload = {"node_id": self.node.node_id, "token": self.node.token, **self.node_state()}
             try:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
-                if reply.get("fenced"):    # replaced while it was away: never rejoin
-                    self.life.fenced(reply)
-                    return
-                for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
-                    self.on_inject(fault)
+                if self.current_master(reply):
+                    if reply.get("fenced"):    # replaced while it was away: never rejoin
+                        self.life.fenced(reply)
+                        return
+                    for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
+                        self.on_inject(fault)
             except ControlError as e:
                 if e.unknown_node:           # a restarted master (Status.UNKNOWN_NODE): it learns the job from us
                     self.rejoin()

@@ -25,6 +25,7 @@ class NodeState:
     generation: int = 0
     store_prefix: str | None = None   # the generation's rendezvous prefix, from the master's directives
     store_port: int | None = None     # a restart attempt's own TCPStore (None: the job's)
+    master_host: str = "127.0.0.1"    # the host of the master this node (re)joined last: its TCPStore's
     restart_count: int = 0
     world: dict = field(default_factory=dict)
     job: dict = field(default_factory=dict)       # the master's reply to our registration
@@ -54,6 +55,15 @@ class NodeState:
 
     def job_store_port(self) -> int:
         return self.store_port or self.job["store_port"]
+
+    def store_host(self) -> str:
+        """The host of the master whose TCPStore the workers rendezvous on: the one this node (re)joined last."""
+        return self.master_host
+
+    def joined(self, reply: dict, master_host: str) -> None:
+        """A master's answer to our registration or rejoin: where its TCPStore is (call with the lock held)."""
+        self.job["store_port"] = reply["store_port"]
+        self.master_host = master_host
 
     def take_directive(self, d: dict) -> None:
         """The fields every directive may carry (call with the lock held)."""

@@ -92,7 +92,7 @@ class WorkerSupervisor:
         return Placement(
             local_rank=local_rank, nproc_per_node=node.nproc_per_node, nnodes=job["nnodes"],
             slot=node.slot if rank_known else None, rank=node.rank(local_rank) if rank_known else None,
-            master_addr=self.cfg.endpoint.rsplit(":", 1)[0], master_port=node.job_store_port(),
+            master_addr=node.store_host(), master_port=node.job_store_port(),
             run_id=job["run_id"], restart_count=node.restart_count, max_restarts=job["max_restarts"],
             generation=node.generation, agent_sock=self.sock_path, gloo_ifname=self.gloo_ifname,
             error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{node.node_id}-{local_rank}.json"))
@@ -164,7 +164,7 @@ class WorkerSupervisor:
                 "world_size": job["nnodes"] * node.nproc_per_node, "generation": node.generation,
                 "store_prefix": node.store_prefix,
                 "restart_count": node.restart_count, "restore_step": node.restore_step,
-                "master_addr": self.cfg.endpoint.rsplit(":", 1)[0], "master_port": node.job_store_port(),
+                "master_addr": node.store_host(), "master_port": node.job_store_port(),
                 "tp": job["tp"], "pp": job["pp"], "run_id": job["run_id"], "reshard": node.reshard_of(local_rank)}
 
     def hello(self, conn: WorkerConn, local_rank: int) -> None:
@@ -196,7 +196,9 @@ class WorkerSupervisor:
                     conn.send(self.assignment(lr))
             elif lr in self.conns:
                 self.conns[lr].send({"op": WorkerOp.REBUILD, "generation": self.node.generation, "restore_step": step,
-                                     "store_prefix": self.node.store_prefix})
+                                     "store_prefix": self.node.store_prefix,
+                                     # the store moves with the master (a standby took over on its own host)
+                                     "master_addr": self.node.store_host(), "master_port": self.node.job_store_port()})
 
     # ------------------------------------------------------------------ the hang watchdog
     def progressed(self, local_rank: int) -> None:

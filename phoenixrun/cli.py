@@ -18,6 +18,7 @@ import click
 
 from phoenixrun import auth, config, netaddr
 from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConfig
+from phoenixrun.protocol.client import split_endpoints
 from phoenixrun.protocol.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
 SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject", "drain")
@@ -260,6 +261,8 @@ def commands():
 @_field(MasterConfig, "port", alias=False)
 @_field(MasterConfig, "store_port", alias=False)
 @_field(MasterConfig, "spares", alias=False)
+@_field(MasterConfig, "lease_ttl")
+@_field(MasterConfig, "max_clock_skew")
 @_job_shape
 @_recovery_policy
 @_persistence
@@ -273,6 +276,9 @@ def master_cmd(**o):
     auth.write_secret(cfg.run_dir, secret)
     try:
         m = Master(cfg, secret)
+        finished = m.acquire_lease()    # with --lease-ttl: a standby waits here until it takes over
+        if finished is not None:        # the job finished under another master: exit as it did
+            sys.exit(finished)
         m.start()
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
@@ -320,7 +326,8 @@ def agent_config(o: dict, secret: str) -> AgentConfig:
     from phoenixrun.agents.workers import WorkerSpec
     entry = o["entry"]
     try:
-        host = netaddr.node_addr(o["host"], o["rdzv_endpoint"])
+        # the route to the first endpoint (the master; a standby's, if any, follows it)
+        host = netaddr.node_addr(o["host"], split_endpoints(o["rdzv_endpoint"])[0] if o["rdzv_endpoint"] else "")
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--rdzv-endpoint") from None
     return AgentConfig.from_options(

@@ -305,6 +305,15 @@ class MasterConfig(_Settings):
     replace_stragglers: bool = setting(
         False, flag="--replace-stragglers",
         doc="Drain a straggler to a spare (a planned drain: nothing replayed) when one is registered.")
+    lease_ttl: float = setting(
+        0.0, flag="--lease-ttl", min=0,
+        doc="Seconds a master's lease in RUN_DIR/master-lease lives (renewed every third of it); with it, a second "
+            "master started on the same run directory waits as a standby and takes over once the lease is stale "
+            "(0: no lease, one master).")
+    max_clock_skew: float = setting(
+        2.0, flag="--max-clock-skew", min=0,
+        doc="Seconds the masters' clocks may differ; a standby takes over a lease not renewed for --lease-ttl "
+            "plus this.")
 
     def to_argv(self) -> list[str]:
         """`phoenixrun master` flags that give exactly this config."""
@@ -317,7 +326,10 @@ class MasterConfig(_Settings):
 @dataclass(frozen=True)
 class AgentConfig(_Settings):
     """One node's agent. `phoenixrun agent` takes these as flags (the secret from a file or the environment)."""
-    endpoint: str = setting(flag="--rdzv-endpoint", doc="host:port of the master.")
+    endpoint: str = setting(
+        flag="--rdzv-endpoint",
+        doc="host:port of the master; HOST:PORT,HOST:PORT for a master and its standby (the agent uses whichever "
+            "holds the lease).")
     secret: str = setting(travels="the environment", doc="The job secret ($PHOENIXRUN_SECRET or --secret-file).")
     spec: WorkerSpec = setting(travels="SCRIPT [ARGS]", doc="What every worker runs: SCRIPT [ARGS] after the flags.")
     nproc_per_node: int = setting(flag="--nproc-per-node", min=1, doc="Workers on this node.")

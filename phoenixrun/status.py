@@ -70,7 +70,9 @@ def render(state: dict) -> Group:
     job.add_row(state["phase"], str(state["generation"]), str(state["step"]), str(state["steps_per_s"]),
                 str(state["world_size"]), str(state["restart_count"]), str(state["recoveries"]),
                 str((state.get("rejected_requests") or {}).get("total", 0)),
-                f"{state['endpoint']} pid {state['master_pid']}")
+                f"{state['endpoint']} pid {state['master_pid']}"
+                + (f" epoch {state['master_epoch']}" if state.get("master_epoch") else "")
+                + "".join(f", standby {sb['endpoint']}" for sb in state.get("standbys") or []))
     nodes = Table(title="nodes")
     for col in ("slot", "ranks", "role", "node", "agent pid", "worker pids", "heartbeat age", "committed step",
                 "replica lag", "d2h ms", "h2h ms", "stall ms", "every", "straggler", "last fault"):

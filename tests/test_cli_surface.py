@@ -66,6 +66,8 @@ SURFACE = {
         ("--port",): (29500, None),
         ("--store-port",): (0, None),
         ("--spares",): (None, None),
+        ("--lease-ttl", "--lease_ttl"): (0.0, None),
+        ("--max-clock-skew", "--max_clock_skew"): (2.0, None),
         ("--replicas",): (1, None),
         ("--tp",): (1, None),
         ("--pp",): (1, None),

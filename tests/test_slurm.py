@@ -120,6 +120,33 @@ def check_completed(job: Job, world: int, steps: int) -> list[dict]:
     return ranks
 
 
+def training(slurm: SlurmCluster, job: Job, steps: int, timeout: float = 120) -> dict:
+    """The job's status once training steps advance with both actives and the spare registered, early enough to
+    fail a node mid-run."""
+    deadline = time.time() + timeout
+    st = None
+    while time.time() < deadline:
+        if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
+            pytest.fail("the job ended before a node could be failed\n" + job.diagnostics())
+        st = job.status() if (job.run_dir / "master.json").exists() else None
+        if st and (st.get("step") or 0) >= 3 and sum(n["role"] == "spare" for n in st["nodes"]) == 1:
+            break
+        time.sleep(0.3)
+    else:
+        pytest.fail(f"steps did not advance (last status: {st})\n" + job.diagnostics())
+    assert st["step"] < steps - 20, f"too late to fail a node mid-run: step {st['step']}"
+    return st
+
+
+def sigkill(pids: list[int]) -> None:
+    """Kill these processes the way a dying node does (already gone: fine)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_perlmutter_template_completes(slurm, tmp_path):
     job = submit(slurm, tmp_path, "perlmutter.sbatch", ["-A", "phxtest", "-N", "2"],
                  {"SPARES": "0", "NPROC_PER_NODE": "2"}, steps=8)
@@ -164,30 +191,14 @@ def test_node_failure_is_survived_by_a_spare(slurm, tmp_path):
     master_node = None
     victim = None
     try:
-        # wait until training steps advance, with both actives and the spare registered
-        deadline = time.time() + 90
-        st = None
-        while time.time() < deadline:
-            if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
-                pytest.fail("the job ended before a node could be failed\n" + job.diagnostics())
-            st = job.status() if (job.run_dir / "master.json").exists() else None
-            if st and (st.get("step") or 0) >= 3 and sum(n["role"] == "spare" for n in st["nodes"]) == 1:
-                break
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"steps did not advance (last status: {st})\n" + job.diagnostics())
-        assert st["step"] < LONG_STEPS - 20, f"too late to fail a node mid-run: step {st['step']}"
+        st = training(slurm, job, LONG_STEPS)
         master_node = slurm.job_info(job.jid)["BatchHost"]
         active = [n for n in st["nodes"] if n["role"] == "active"]
         assert len(active) == 2
         # fail an active node that does not host the master (losing that one is --requeue's business)
         target = next(n for n in active if slurm.node_of_addr(n["host"]) != master_node)
         victim = slurm.node_of_addr(target["host"])
-        for pid in [target["agent_pid"], *target["worker_pids"]]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill([target["agent_pid"], *target["worker_pids"]])
         slurm.set_down(victim, reason="phoenixrun-test-node-failure")
         killed_at = time.time()
 
@@ -211,6 +222,69 @@ def test_node_failure_is_survived_by_a_spare(slurm, tmp_path):
             assert ranks[0]["param_sha256"] == _reference["param_sha256"]
     finally:
         slurm.cmd("scancel", job.jid, check=False)   # no-op when it ended
+        if victim:
+            slurm.resume(victim)
+            slurm.wait_idle(timeout=60)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def test_master_node_failure_is_survived_by_the_standby(slurm, tmp_path):
+    """STANDBY=1: the master on the second node, a standby master on the batch node. The master's node dies
+    (SIGKILL of its master, its agent and their workers; the node marked DOWN): the standby takes over on its
+    own endpoint, the agents rejoin it, and the job ends bit-identical to a fault-free torchrun. The master's
+    node also runs an agent: active or spare, whichever registered first; the job's one spare covers it."""
+    from tests.harness import assert_identical, torchrun
+    steps = LONG_STEPS
+    ref = torchrun(tmp_path, "ref", nproc=2, steps=steps, model_args=TRAIN[1:])
+    job = submit(slurm, tmp_path, "vista.sbatch", ["-A", "phxtest", "-N", "3"],
+                 {"SPARES": "1", "STANDBY": "1", "LEASE_TTL": "3", "STANDBY_PORT": str(_free_port())}, steps=steps)
+    victim = None
+    try:
+        st = training(slurm, job, steps)
+        assert st["master_epoch"] == 1, st
+        batch_host = slurm.job_info(job.jid)["BatchHost"]
+        master_host = st["endpoint"].rsplit(":", 1)[0]
+        victim = slurm.node_of_addr(master_host)
+        assert victim != batch_host, (victim, batch_host)   # the standby waits on the batch host
+        on_victim = [n for n in st["nodes"] if n["host"] == master_host]
+        assert len(on_victim) == 1, st["nodes"]
+        victim_agent = on_victim[0]
+        sigkill([st["master_pid"], victim_agent["agent_pid"], *victim_agent["worker_pids"]])
+        slurm.set_down(victim, reason="phoenixrun-test-master-node-failure")
+        killed_at = time.time()
+        # phoenixrun status follows the master that took over (master.json), with its epoch
+        taken = None
+        while taken is None and slurm.job_info(job.jid).get("JobState") == "RUNNING" and time.time() < killed_at + 90:
+            s = job.status()
+            taken = s if s and s.get("master_epoch") == 2 else None
+            time.sleep(0.5)
+        ranks = check_completed(job, world=2, steps=steps)
+        events = job.events()
+        takeover = [e for e in events if e["event"] == "master_takeover"]
+        assert len(takeover) == 1, job.diagnostics()
+        t = takeover[0]
+        assert t["epoch"] == 2 and t["previous_epoch"] == 1 and t["previous_endpoint"] == st["endpoint"], t
+        assert t["endpoint"].startswith(slurm.addrs[batch_host] + ":"), t
+        assert t["t"] - killed_at < 60, t
+        assert taken is not None and taken["endpoint"] == t["endpoint"], taken
+        started = [e for e in events if e["event"] == "master_started"]
+        assert [e["epoch"] for e in started] == [1, 2], started
+        assert any(e["event"] == "master_standby" for e in events)
+        if victim_agent["role"] == "active":      # its ranks moved to the spare under the new master
+            done = [e for e in events if e["event"] == "recovery_done"]
+            assert done and done[0]["t"] > t["t"] and done[0]["replayed_steps"] <= 1, job.diagnostics()
+        assert not [e for e in events if e["event"] == "job_finished" and e["exit_code"] != 0]
+        assert len({r["param_sha256"] for r in ranks}) == 1
+        assert_identical(job.out, ref)
+        print(f"victim's agent was {victim_agent['role']}; takeover {t['t'] - killed_at:.1f}s after the kill")
+    finally:
+        slurm.cmd("scancel", job.jid, check=False)
         if victim:
             slurm.resume(victim)
             slurm.wait_idle(timeout=60)

@@ -36,6 +36,14 @@ class Handlers:
     # (a ValueError) is answered with its 4xx code by the transport. Then the rules that need the master's
     # state: the node's registration token, the generation, the directive version (docs/architecture.md).
     def register(self, p: dict) -> dict:
+        return self._epoch(self._register(p))
+
+    def _epoch(self, reply: dict) -> dict:
+        """Every answer an agent acts on names this master's lease epoch (agents ignore a deposed master's)."""
+        reply["master_epoch"] = self.job.master_epoch
+        return reply
+
+    def _register(self, p: dict) -> dict:
         msg = messages.parse_register(p, self._msg_job)
         with self.job.cv:
             fenced = self._fence(msg.node_id, "register")
@@ -162,7 +170,7 @@ class Handlers:
                 raise messages.UnknownNode()     # a restarted master: the agent rejoins (Status.UNKNOWN_NODE)
             fenced = self._fence(node.node_id, "heartbeat")
             if fenced:
-                return fenced
+                return self._epoch(fenced)
             self._check_token(node.node_id, msg.token, "heartbeat")
             node.last_heartbeat = time.time()
             self.job.heard.move_to_end(node.node_id)
@@ -184,7 +192,8 @@ class Handlers:
             self.job.note_compute(node)
             for n in self.job.new_stragglers():
                 self._straggler(n)
-            return {"ok": True, "role": node.role.value, "inject": self.job.injections.pop(node.node_id, [])}
+            return {"ok": True, "role": node.role.value, "inject": self.job.injections.pop(node.node_id, []),
+                    "master_epoch": self.job.master_epoch}
 
     def _straggler(self, node: NodeRecord) -> None:
         """A node became a straggler (call with the lock held): reported; with --replace-stragglers, drained."""
@@ -281,7 +290,8 @@ class Handlers:
                 node_id, known = p.get("node_id", ""), int(p.get("version", -1))
                 fenced = self._fence(node_id, "directive")
                 if fenced:
-                    fields = {**fenced, "version": known + 1, "generation": self.job.generation}
+                    fields = {**fenced, "version": known + 1, "generation": self.job.generation,
+                              "master_epoch": self.job.master_epoch}
                     answers.append(Directive(known + 1, fields, wire.dumps(fields)))   # not on the board
                     continue
                 d = self.orders.board.answer(node_id, known)
@@ -302,6 +312,7 @@ class Handlers:
             steps = [max(s) for n in self.job.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
             return {
                 "run_id": self.cfg.run_id, "endpoint": self.job.endpoint, "master_pid": os.getpid(),
+                "master_epoch": self.job.master_epoch,
                 "phase": self.job.phase.value, "generation": self.job.generation,
                 "step": min(steps) if len(steps) == self.job.layout.world_size else None,
                 "steps_per_s": self.job.steps_per_s(), "restart_count": self.job.restart_count,

@@ -32,6 +32,7 @@ class JobState:
         self.relayout(Layout(cfg.nnodes, cfg.nproc_per_node, cfg.tp, cfg.pp))
         self.endpoint = ""
         self.store_port = 0
+        self.master_epoch = 0       # the lease epoch this master holds (0: no lease); every order carries it
         # membership
         self.nodes: dict[str, NodeRecord] = {}
         self.slots: dict[int, str] = {}          # slot -> node id, current generation

@@ -29,17 +29,21 @@ from phoenixrun.control.directives import Directive, DirectiveBoard
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.handlers import Handlers
 from phoenixrun.control.jobstate import JobState
+from phoenixrun.control.lease import LeaseDir, master_id
 from phoenixrun.control.monitor import HeartbeatMonitor
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.recovery import Acks, Recoveries
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.server import ControlServer
+from phoenixrun.control.standby import Acquired, LeaseKeeper, await_lease
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.protocol import messages
 from phoenixrun.protocol.names import Event
 
 log = logging.getLogger("phoenixrun.master")
+
+EXIT_DEPOSED = 3     # a master that lost its lease to a newer epoch (it stopped acting; the job goes on)
 
 
 class Master:
@@ -60,9 +64,56 @@ class Master:
         self.coordinator = Coordinator(self.job, self.orders, self.events, self._inbox, self.recovery,
                                        probe=unreachable)
         self.monitor = HeartbeatMonitor(self.job, self.events, self._inbox)
+        self.lease_id = master_id()
+        self.acquired: Acquired | None = None
+        self.keeper: LeaseKeeper | None = None
+
+    # ---------------------------------------------------------------- the lease (--lease-ttl: control/lease.py)
+    def acquire_lease(self, stop: threading.Event | None = None) -> int | None:
+        """With --lease-ttl: wait until this master holds the lease (a standby waits here, no port open). Returns
+        None once it holds it (start() next), or the job's exit code if it finished under another master."""
+        if not self.cfg.lease_ttl or self.acquired is not None:
+            return None
+        # the store is torch's: imported before the wait, not after the takeover (20 s on a loaded 2-core machine)
+        from torch.distributed import TCPStore  # noqa: F401
+
+        def on_wait(rec, why):
+            log.info("standby: %s; waiting to take over", why)
+            self.events.emit(Event.MASTER_STANDBY, self.generation, pid=os.getpid(), holder_epoch=rec and rec.epoch,
+                             holder_endpoint=rec and rec.endpoint, endpoint=f"{self.cfg.host}:{self.cfg.port}")
+        got = await_lease(LeaseDir(self.run_dir), self.lease_id, f"{self.cfg.host}:{self.cfg.port}",
+                          self.cfg.lease_ttl, self.cfg.max_clock_skew, stop or threading.Event(), on_wait)
+        if not got.epoch:
+            log.info("the job finished under another master (%s)", got.reason)
+            return got.previous.exit_code or 0 if got.previous is not None else 0
+        self.acquired = got
+        self.job.master_epoch = got.epoch
+        return None
+
+    def _keep_lease(self) -> None:
+        got = self.acquired
+        self.keeper = LeaseKeeper(LeaseDir(self.run_dir), self.lease_id, got.epoch, self.endpoint,
+                                  self.cfg.lease_ttl, self.cfg.max_clock_skew, self._deposed)
+        self.keeper.start()
+        if got.previous is not None:
+            self.events.emit(Event.MASTER_TAKEOVER, self.generation, epoch=got.epoch, endpoint=self.endpoint,
+                             previous_epoch=got.previous.epoch, previous_endpoint=got.previous.endpoint,
+                             reason=got.reason, waited_s=round(got.waited_s, 3))
+            log.warning("took over as master (epoch %d) from %s: %s", got.epoch, got.previous.endpoint, got.reason)
+
+    def _deposed(self, reason: str) -> None:
+        """A newer epoch was claimed: this master stops acting at once (agents ignore its older epoch anyway)."""
+        log.error("this master lost its lease (%s): stopping", reason)
+        self.events.emit(Event.MASTER_DEPOSED, self.generation, epoch=self.job.master_epoch, reason=reason)
+        self.http.shutdown()
+        with self.job.cv:
+            self.job.exit_code = EXIT_DEPOSED
+        self.job.stopped.set()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        if self.cfg.lease_ttl and self.acquired is None:
+            self.acquire_lease()
         from torch.distributed import TCPStore  # the workers' rendezvous store lives here
         self.store = TCPStore(self.cfg.host, self.cfg.store_port, is_master=True, wait_for_workers=False,
                               use_libuv=True)
@@ -74,17 +125,22 @@ class Master:
         self.endpoint = f"{self.cfg.host}:{self.http.server_address[1]}"
         for target, name in ((self.monitor.run, "_monitor"), (self.coordinator.run, "_controller")):
             threading.Thread(target=target, daemon=True, name=name).start()
+        if self.acquired is not None:
+            self._keep_lease()
         info = {"endpoint": self.endpoint, "pid": os.getpid(), "store_port": self.store_port,
-                "run_id": self.cfg.run_id}
+                "run_id": self.cfg.run_id, "epoch": self.job.master_epoch}
         tmp = self.run_dir / "master.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.run_dir / "master.json")
         self.events.emit(Event.MASTER_STARTED, self.generation, endpoint=self.endpoint, pid=os.getpid(),
-                         nnodes=self.cfg.nnodes, nproc_per_node=self.cfg.nproc_per_node)
+                         nnodes=self.cfg.nnodes, nproc_per_node=self.cfg.nproc_per_node, epoch=self.job.master_epoch)
         log.info("master listening on %s (store port %d)", self.endpoint, self.store_port)
 
     def wait(self) -> int:
         self.job.stopped.wait()
+        if self.keeper is not None and self.keeper.lost is not None:
+            self.events.close()
+            return EXIT_DEPOSED
         # give agents a moment to collect their stop directive before the server goes away
         deadline = time.time() + 3.0
         with self.cv:
@@ -92,6 +148,8 @@ class Master:
                     n.role != Role.FAILED and not getattr(self.directives.get(n.node_id), "acked", False)
                     for n in self.nodes.values()):
                 self.cv.wait(0.1)
+        if self.keeper is not None:
+            self.keeper.release(self.job.exit_code or 0)
         self.http.shutdown()
         self.events.close()
         return self.job.exit_code or 0
@@ -122,7 +180,9 @@ class Master:
         self.handlers.directives_sent(sent)
 
     def state(self) -> dict:
-        return self.handlers.state()
+        state = self.handlers.state()
+        state["standbys"] = LeaseDir(self.run_dir).standbys() if self.cfg.lease_ttl else []
+        return state
 
     def store_prefix(self, generation: int) -> str:
         return self.orders.store_prefix(generation)

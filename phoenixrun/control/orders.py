@@ -81,8 +81,10 @@ class Orders:
                 "placement": placement, "store_port": job.store_port}
 
     def _generation_fields(self) -> dict:
-        """What every directive carries: the generation and its rendezvous prefix."""
-        return {"generation": self.job.generation, "store_prefix": self.store_prefix(self.job.generation)}
+        """What every directive carries: the generation and its rendezvous prefix, and the master's lease epoch
+        (agents ignore orders of an epoch older than one they have seen: a deposed master's)."""
+        return {"generation": self.job.generation, "store_prefix": self.store_prefix(self.job.generation),
+                "master_epoch": self.job.master_epoch}
 
     def _sent(self, r: Rollout, t: float) -> None:
         """Every node a directive was set for has been sent it (called with the lock held)."""

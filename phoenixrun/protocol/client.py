@@ -5,6 +5,10 @@ and directive poll each reuse theirs), so a 16K-node job does not open 16K conne
 
 A refusal raises ControlError with the answer's status (protocol/status.py): callers decide on the code.
 A `gate` (an injected hook, agents/partition.py's drill) can make calls fail as if the network dropped them.
+
+Several endpoints (`HOST:PORT,HOST:PORT`: the active master and its standby, docs/operations.md "A standby
+master"): calls go to one of them; a call that cannot reach it moves every thread on to the next (`next_endpoint`),
+so the agent finds whichever master acts now. A refusal (a 4xx) never moves it: that master answered.
 """
 from __future__ import annotations
 
@@ -42,15 +46,45 @@ class ControlError(Exception):
         return self.status == Status.UNKNOWN_NODE
 
 
+def split_endpoints(endpoint: str) -> list[str]:
+    """"A:1,B:2" -> ["A:1", "B:2"] (empty parts dropped). Pure."""
+    return [e.strip() for e in endpoint.split(",") if e.strip()]
+
+
+def next_endpoint(current: int, failed: int, count: int) -> int:
+    """The endpoint to use after a call to endpoint `failed` could not reach it, while `current` is in use: the
+    next one round-robin, unless another thread has already moved on (then stay). Pure."""
+    return (failed + 1) % count if current == failed else current
+
+
 class ControlClient:
     def __init__(self, endpoint: str, secret: str, timeout: float = CLIENT_TIMEOUT_S, gate: Gate | None = None):
-        self.base = endpoint if endpoint.startswith("http") else f"http://{endpoint}"
-        u = urlsplit(self.base)
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.endpoints = split_endpoints(endpoint) or [endpoint]
+        self.current = 0
         self.secret = secret
         self.timeout = timeout
         self.gate = gate
         self._local = threading.local()
+        self._switch_lock = threading.Lock()
+
+    @property
+    def base(self) -> str:
+        e = self.endpoints[self.current]
+        return e if e.startswith("http") else f"http://{e}"
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.base).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.base).port or 80
+
+    def move_on(self, failed: int | None = None) -> None:
+        """Endpoint `failed` (default: the current one) does not act as the master: use the next one."""
+        with self._switch_lock:
+            self.current = next_endpoint(self.current, self.current if failed is None else failed,
+                                         len(self.endpoints))
 
     def _check_gate(self) -> None:
         why = self.gate() if self.gate is not None else None
@@ -67,11 +101,16 @@ class ControlClient:
         data = json.dumps(payload).encode() if payload is not None else None
         headers = {"Authorization": f"Bearer {self.secret}", "Content-Type": "application/json"}
         t = timeout or self.timeout
+        at = self.current
         for attempt in range(2):
             conn = getattr(self._local, "conn", None)
+            if conn is not None and getattr(self._local, "at", at) != at:   # another thread moved on
+                self._drop()
+                conn = None
             reused = conn is not None
             if conn is None:
                 conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=t)
+                self._local.at = at
             try:
                 conn.timeout = t
                 if conn.sock is not None:
@@ -83,10 +122,10 @@ class ControlClient:
                 self._drop()
                 if reused and attempt == 0:   # the master closed an idle connection (or restarted): redial once
                     continue
-                raise ControlError(f"cannot reach master at {self.base}: {e}") from None
+                raise self._unreachable(at, e) from None
             except (OSError, http.client.HTTPException) as e:
                 self._drop()
-                raise ControlError(f"cannot reach master at {self.base}: {e}") from None
+                raise self._unreachable(at, e) from None
             if resp.will_close:
                 self._drop()
             if resp.status >= 400:
@@ -94,6 +133,12 @@ class ControlClient:
                                    status=resp.status, reason=_reason(body))
             return body
         raise AssertionError("unreachable")
+
+    def _unreachable(self, at: int, e: Exception) -> ControlError:
+        err = ControlError(f"cannot reach master at {self.endpoints[at]}: {e}")
+        if len(self.endpoints) > 1:
+            self.move_on(at)
+        return err
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)

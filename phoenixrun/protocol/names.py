@@ -107,6 +107,9 @@ class Event(StrEnum):
     MASTER_STARTED = "master_started"
     MASTER_RECOVERED = "master_recovered"
     MASTER_STALLED = "master_stalled"
+    MASTER_STANDBY = "master_standby"      # a master with --lease-ttl waits: another one holds the lease
+    MASTER_TAKEOVER = "master_takeover"    # a standby claimed the next epoch and acts from now on
+    MASTER_DEPOSED = "master_deposed"      # a master saw a newer epoch claimed: it stops acting
     NODE_JOINED = "node_joined"
     NODE_REJOINED = "node_rejoined"
     NODE_REFUSED = "node_refused"

@@ -345,9 +345,14 @@ class _Runtime:
         self.link.close()
         self.gens.close()
 
-    def connect(self, generation: int, store_prefix: str | None = None) -> None:
-        """Rendezvous generation `generation` (blocks until the whole world has joined)."""
+    def connect(self, generation: int, store_prefix: str | None = None, master_addr: str | None = None,
+                master_port: int | None = None) -> None:
+        """Rendezvous generation `generation` (blocks until the whole world has joined), on the master's TCPStore
+        at master_addr:master_port when given (it moved: a standby master took over on its own host)."""
         self.store_prefix = store_prefix or self.store_prefix
+        if master_addr and master_port:
+            self.master_addr, self.master_port = master_addr, int(master_port)
+            self.gens.master_addr, self.gens.master_port = self.master_addr, self.master_port
         try:
             self.gens.connect(generation, self.store_prefix)
         finally:
@@ -647,7 +652,8 @@ class Job:
                         order["generation"], order["restore_step"])
             try:
                 t1 = time.time()
-                self.rt.connect(order["generation"], order.get("store_prefix"))
+                self.rt.connect(order["generation"], order.get("store_prefix"), order.get("master_addr"),
+                                order.get("master_port"))
                 t2 = time.time()
                 self._restore(order["restore_step"])
                 t3 = time.time()
