@@ -114,21 +114,22 @@ def _same_state(a: dict, b: dict) -> None:
         assert torch.equal(v, b["model"][k]), k
 
 
-@pytest.mark.e2e     # real processes: three 2-3 rank gloo jobs (about 90 s on a loaded 2-core machine)
+# real processes: three 2-3 rank gloo jobs, forked from this one (spawned, each re-imported torch: 95-210 s)
+@pytest.mark.e2e
 def test_shrink_then_grow_repartitions_every_shard(tmp_path):
     tmp = str(tmp_path)
-    mp.spawn(_phase, args=(3, _port(), tmp, "start"), nprocs=3)
+    mp.start_processes(_phase, args=(3, _port(), tmp, "start"), nprocs=3, start_method="fork")
     L3 = Layout(3, 1)
     inv = {s: {s: [3]} for s in (0, 2)}
     reps = {h: {r: [3]} for r, hs in place_replicas(L3, 1).items() for h in hs if h != 1}
     shrink = plan_shrink(L3, {1}, inv, reps, place_replicas(L3, 1))
     torch.save(shrink, f"{tmp}/shrink.plan")
-    mp.spawn(_phase, args=(2, _port(), tmp, "shrink"), nprocs=2)
+    mp.start_processes(_phase, args=(2, _port(), tmp, "shrink"), nprocs=2, start_method="fork")
     ref, got = torch.load(f"{tmp}/ref3.pt"), torch.load(f"{tmp}/shrink.pt")
     _same_state(ref, got)          # all of old rank 1's moments too, from its replica alone
     grow = plan_grow(Layout(2, 1), 1, {0: {0: [5]}, 1: {1: [5]}}, max_nnodes=3)
     torch.save(grow, f"{tmp}/grow.plan")
-    mp.spawn(_phase, args=(3, _port(), tmp, "grow"), nprocs=3)
+    mp.start_processes(_phase, args=(3, _port(), tmp, "grow"), nprocs=3, start_method="fork")
     grown = torch.load(f"{tmp}/grow.pt")
     assert grown["model"].keys() == ref["model"].keys()
     assert all(len(st) == 3 for st in grown["optim"]["state"].values())
