@@ -20,8 +20,16 @@ install: $(BIN)/phoenixrun
 demo: install
 	$(BIN)/python examples/demo.py --run-dir $(RUN_DIR)
 
-# Default test run (< 15 min on 2 cores): unit tests + end-to-end fault tests with real processes.
+# The developer's loop (< 15 min on 2 cores): every unit test, and of the end-to-end and Slurm tests (real
+# processes: a job costs ~10-60 s here, most of it workers importing torch) the ones marked `smoke`, one per
+# guarantee - torchrun parity, hot swap, local reset, the fault classes, master restart, drain, torchrun-style
+# restart, FSDP2, growing state, hostile input, shrink re-partitioning, a Slurm template.
+SMOKE := not gpu and (smoke or not (e2e or slurm))
 test: install
+	$(BIN)/python -m pytest -q -m "$(SMOKE)" tests
+
+# Every test (33 min of pytest on 2 cores, idle machine): what CI runs (.ci/run).
+test-all: install
 	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 # The GPU tests (pytest -m gpu; on a CPU-only machine they are skipped). tools/gpu_check.sh runs this on the device

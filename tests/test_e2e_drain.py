@@ -33,6 +33,7 @@ def _gone(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(900)   # 4-5 minutes at a load average of 25 on 2 cores (the brief's 40 s: an idle machine)
 def test_drain_by_command_then_by_sigterm(tmp_path):
     """Two drains in one job (2 nodes x 2 ranks + 2 spares): node 1 by `phoenixrun drain`, then node 0 by SIGTERM to

@@ -31,6 +31,7 @@ def _hot_swapped(job, slot: int) -> dict:
     return done[0]
 
 
+@pytest.mark.smoke
 def test_fsdp2_node_kill(tmp_path, ref_fsdp):
     job = launch(tmp_path, "fsdp2", nnodes=2, spares=1, steps=STEPS, script=SCRIPT)
     kill_node(job.wait_step(4), slot=1)

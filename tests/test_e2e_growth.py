@@ -35,6 +35,7 @@ def _same_state(a, b) -> None:
         assert ra[r]["state_sha256"] == rb[r]["state_sha256"], f"rank {r}: the restored state dict differs"
 
 
+@pytest.mark.smoke
 def test_state_growing_past_the_first_layout_needs_no_recovery(tmp_path, ref2):
     stats = tmp_path / "stats"
     stats.mkdir()

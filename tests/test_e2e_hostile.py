@@ -25,6 +25,7 @@ def _post(endpoint: str, secret: str, path: str, body) -> tuple[int, dict]:
     return int(head.split(b" ")[1]), json.loads(rest)
 
 
+@pytest.mark.smoke
 def test_malformed_and_forged_messages_are_refused_while_the_job_finishes_bit_identical(tmp_path):
     ref = torchrun(tmp_path, "ref", nproc=2, steps=STEPS)
     job = launch(tmp_path, "hostile", nnodes=2, nproc=1, steps=STEPS)

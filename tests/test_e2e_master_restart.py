@@ -24,6 +24,7 @@ def finished_steps(progress_dir) -> list[tuple[int, float]]:
     return [(int(a), float(b)) for a, b in (ln.split() for ln in lines if ln.strip())]
 
 
+@pytest.mark.smoke
 def test_master_killed_mid_run_training_continues_and_recovery_still_works(tmp_path, ref2):
     progress = tmp_path / "progress"
     progress.mkdir()

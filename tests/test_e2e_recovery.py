@@ -35,6 +35,7 @@ def _recovered(job, n=1):
     return done
 
 
+@pytest.mark.smoke
 def test_standalone_matches_torchrun_and_shows_status(tmp_path, ref4):
     job = launch(tmp_path, "ok", nnodes=2, spares=1, steps=STEPS)
     state = job.wait_step(3)
@@ -51,6 +52,7 @@ def test_standalone_matches_torchrun_and_shows_status(tmp_path, ref4):
     assert_identical(job.out, ref4)
 
 
+@pytest.mark.smoke
 def test_node_kill_hot_swap_three_nodes(tmp_path):
     ref3 = torchrun(tmp_path, "ref3", nproc=3, steps=STEPS)
     job = launch(tmp_path, "node", nnodes=3, nproc=1, spares=1, steps=STEPS)
@@ -63,6 +65,7 @@ def test_node_kill_hot_swap_three_nodes(tmp_path):
     assert_identical(job.out, ref3)
 
 
+@pytest.mark.smoke
 def test_worker_kill_local_reset(tmp_path, ref4):
     job = launch(tmp_path, "worker", nnodes=2, steps=STEPS)
     state = job.wait_step(8)

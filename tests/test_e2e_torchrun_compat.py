@@ -82,6 +82,7 @@ def test_worker_killed_mid_training_restarts_on_a_fresh_store(tmp_path):
     assert restart["store_port"] not in (None, started.get("store_port"))
 
 
+@pytest.mark.smoke
 def test_node_killed_mid_training_restarts_with_the_spare(tmp_path):
     job = plain(tmp_path, "nkill", flags=["--max-restarts", "1", "--spares", "1"],
                 script_args=["--steps", "12", "--step-sleep", "0.1"])

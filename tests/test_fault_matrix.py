@@ -43,11 +43,13 @@ def inject_held(job, tmp_path, slot: int, fault: str) -> None:
 # four fault classes in two jobs instead of four (a job start costs more than a fault on this machine). Each job
 # has one node replace and one local reset, so one spare serves it, as a job per fault had.
 @pytest.mark.parametrize("first,second", [
-    (("xid:79", "host_pcie", "node_replace"),        # GPU fell off the bus: the node must go
-     ("xid:13", "gpu_memory", "local_reset")),       # contained fault: restart the node's workers
-    (("hang", "transient_comm", "local_reset"),      # SIGSTOP of one worker: found by the hang watchdog
-     ("xid:48", "gpu_memory", "node_replace")),      # double-bit ECC
-], ids=["replace_then_reset", "reset_then_replace"])
+    pytest.param(("xid:79", "host_pcie", "node_replace"),        # GPU fell off the bus: the node must go
+                 ("xid:13", "gpu_memory", "local_reset"),        # contained fault: restart the node's workers
+                 id="replace_then_reset", marks=pytest.mark.smoke),
+    pytest.param(("hang", "transient_comm", "local_reset"),      # SIGSTOP of one worker: found by the hang watchdog
+                 ("xid:48", "gpu_memory", "node_replace"),       # double-bit ECC
+                 id="reset_then_replace"),
+])
 def test_fault_is_classified_acted_on_and_survived(tmp_path, ref2, first, second):
     job = launch(tmp_path, first[0].replace(":", ""), nnodes=2, nproc=1, spares=1, steps=STEPS,
                  extra_flags=["--hang-timeout", "3"])

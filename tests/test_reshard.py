@@ -115,6 +115,7 @@ def _same_state(a: dict, b: dict) -> None:
 
 
 # real processes: three 2-3 rank gloo jobs, forked from this one (spawned, each re-imported torch: 95-210 s)
+@pytest.mark.smoke
 @pytest.mark.e2e
 def test_shrink_then_grow_repartitions_every_shard(tmp_path):
     tmp = str(tmp_path)

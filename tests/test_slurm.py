@@ -158,6 +158,7 @@ def test_perlmutter_template_completes(slurm, tmp_path):
     assert started["endpoint"].startswith(slurm.addrs[slurm.nodes[0]] + ":"), started
 
 
+@pytest.mark.smoke
 def test_generic_template_completes(slurm, tmp_path):
     job = submit(slurm, tmp_path, "generic.sbatch", ["-N", "2"], {"SPARES": "0", "NPROC_PER_NODE": "1"}, steps=8)
     check_completed(job, world=2, steps=8)
