@@ -23,7 +23,9 @@ demo: install
 # The developer's loop (< 15 min on 2 cores): every unit test, and of the end-to-end and Slurm tests (real
 # processes: a job costs ~10-60 s here, most of it workers importing torch) the ones marked `smoke`, one per
 # guarantee - torchrun parity, hot swap, local reset, the fault classes, master restart, drain, torchrun-style
-# restart, FSDP2, growing state, hostile input, shrink re-partitioning, a Slurm template.
+# restart, FSDP2, growing state, hostile input, a corrupt replica refused, shrink and grow, a Slurm template.
+# Measured on an idle machine: 1029 tests in 472 s of pytest, before the corrupt-replica and shrink tests joined
+# (27 s + a 17 s reference and 66 s in the last full run).
 SMOKE := not gpu and (smoke or not (e2e or slurm))
 test: install
 	$(BIN)/python -m pytest -q -m "$(SMOKE)" tests

@@ -17,6 +17,7 @@ STEPS = 60
 PACE = ["--step-seconds", "0.5"]   # the small model's steps take 0.1 s: the grow-back must land before the end
 
 
+@pytest.mark.smoke
 @pytest.mark.e2e
 def test_a_job_shrinks_without_a_spare_and_grows_back_when_one_registers(tmp_path):
     job = launch(tmp_path, "shrink", nnodes=3, nproc=1, spares=0, steps=STEPS,

@@ -132,6 +132,7 @@ def _corrupt_holder_job(tmp_path, name: str, corrupt: str, *flags: str):
     return job, job.events()
 
 
+@pytest.mark.smoke
 @pytest.mark.e2e
 def test_a_corrupt_replica_is_refused_and_the_next_holder_restores(tmp_path, ref3):
     """--replicas 2: the first holder asked serves rank 1's replica with one bit flipped. The spare's agent refuses
