@@ -29,11 +29,8 @@ from pathlib import Path
 
 import psutil
 
-from phoenixrun.protocol.client import ControlError
-from phoenixrun.status import client_for
-
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.harness import BIN, ROOT, Job  # noqa: E402  (its Job reads the master's state; the launch is ours: default heartbeats)
 
 # The innermost frame matching one of these (file or function substring, checked in order) names the part a sample
 # was spent in; frames are "function (path:line)" as py-spy prints them.
@@ -89,25 +86,6 @@ def role_of(p: psutil.Process, master_pid: int, spare_pids: set[int]) -> str:
     return "other"
 
 
-def get_state(run_dir: Path) -> dict | None:
-    try:
-        return client_for(run_dir, None, None).get_json("/v1/state")
-    except (ControlError, OSError, ValueError):
-        return None     # not up yet
-
-
-def wait_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the job ended (exit {proc.returncode}) before step {step}")
-        s = get_state(run_dir)
-        if s and (s.get("step") or 0) >= step:
-            return s
-        time.sleep(0.2)
-    raise SystemExit(f"the job did not reach step {step} within {timeout:g}s")
-
-
 def settle(root: psutil.Process, spare_pids: set[int], spares: int, timeout: float = 120.0) -> None:
     """Wait until the spare's warm workers are up and idle (under 2% of a core over a second)."""
     deadline = time.time() + timeout
@@ -151,8 +129,9 @@ def main() -> int:
            "--out", str(tmp / "out"), "--d-model", str(a.d_model)]
     env = {**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = Job(run_dir, tmp / "out", proc)
     try:
-        state = wait_step(run_dir, a.warmup, proc)
+        state = job.wait_step(a.warmup)
         spare_pids = {n["agent_pid"] for n in state["nodes"] if n["role"] == "spare"}
         root = psutil.Process(proc.pid)
         settle(root, spare_pids, a.spares)   # the spare's start (torch imports) is not what is measured here
@@ -160,7 +139,7 @@ def main() -> int:
         roles = {p.pid: role_of(p, state["master_pid"], spare_pids) for p in procs}
         procs = [p for p in procs if roles[p.pid] != "other"]      # e.g. the checkpoint I/O process
         before = {p.pid: cpu_s(p) for p in procs}
-        step0 = get_state(run_dir)["step"]
+        step0 = job.state()["step"]
         spies = {p.pid: subprocess.Popen([spy, "record", "--pid", str(p.pid), "--duration", str(int(a.window)),
                                           "--rate", str(a.rate), "--nonblocking", "--format", "raw", "--output",
                                           str(tmp / f"{p.pid}.raw")],
@@ -172,7 +151,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 s.kill()     # its samples so far are in its file (raw output is written as it goes)
         wall = time.time() - t0
-        steps = get_state(run_dir)["step"] - step0
+        steps = job.state()["step"] - step0
         after = {p.pid: cpu_s(p) for p in procs}
         load = os.getloadavg()[0]
     finally:

@@ -20,8 +20,8 @@ def ref4(tmp_path_factory):
     return torchrun(tmp_path_factory.mktemp("ref4"), "ref", nproc=4, steps=STEPS)
 
 
-# A job's cost here is its processes (each worker imports torch: ~7 CPU s), not its steps: the tests that are about
-# nodes, not about two ranks sharing one, run one rank per node against a 2-rank reference.
+# A job's cost here is its processes (a worker: ~8 CPU s before its first step, mostly imports), not its steps:
+# the tests that are about nodes, not about two ranks sharing one, run one rank per node against a 2-rank reference.
 @pytest.fixture(scope="module")
 def ref2(tmp_path_factory):
     return torchrun(tmp_path_factory.mktemp("ref2"), "ref", nproc=2, steps=STEPS)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def ref2(tmp_path_factory):
-    # one rank per node: a job costs its processes (a worker's torch import is ~7 CPU s here), not its steps
+    # one rank per node: a job costs its processes (a worker: ~8 CPU s before its first step here, mostly imports),
+    # not its steps
     return torchrun(tmp_path_factory.mktemp("ref2"), "ref", nproc=2, steps=STEPS)
 
 

@@ -65,6 +65,7 @@ class Master:
                                        probe=unreachable)
         self.monitor = HeartbeatMonitor(self.job, self.events, self._inbox)
         self.lease_id = master_id()
+        self.lease_dir = LeaseDir(self.run_dir) if cfg.lease_ttl else None
         self.acquired: Acquired | None = None
         self.keeper: LeaseKeeper | None = None
 
@@ -81,7 +82,7 @@ class Master:
             log.info("standby: %s; waiting to take over", why)
             self.events.emit(Event.MASTER_STANDBY, self.generation, pid=os.getpid(), holder_epoch=rec and rec.epoch,
                              holder_endpoint=rec and rec.endpoint, endpoint=f"{self.cfg.host}:{self.cfg.port}")
-        got = await_lease(LeaseDir(self.run_dir), self.lease_id, f"{self.cfg.host}:{self.cfg.port}",
+        got = await_lease(self.lease_dir, self.lease_id, f"{self.cfg.host}:{self.cfg.port}",
                           self.cfg.lease_ttl, self.cfg.max_clock_skew, stop or threading.Event(), on_wait)
         if not got.epoch:
             log.info("the job finished under another master (%s)", got.reason)
@@ -92,7 +93,7 @@ class Master:
 
     def _keep_lease(self) -> None:
         got = self.acquired
-        self.keeper = LeaseKeeper(LeaseDir(self.run_dir), self.lease_id, got.epoch, self.endpoint,
+        self.keeper = LeaseKeeper(self.lease_dir, self.lease_id, got.epoch, self.endpoint,
                                   self.cfg.lease_ttl, self.cfg.max_clock_skew, self._deposed)
         self.keeper.start()
         if got.previous is not None:
@@ -181,7 +182,7 @@ class Master:
 
     def state(self) -> dict:
         state = self.handlers.state()
-        state["standbys"] = LeaseDir(self.run_dir).standbys() if self.cfg.lease_ttl else []
+        state["standbys"] = self.lease_dir.standbys() if self.lease_dir is not None else []
         return state
 
     def store_prefix(self, generation: int) -> str:
