@@ -30,7 +30,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.harness import BIN, ROOT, Job  # noqa: E402  (Job reads the master's state; the launch is ours: default heartbeats)
+# Job reads the master's state; the launch is our own (default heartbeats, not the tests' 0.1 s)
+from tests.harness import BIN, ROOT, Job  # noqa: E402
 
 # The innermost frame matching one of these (file or function substring, checked in order) names the part a sample
 # was spent in; frames are "function (path:line)" as py-spy prints them.
