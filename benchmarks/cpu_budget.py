@@ -87,21 +87,24 @@ def role_of(p: psutil.Process, master_pid: int, spare_pids: set[int]) -> str:
     return "other"
 
 
-def settle(root: psutil.Process, spare_pids: set[int], spares: int, timeout: float = 120.0) -> None:
-    """Wait until the spare's warm workers are up and idle (under 2% of a core over a second)."""
+def settle(root: psutil.Process, spare_pids: set[int], spares: int, timeout: float = 120.0) -> float | None:
+    """Wait until the spare's warm workers are up and idle (under 2% of a core over a second); the time from which
+    they were (None: they did not settle within `timeout`, or the job ended)."""
     deadline = time.time() + timeout
     while spares and time.time() < deadline:
-        workers = [c for p in root.children(recursive=True) if p.pid in spare_pids for c in p.children()]
         try:
+            workers = [c for p in root.children(recursive=True) if p.pid in spare_pids for c in p.children()]
             before = {w.pid: cpu_s(w) for w in workers}
+            t0 = time.time()
             time.sleep(1.0)
             busy = [cpu_s(w) - before[w.pid] for w in workers]
         except psutil.Error:
+            if not root.is_running():
+                return None
             continue
         if workers and max(busy) < 0.02:
-            return
-    if spares:
-        print("cpu_budget: the spare's workers did not settle; its figures include their start", file=sys.stderr)
+            return t0
+    return None
 
 
 def cpu_s(p: psutil.Process) -> float:
@@ -135,7 +138,9 @@ def main() -> int:
         state = job.wait_step(a.warmup)
         spare_pids = {n["agent_pid"] for n in state["nodes"] if n["role"] == "spare"}
         root = psutil.Process(proc.pid)
-        settle(root, spare_pids, a.spares)   # the spare's start (torch imports) is not what is measured here
+        # the spare's start (torch imports) is not what is measured here
+        if a.spares and settle(root, spare_pids, a.spares) is None:
+            print("cpu_budget: the spare's workers did not settle; its figures include their start", file=sys.stderr)
         procs = [p for p in root.children(recursive=True)]
         roles = {p.pid: role_of(p, state["master_pid"], spare_pids) for p in procs}
         procs = [p for p in procs if roles[p.pid] != "other"]      # e.g. the checkpoint I/O process
