@@ -303,6 +303,30 @@ def test_a_holder_still_frozen_by_a_recovery_is_waited_for_not_reported(two_agen
         link.close()
 
 
+def test_a_quiesce_is_acknowledged_once_the_snapshots_written_before_it_are_settled(two_agents):
+    """A `quiesced` that follows a `written` is acted on only once that snapshot is committed (or failed), so the
+    inventory a recovery plans from is settled. Here the commit waits on a holder still frozen by a recovery for
+    0.5 s."""
+    import threading
+    (a, b), _ = two_agents
+    at_ack = []
+    a.worker_ops.on_quiesce_ack = lambda: at_ack.append(a.slots.available())
+    link = AgentLink(a.sock_path)
+    try:
+        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+        link.orders.get(timeout=30)
+        link.request({"op": "alloc", "nbytes": SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
+                                                          shared_len=100).total_len}, timeout=30)
+        b.replicator.freeze(True)
+        threading.Timer(0.5, b.replicator.freeze, (False,)).start()
+        _write_snapshot(link, 9)
+        link.send({"op": "quiesced", "generation": 1, "next_step": 9})
+        link.request({"op": "slots"}, timeout=30)      # the quiesce has been handled
+        assert at_ack == [{0: [9]}] and b.replicas.available() == {0: [9]}
+    finally:
+        link.close()
+
+
 def test_replicas_are_received_into_the_buffers_the_store_keeps(two_agents):
     """From the second round on, a replica goes over the wire straight into the older of its rank's two buffers
     (no new buffer a step); the newer replica stays whole while it is received, and bytes that fail the checksum
