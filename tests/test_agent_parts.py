@@ -272,6 +272,14 @@ def _write_snapshot(link: AgentLink, step: int) -> SlotHeader:
     return h
 
 
+def _join_as_rank_0(link: AgentLink) -> None:
+    """Say hello as local rank 0, take the assignment, allocate slots for `_write_snapshot`'s layout."""
+    link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+    link.orders.get(timeout=30)
+    link.request({"op": "alloc", "nbytes": SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
+                                                      shared_len=100).total_len}, timeout=30)
+
+
 def test_a_holder_still_frozen_by_a_recovery_is_waited_for_not_reported(two_agents):
     """The resume reaches nodes one by one: node 0 may commit its next snapshot while its holder (node 1) is still
     frozen. That put is answered busy and retried until node 1 thaws - no comm_error (which started a needless
@@ -280,10 +288,7 @@ def test_a_holder_still_frozen_by_a_recovery_is_waited_for_not_reported(two_agen
     (a, b), _ = two_agents
     link = AgentLink(a.sock_path)
     try:
-        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
-        link.orders.get(timeout=30)
-        link.request({"op": "alloc", "nbytes": SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
-                                                          shared_len=100).total_len}, timeout=30)
+        _join_as_rank_0(link)
         b.replicator.freeze(True)
         threading.Timer(0.3, b.replicator.freeze, (False,)).start()   # the fault: node 1 thaws 0.3 s later
         _write_snapshot(link, 7)
@@ -313,10 +318,7 @@ def test_a_quiesce_is_acknowledged_once_the_snapshots_written_before_it_are_sett
     a.worker_ops.on_quiesce_ack = lambda: at_ack.append(a.slots.available())
     link = AgentLink(a.sock_path)
     try:
-        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
-        link.orders.get(timeout=30)
-        link.request({"op": "alloc", "nbytes": SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
-                                                          shared_len=100).total_len}, timeout=30)
+        _join_as_rank_0(link)
         b.replicator.freeze(True)
         threading.Timer(0.5, b.replicator.freeze, (False,)).start()
         _write_snapshot(link, 9)
@@ -335,10 +337,7 @@ def test_replicas_are_received_into_the_buffers_the_store_keeps(two_agents):
     (a, b), _ = two_agents
     link = AgentLink(a.sock_path)
     try:
-        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
-        link.orders.get(timeout=30)
-        link.request({"op": "alloc", "nbytes": SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
-                                                          shared_len=100).total_len}, timeout=30)
+        _join_as_rank_0(link)
         buffers = []
         for step in (1, 2, 3, 4):
             _write_snapshot(link, step)
