@@ -4,7 +4,7 @@ A holder process runs the agents' PeerServer with a ReplicaStore behind it (as a
 process sends the same rank's replica to it `--puts` times from a shared-memory slot, as the replicator does
 (PeerClient.call from a memoryview of the mapped file, no copy), and reads both processes' CPU time (user + system,
 getrusage) around the puts. Two arms, alternated in rounds: the holder receiving each replica into a new buffer
-(the agents before 60aebbf) and into the store's reused buffer (`ReplicaStore.receive_buffer`). The replica is a
+(the agents before c40c913) and into the store's reused buffer (`ReplicaStore.receive_buffer`). The replica is a
 sealed slot prefix of --mb megabytes (default: d256's 4.3 MB per rank and step); the holder checks its checksum
 on every put, as it always does.
 
