@@ -372,7 +372,7 @@ class ReplicaStore:
 
     A replica is received straight into the buffer it will live in (`receive_buffer`): the older of the rank's
     two buffers, reused when the size is unchanged - a fresh multi-MB buffer every step cost its page faults and
-    zero-fill on top of the copy (benchmarks/cpu_budget.py). As for local slots, that buffer is invalid from the
+    zero-fill on top of the copy (benchmarks/replication_cpu.py). As for local slots, that buffer is invalid from the
     moment it is handed out until `put` has checked the bytes; the newer replica is never touched."""
 
     def __init__(self):
