@@ -8,8 +8,8 @@ result files; the first --warmup steps are dropped and the slowest 5% trimmed (a
 does). The spare arm runs twice the steps and its ratio counts only the steps that began after the
 spare's pre-started workers went idle: their one-time start (each imports torch, several CPU seconds)
 takes this machine's cores from the job, which on a cluster it never shares; the ratio during that
-start is reported beside it. It reports the median step-time ratio, the D2H and H2H times against the compute window
-(the paper's Fig. 9 breakdown), bytes replicated per step and host memory per rank, then grows
+start is reported beside it. It reports the median step-time ratio, the D2H and H2H times against
+the compute window (the paper's Fig. 9 breakdown), bytes replicated per step and host memory per rank, then grows
 the model to find the knee where the transfer no longer hides behind compute.
 
 With --persist-every N a third arm runs protection plus the agents' persistent checkpoints every
@@ -87,7 +87,7 @@ def spare_settled(proc: subprocess.Popen, run_dir: Path, out: Path) -> float | N
 
 def first_step_after(t: float | None, progress: Path, per_step: list[float]) -> int | None:
     """The first step every rank began after time `t` (a step begins when the rank's previous one ended; progress
-    holds 'step unix_time' lines per rank)."""
+    holds 'step unix_time' lines per rank). None: no `t`, or no step began after it."""
     if t is None:
         return None
     ends: dict[int, float] = {}
