@@ -330,9 +330,9 @@ def test_a_quiesce_is_acknowledged_once_the_snapshots_written_before_it_are_sett
 
 
 def test_replicas_are_received_into_the_buffers_the_store_keeps(two_agents):
-    """From the second round on, a replica goes over the wire straight into the older of its rank's two buffers
-    (no new buffer a step); the newer replica stays whole while it is received, and bytes that fail the checksum
-    leave the rank without that step, never with wrong bytes."""
+    """Once a rank has both its buffers (from its third replica on), a replica goes over the wire straight into the
+    older one (no new buffer a step); the newer replica stays whole while it is received, and bytes that fail the
+    checksum leave the rank without that step, never with wrong bytes."""
     from phoenixrun.agents.peer import PeerError
     (a, b), _ = two_agents
     link = AgentLink(a.sock_path)
