@@ -100,7 +100,8 @@ class Agent:
     # ------------------------------------------------------------------ startup
     def run(self) -> int:
         self.channel = WorkerChannelServer(self.sock_path, self.worker_ops.on_message, self.worker_ops.on_close)
-        self.peer_server = PeerServer(self.cfg.host, self.cfg.secret, self.replicator.peer_handlers())
+        self.peer_server = PeerServer(self.cfg.host, self.cfg.secret, self.replicator.peer_handlers(),
+                                      sinks=self.replicator.peer_sinks())
         self.drills = FaultDrills(self.node, self.life, self.supervisor, self.injected, self.cut, self.peer_server,
                                   self.peers)
         self.link = MasterLink(

@@ -52,8 +52,9 @@ def _tune(sock: socket.socket, io_timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(io_timeout * 1000))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
+def _recv_exact(sock: socket.socket, n: int, buf: bytearray | None = None) -> bytearray:
+    """n bytes from the socket, into `buf` (exactly n long) if given, else into a new buffer."""
+    buf = bytearray(n) if buf is None else buf
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -104,17 +105,21 @@ def recv_frame(sock: socket.socket) -> tuple[dict, bytearray]:
 
 
 Handler = Callable[[dict, bytearray], tuple[dict, bytes]]
+# where an authenticated request's payload of n bytes is received: a buffer of exactly n bytes, or None for a new
+# one (replicas go straight into the buffer the store keeps them in: ReplicaStore.receive_buffer)
+Sink = Callable[[dict, int], "bytearray | None"]
 
 
 class PeerServer:
     """Accepts other agents' requests; `handlers` maps op -> fn(header, payload) -> (reply, payload).
     max_payload(op) -> the most payload bytes an authenticated request of that op may carry (None: no limit);
-    by default only `put` carries a payload."""
+    by default only `put` carries a payload. sinks: op -> where its payload is received (default: a new buffer)."""
 
     def __init__(self, host: str, secret: str, handlers: dict[str, Handler], io_timeout: float = 10.0,
-                 max_payload: Callable[[str], int | None] | None = None):
+                 max_payload: Callable[[str], int | None] | None = None, sinks: dict[str, Sink] | None = None):
         self.secret = secret
         self.handlers = handlers
+        self.sinks = sinks or {}
         self.io_timeout = io_timeout
         self.max_payload = max_payload or (lambda op: None if op == "put" else 0)
         self._unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
@@ -191,7 +196,7 @@ class PeerServer:
                     except PeerError as e:
                         send_frame(conn, {"ok": False, "error": str(e)})
                         return
-                    payload = _recv_exact(conn, n) if n else bytearray()
+                    payload = _recv_exact(conn, n, self._sink(op, header, n)) if n else bytearray()
                     conn.settimeout(None)   # idle persistent connections of job members are fine
                 except (PeerError, OSError, ValueError):
                     return
@@ -207,6 +212,18 @@ class PeerServer:
                     send_frame(conn, reply, out)
                 except OSError:
                     return
+
+    def _sink(self, op: str, header: dict, n: int) -> bytearray | None:
+        """The buffer the op's sink gives for this payload; None (a new one) if it has none, gives none, gives one
+        of another size, or fails on a malformed header (the handler then refuses the request with the reason)."""
+        sink = self.sinks.get(op)
+        if sink is None:
+            return None
+        try:
+            buf = sink(header, n)
+        except Exception:   # noqa: BLE001 - the handler sees the same header and says what is wrong with it
+            return None
+        return buf if isinstance(buf, bytearray) and len(buf) == n else None
 
     def close(self) -> None:
         self.sock.close()

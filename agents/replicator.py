@@ -159,6 +159,10 @@ class Replicator:
         return {PeerOp.PUT: self._peer_put, PeerOp.GET_PRIVATE: self._peer_get_private,
                 PeerOp.GET_SHARED: self._peer_get_shared, PeerOp.PING: lambda h, p: ({}, b"")}
 
+    def peer_sinks(self) -> dict:
+        """Where the peer server receives a put's payload: into the replica store's buffer for it."""
+        return {PeerOp.PUT: lambda h, n: self.replicas.receive_buffer(int(h["rank"]), n)}
+
     def _peer_put(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
         self.replicas.put(int(h["rank"]), int(h["step"]), payload)
         return {}, b""

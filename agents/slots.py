@@ -368,7 +368,12 @@ class LocalSlots:
 
 
 class ReplicaStore:
-    """Ping-pong receive buffers per source rank (another node's private state)."""
+    """Ping-pong receive buffers per source rank (another node's private state).
+
+    A replica is received straight into the buffer it will live in (`receive_buffer`): the older of the rank's
+    two buffers, reused when the size is unchanged - a fresh multi-MB buffer every step cost its page faults and
+    zero-fill on top of the copy (benchmarks/replication_cpu.py). As for local slots, that buffer is invalid from the
+    moment it is handed out until `put` has checked the bytes; the newer replica is never touched."""
 
     def __init__(self):
         self.frozen = False
@@ -376,18 +381,35 @@ class ReplicaStore:
         self._bufs: dict[int, list[bytearray | None]] = {}
         self._steps: dict[int, list[int | None]] = {}
 
+    def _older(self, rank: int) -> tuple[list[int | None], list[bytearray | None], int]:
+        """(steps, buffers, index of the buffer the next replica of `rank` goes to: never the newest). Locked."""
+        if self.frozen:
+            raise FrozenError("replicas are frozen for recovery")
+        steps = self._steps.setdefault(rank, [None, None])
+        bufs = self._bufs.setdefault(rank, [None, None])
+        newest = max((i for i in (0, 1) if steps[i] is not None), key=lambda i: steps[i], default=None)
+        return steps, bufs, 0 if newest is None else 1 - newest
+
+    def receive_buffer(self, rank: int, nbytes: int) -> bytearray | None:
+        """The buffer to receive the next replica of `rank` into, if the older one has exactly `nbytes`
+        (None: the caller receives into a new one). Invalid from now on, and lent: taken out of the store until
+        `put` hands it back, so that no second receive of the same rank (a sender the master has replaced, still
+        sending) can write into it too."""
+        with self._lock:
+            steps, bufs, idx = self._older(rank)
+            buf = bufs[idx]
+            if buf is None or len(buf) != nbytes:
+                return None
+            steps[idx], bufs[idx] = None, None
+            return buf
+
     def put(self, rank: int, step: int, data: bytearray) -> None:
-        """Store a received replica (the buffer is kept as is, not copied)."""
+        """Store a received replica: kept as is, not copied (`data` may be the buffer `receive_buffer` gave)."""
         h = SlotHeader.unpack(data)
         if h.step != step or len(data) != h.replicated_len:
             raise SlotError(f"replica of rank {rank}: header says step {h.step}/{h.replicated_len} bytes")
         with self._lock:
-            if self.frozen:
-                raise FrozenError("replicas are frozen for recovery")
-            steps = self._steps.setdefault(rank, [None, None])
-            bufs = self._bufs.setdefault(rank, [None, None])
-            newest = max((i for i in (0, 1) if steps[i] is not None), key=lambda i: steps[i], default=None)
-            idx = 0 if newest is None else 1 - newest
+            steps, bufs, idx = self._older(rank)
             steps[idx] = None  # invalid while being written
         if crc_private(data, h) != h.crc_private:
             raise SlotError(f"replica of rank {rank} step {step} fails its checksum")

@@ -189,7 +189,8 @@ def two_agents():
         a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret", spec=WorkerSpec("unused.py"),
                               nproc_per_node=1))
         a.node.slot, a.node.job, a.node.role = slot, dict(job), "active"
-        servers.append(PeerServer("127.0.0.1", "s3cret", a.replicator.peer_handlers()))
+        servers.append(PeerServer("127.0.0.1", "s3cret", a.replicator.peer_handlers(),
+                                  sinks=a.replicator.peer_sinks()))   # as agents/agent.py builds it
         agents.append(a)
     # as the agent gets it from a directive (protocol/codec.py: JSON's string keys made ints)
     world = decode_world({"placement": {"0": [1], "1": [0]}, "slots": {"0": servers[0].addr, "1": servers[1].addr}})
@@ -324,6 +325,38 @@ def test_a_quiesce_is_acknowledged_once_the_snapshots_written_before_it_are_sett
         link.send({"op": "quiesced", "generation": 1, "next_step": 9})
         link.request({"op": "slots"}, timeout=30)      # the quiesce has been handled
         assert at_ack == [{0: [9]}] and b.replicas.available() == {0: [9]}
+    finally:
+        link.close()
+
+
+def test_replicas_are_received_into_the_buffers_the_store_keeps(two_agents):
+    """Once a rank has both its buffers (from its third replica on), a replica goes over the wire straight into the
+    older one (no new buffer a step); the newer replica stays whole while it is received, and bytes that fail the
+    checksum leave the rank without that step, never with wrong bytes."""
+    from phoenixrun.agents.peer import PeerError
+    (a, b), _ = two_agents
+    link = AgentLink(a.sock_path)
+    try:
+        _join_as_rank_0(link)
+        buffers = []
+        for step in (1, 2, 3, 4):
+            _write_snapshot(link, step)
+            with link.cv:
+                assert link.cv.wait_for(lambda: link.committed_step == step or link.commit_error, timeout=30)
+            assert link.commit_error is None
+            buffers.append(next(buf for buf in b.replicas._bufs[0] if buf is not None and
+                                SlotHeader.unpack(buf).step == step))
+        assert b.replicas.available() == {0: [3, 4]}
+        assert buffers[2] is buffers[0] and buffers[3] is buffers[1] and buffers[0] is not buffers[1]
+        assert b.replicas.get(0, 4)[200:400] == bytes(buffers[3])[200:400]
+
+        # a put whose bytes do not match their checksum: received into the buffer of step 3, refused
+        bad = bytearray(b.replicas.get(0, 4))
+        h = SlotHeader.unpack(bad)
+        bad[:64] = SlotHeader(5, h.meta_cap, h.meta_len, h.private_len, h.shared_len, h.crc_private ^ 1).pack()
+        with pytest.raises(PeerError, match="checksum"):
+            a.peers.call(peer_addr_of(a.node.world, 1), {"op": "put", "rank": 0, "step": 5}, bad)
+        assert b.replicas.available() == {0: [4]} and SlotHeader.unpack(b.replicas.get(0, 4)).step == 4
     finally:
         link.close()
 

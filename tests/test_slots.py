@@ -75,6 +75,34 @@ def test_replica_store_verifies_checksum_and_keeps_previous(slots):
     assert store.available() == {} and store.nbytes() == 0
 
 
+def test_replica_receive_buffers_are_reused_and_lent_once(slots):
+    """The next replica of a rank is received into its older buffer (same size only), which is invalid and out of
+    the store until `put` hands it back: a second receive of the same rank meanwhile gets none (a new buffer), so
+    two senders never write into one buffer. The newer replica is never handed out."""
+    store = ReplicaStore()
+    replicas = {}
+    for step in (1, 2):
+        a = write(slots, 0, step, step)
+        slots.commit(0, a, step)
+        h = SlotHeader.unpack(slots.view(0, a))
+        replicas[step] = bytes(slots.view(0, a)[:h.replicated_len])
+        assert store.receive_buffer(0, len(replicas[step])) is None     # no buffer of that rank to reuse yet
+        store.put(0, step, bytearray(replicas[step]))
+    n = len(replicas[1])
+    assert store.receive_buffer(0, n + 64) is None                       # another size: a new buffer
+    assert store.available() == {0: [1, 2]}
+    buf = store.receive_buffer(0, n)
+    assert buf is not None and bytes(buf) == replicas[1]                 # the older one, step 1's
+    assert store.available() == {0: [2]}                                 # invalid from now on
+    assert store.receive_buffer(0, n) is None                            # lent: nobody else gets it
+    buf[:] = replicas[1]                                                 # "received" (bytes of step 1 again)
+    store.put(0, 1, buf)
+    assert store.available() == {0: [1, 2]} and store.get(0, 1) == replicas[1] and store.get(0, 2) == replicas[2]
+    store.frozen = True
+    with pytest.raises(SlotError, match="frozen"):
+        store.receive_buffer(0, n)
+
+
 def test_orphaned_files_of_dead_agents_are_removed():
     import subprocess
     import socket
