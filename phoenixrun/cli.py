@@ -326,8 +326,10 @@ def agent_config(o: dict, secret: str) -> AgentConfig:
     from phoenixrun.agents.workers import WorkerSpec
     entry = o["entry"]
     try:
-        # the route to the first endpoint (the master; a standby's, if any, follows it)
-        host = netaddr.node_addr(o["host"], split_endpoints(o["rdzv_endpoint"])[0] if o["rdzv_endpoint"] else "")
+        # the route to the first endpoint (the master; a standby's, if any, follows it); none named (a blank
+        # --rdzv-endpoint): as if it were not given
+        endpoints = split_endpoints(o["rdzv_endpoint"] or "")
+        host = netaddr.node_addr(o["host"], endpoints[0] if endpoints else "")
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--rdzv-endpoint") from None
     return AgentConfig.from_options(
