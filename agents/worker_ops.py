@@ -108,6 +108,14 @@ class WorkerOps:
     def _resumed(self, conn: WorkerConn, msg: dict) -> None:
         with self.node.lock:
             timings = self.phases.resumed(conn.local_rank, msg.get("timings", {}))
+            if msg.get("generation") == self.node.generation:
+                # This worker rejoined the recovery's generation, so every rank of the world is past its restore (a
+                # replacement rendezvouses only once its agent fetched its state; survivors read only their own
+                # committed slots, which a write never touches): this node's snapshots may be taken again now.
+                # Waiting for the master's `resume` let a worker's next snapshot be refused as "frozen" on a loaded
+                # machine (its step was shorter than the way from its report to the master's directive), and
+                # that refusal started a needless second local reset.
+                self.replicator.freeze(False)
         if timings is not None:
             self.reporter.report({"kind": ReportKind.RESUMED, "timings": timings})
 

@@ -308,6 +308,28 @@ def test_a_holder_still_frozen_by_a_recovery_is_waited_for_not_reported(two_agen
         link.close()
 
 
+def test_a_worker_that_rejoined_the_recovery_may_snapshot_before_the_master_says_resume(two_agents):
+    """Once a worker resumed the recovery's generation every rank is past its restore: its agent takes its next
+    snapshot although the master's `resume` has not reached it yet (refused as "frozen", it started a second local
+    reset). A `resumed` of an older generation thaws nothing."""
+    (a, b), _ = two_agents
+    link = AgentLink(a.sock_path)
+    try:
+        _join_as_rank_0(link)
+        a.node.generation = 3
+        a.replicator.freeze(True)                       # the recovery of generation 3: restore ordered, no resume yet
+        link.send({"op": "resumed", "generation": 2, "timings": {}})
+        with pytest.raises(RuntimeError, match="frozen"):
+            _write_snapshot(link, 4)
+        link.send({"op": "resumed", "generation": 3, "timings": {}})
+        _write_snapshot(link, 5)
+        with link.cv:
+            assert link.cv.wait_for(lambda: link.committed_step == 5 or link.commit_error, timeout=30)
+        assert link.commit_error is None and a.slots.available() == {0: [5]} and b.replicas.available() == {0: [5]}
+    finally:
+        link.close()
+
+
 def test_a_quiesce_is_acknowledged_once_the_snapshots_written_before_it_are_settled(two_agents):
     """A `quiesced` that follows a `written` is acted on only once that snapshot is committed (or failed), so the
     inventory a recovery plans from is settled. Here the commit waits on a holder still frozen by a recovery for
