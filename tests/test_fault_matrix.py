@@ -33,11 +33,11 @@ def inject(job, slot: int, fault: str) -> None:
 HOLD = {"PHOENIXRUN_TEST_PAUSE": "d2h:6+"}
 
 
-def inject_held(job, tmp_path, slot: int, fault: str) -> None:
-    job.wait_file(tmp_path / "paused-d2h")
+def inject_held(job, tmp_path, slot: int, fault: str, point: str = "d2h") -> None:
+    job.wait_file(tmp_path / f"paused-{point}")
     inject(job, slot, fault)
     job.wait_for(lambda _: f"injecting fault {fault!r}" in job.log(), what=f"the agent injecting {fault}")
-    (tmp_path / "release-d2h").touch()
+    (tmp_path / f"release-{point}").touch()
 
 
 # Two faults per job, one on each node, the second once the first is repaired and the job has moved on: the
@@ -52,15 +52,17 @@ def inject_held(job, tmp_path, slot: int, fault: str) -> None:
                  id="reset_then_replace"),
 ])
 def test_fault_is_classified_acted_on_and_survived(tmp_path, ref2, first, second):
+    """Each fault is given while the job is held (one rank's snapshot copy paused at step 6, then at step 20, after
+    the first repair): unheld, a hang injected at "step 6" once landed after the last step, in a worker that had
+    left the protected loop and was exiting - outside what the hang watchdog watches (as under torchrun)."""
     job = launch(tmp_path, first[0].replace(":", ""), nnodes=2, nproc=1, spares=1, steps=STEPS,
-                 extra_flags=["--hang-timeout", "3"])
+                 extra_flags=["--hang-timeout", "3"], PHOENIXRUN_TEST_PAUSE="d2h:6+,d2h#2:20+")
     targets = []
-    for n, (slot, (fault, _, _)) in enumerate([(1, first), (0, second)]):
-        state = job.wait_step(6) if n == 0 else job.wait_for(
-            lambda s: len(by_event(job.events(), "recovery_done")) == 1 and s["step"] >= 14,
-            what="the first fault repaired and the job at step 14")
+    for (slot, (fault, _, _)), point in zip([(1, first), (0, second)], ["d2h", "d2h#2"]):
+        job.wait_file(tmp_path / f"paused-{point}")
+        state = job.wait_for(lambda s: bool(s.get("nodes")), what="the master's state")
         targets.append(next(nd for nd in state["nodes"] if nd["slot"] == slot)["node_id"])
-        inject(job, slot, fault)
+        inject_held(job, tmp_path, slot, fault, point)
     assert job.finish() == 0, job.log()[-3000:]
     faults = [e for e in by_event(job.events(), "fault_detected") if not e.get("during_recovery")]
     assert [(f["class"], f["action"]) for f in faults] == [first[1:], second[1:]], job.log()[-3000:]
