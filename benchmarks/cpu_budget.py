@@ -31,6 +31,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Job reads the master's state; the launch is our own (default heartbeats, not the tests' 0.1 s)
+from benchmarks.procs import cpu_s, settle  # noqa: E402
 from tests.harness import BIN, ROOT, Job  # noqa: E402
 
 # The innermost frame matching one of these (file or function substring, checked in order) names the part a sample
@@ -85,31 +86,6 @@ def role_of(p: psutil.Process, master_pid: int, spare_pids: set[int]) -> str:
     if "train_gpt" in cmd:
         return "spare worker" if p.ppid() in spare_pids else "worker"
     return "other"
-
-
-def settle(root: psutil.Process, spare_pids: set[int], spares: int, timeout: float = 120.0) -> float | None:
-    """Wait until the spare's warm workers are up and idle (under 2% of a core over a second); the time from which
-    they were (None: they did not settle within `timeout`, or the job ended)."""
-    deadline = time.time() + timeout
-    while spares and time.time() < deadline:
-        try:
-            workers = [c for p in root.children(recursive=True) if p.pid in spare_pids for c in p.children()]
-            before = {w.pid: cpu_s(w) for w in workers}
-            t0 = time.time()
-            time.sleep(1.0)
-            busy = [cpu_s(w) - before[w.pid] for w in workers]
-        except psutil.Error:
-            if not root.is_running():
-                return None
-            continue
-        if workers and max(busy) < 0.02:
-            return t0
-    return None
-
-
-def cpu_s(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return t.user + t.system
 
 
 def main() -> int:

@@ -23,11 +23,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def cpu_s(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return t.user + t.system
+sys.path.insert(0, str(ROOT))
+from benchmarks.procs import cpu_s, settle  # noqa: E402
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -68,12 +65,10 @@ def main() -> int:
             procs = {n["role"] + f"-{n['node_id']}": tree(n["agent_pid"]) for n in st["nodes"]}
             spare = next(ps for k, ps in procs.items() if k.startswith("spare"))
             # the spare's workers import torch and the script's modules before they wait: seconds of CPU that
-            # are a one-off start cost, not waiting. Measure once they have settled (2 s under 0.05 cores).
-            while True:
-                x = sum(cpu_s(q) for q in spare)
-                time.sleep(2.0)
-                if (sum(cpu_s(q) for q in spare) - x) / 2.0 < 0.05 or time.time() > deadline:
-                    break
+            # are a one-off start cost, not waiting. Measure once they have settled (benchmarks/procs.py).
+            spare_pid = next(n["agent_pid"] for n in st["nodes"] if n["role"] == "spare")
+            if settle(psutil.Process(proc.pid), {spare_pid}, 1, timeout=max(1.0, deadline - time.time())) is None:
+                print("the spare's workers did not settle: the window includes their start", file=sys.stderr)
             print(f"spare start cost (agent + warm workers, CPU s until settled): {sum(cpu_s(q) for q in spare):.2f}")
             st = status(run) or st
             before = {k: [cpu_s(q) for q in ps] for k, ps in procs.items()}

@@ -36,7 +36,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.cpu_budget import settle  # noqa: E402
+from benchmarks.procs import settle  # noqa: E402
 from tests.harness import BIN, ROOT, Job  # noqa: E402
 
 
@@ -122,6 +122,7 @@ def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: l
     times: dict[str, list[float]] = {tag: [] for tag, *_ in arms}
     spare_start: list[float] = []     # spare arm, steps while the spare's workers were starting
     settled_steps: list[int | None] = []
+    spare_series: list[list[float]] = []   # the spare arm's every step, run by run (its start, then steady state)
     stats = []
     load = [os.getloadavg()[0]]
     for i in range(pairs):
@@ -131,6 +132,8 @@ def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: l
             r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps * (2 if spares else 1), model, flags, spares,
                         layout)
             load.append(os.getloadavg()[0])
+            if spares:
+                spare_series.append([round(x, 5) for x in r["steps"]])
             if spares and r["settled_step"] is not None:
                 settled_steps.append(r["settled_step"])
                 spare_start.extend(r["steps"][warmup:max(warmup, r["settled_step"])])
@@ -151,6 +154,7 @@ def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: l
         # --warmup until its pre-started workers went idle, and the step that happened at in each run
         "ratio_spare_start": statistics.median(spare_start) / off if spare_start else None,
         "spare_settled_step": settled_steps,
+        "spare_step_series_s": spare_series,
         # the spread of the off arm's per-run medians: how much the same job moves between runs right now
         "off_spread": _spread(times["off"], pairs), "load_avg_1m": [min(load), max(load)],
         "persist_every": int(persist[1]) if persist else 0,
