@@ -418,11 +418,20 @@ class ReplicaStore:
             steps[idx] = step
 
     def get(self, rank: int, step: int) -> bytes:
-        with self._lock:
+        with self._lock:     # copied under the lock: no receive can reuse the buffer meanwhile
             for i, s in enumerate(self._steps.get(rank, [])):
                 if s == step:
                     return bytes(self._bufs[rank][i])
         raise SlotError(f"no replica of rank {rank} at step {step}")
+
+    def held(self, rank: int, step: int) -> bytearray | None:
+        """The buffer that holds the replica of `rank` at `step` itself, not a copy (None: not held). Read it only
+        while no replica of `rank` can arrive: the next one but one is received into it."""
+        with self._lock:
+            for i, s in enumerate(self._steps.get(rank, [])):
+                if s == step:
+                    return self._bufs[rank][i]
+        return None
 
     def available(self) -> dict[int, list[int]]:
         with self._lock:

@@ -366,9 +366,9 @@ def test_replicas_are_received_into_the_buffers_the_store_keeps(two_agents):
             with link.cv:
                 assert link.cv.wait_for(lambda: link.committed_step == step or link.commit_error, timeout=30)
             assert link.commit_error is None
-            buffers.append(next(buf for buf in b.replicas._bufs[0] if buf is not None and
-                                SlotHeader.unpack(buf).step == step))
+            buffers.append(b.replicas.held(0, step))
         assert b.replicas.available() == {0: [3, 4]}
+        assert [SlotHeader.unpack(buf).step for buf in buffers[2:]] == [3, 4] and b.replicas.held(0, 2) is None
         assert buffers[2] is buffers[0] and buffers[3] is buffers[1] and buffers[0] is not buffers[1]
         assert b.replicas.get(0, 4)[200:400] == bytes(buffers[3])[200:400]
 
