@@ -50,6 +50,16 @@ def hang_check(now: float, last_progress: float, pinged: float | None, hang_time
     return Hang.WAIT
 
 
+# A worker that left the protected loop (its link closed) is not watched for hangs: its results and teardown may
+# take as long as the script needs, as under torchrun. One still running this long after is named in the log.
+EXIT_WAIT_WARN_MIN_S = 60.0
+
+
+def exit_overdue(now: float, left_loop: float, hang_timeout: float) -> bool:
+    """A worker that left the protected loop at `left_loop` and still runs: time to say so (once). Pure."""
+    return now - left_loop > max(EXIT_WAIT_WARN_MIN_S, 3 * hang_timeout)
+
+
 class Exit(Enum):
     RUNNING = "running"
     WARM = "warm"        # a warm spare's worker (no rank): logged, not a fault of the job
@@ -84,6 +94,7 @@ class WorkerSupervisor:
         self.last_progress: dict[int, float] = {}
         self.step_times = StepTimes()                    # what the quiesce grace follows (phases.quiesce_grace)
         self.pinged: dict[int, float] = {}
+        self.left_loop: dict[int, float | None] = {}     # when a live worker closed its link (None once named)
         self.error_text: dict[int, str] = {}             # a worker's own exception, sent before it exits
 
     # ------------------------------------------------------------------ spawning
@@ -106,6 +117,7 @@ class WorkerSupervisor:
                                           err=sys.stderr)
         self.done.discard(local_rank)
         self.reported_exit.discard(local_rank)
+        self.left_loop.pop(local_rank, None)
 
     def spawn_all(self, rank_known: bool) -> None:
         with self.node.lock:
@@ -224,6 +236,7 @@ class WorkerSupervisor:
             if self.conns.get(lr) is conn:   # (the conn stays: a quiesce still counts a live one that never acks)
                 self.last_progress.pop(lr, None)
                 self.pinged.pop(lr, None)
+                self.left_loop[lr] = time.time()
 
     def watch(self) -> None:
         """One look at the workers: kill those that did not quiesce in time or hang, report those that exited."""
@@ -244,6 +257,13 @@ class WorkerSupervisor:
             self._reap()
 
     def _watch_hangs(self, now: float) -> None:
+        for lr, left in list(self.left_loop.items()):
+            w = self.workers.get(lr)
+            if w is not None and w.poll() is None and left is not None and exit_overdue(now, left, self.cfg.hang_timeout):
+                log.warning("rank %s (pid %d) left the training loop %.0fs ago and has not exited (writing its results, "
+                            "tearing its groups down, or stuck there): waiting for it, as torchrun would; "
+                            "`py-spy dump --pid %d` shows where it is", w.rank, w.pid, now - left, w.pid)
+                self.left_loop[lr] = None
         for lr, w in list(self.workers.items()):
             last, conn = self.last_progress.get(lr), self.conns.get(lr)
             if w.rank is None or w.poll() is not None or last is None or conn is None:

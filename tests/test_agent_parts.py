@@ -15,7 +15,8 @@ from phoenixrun.agents.peer import PeerServer
 from phoenixrun.agents.phases import (QUIESCE_GRACE_CAP_S, QUIESCE_GRACE_FLOOR_S, PhaseAcks, StepTimes,
                                       quiesce_grace)
 from phoenixrun.agents.replicator import holders_of, peer_addr_of
-from phoenixrun.agents.supervisor import PING_GRACE_MIN_S, Exit, Hang, exit_detail, exit_outcome, hang_check
+from phoenixrun.agents.supervisor import (EXIT_WAIT_WARN_MIN_S, PING_GRACE_MIN_S, Exit, Hang, exit_detail, exit_outcome,
+                                         exit_overdue, hang_check)
 from phoenixrun.agents.workers import WorkerSpec
 from phoenixrun.protocol import WorkerOp
 from phoenixrun.protocol.codec import decode_world
@@ -78,6 +79,43 @@ def test_hang_grace_has_a_floor():
     # a short hang timeout still gives a pinged worker PING_GRACE_MIN_S to answer
     assert hang_check(10.0, 0.0, 10.0 - PING_GRACE_MIN_S + 0.01, 0.1) is Hang.WAIT
     assert hang_check(10.0, 0.0, 10.0 - PING_GRACE_MIN_S - 0.01, 0.1) is Hang.HUNG
+
+
+@pytest.mark.parametrize("now, left, hang_timeout, expected", [
+    (100.0, 100.0 - EXIT_WAIT_WARN_MIN_S, 1.0, False),   # exactly the floor: not yet
+    (100.0, 100.0 - EXIT_WAIT_WARN_MIN_S - 0.1, 1.0, True),
+    (100.0, 100.0 - EXIT_WAIT_WARN_MIN_S - 0.1, 30.0, False),   # 3 x a long hang timeout is the limit then
+    (100.0, 100.0 - 90.1, 30.0, True),
+])
+def test_exit_overdue(now, left, hang_timeout, expected):
+    assert exit_overdue(now, left, hang_timeout) is expected
+
+
+def test_a_worker_that_left_the_loop_and_does_not_exit_is_named_once_and_left_alone(tmp_path, caplog):
+    """Past its last step a worker is not watched for hangs (torchrun's semantics: its teardown takes what it takes);
+    one that has not exited long after is named in the log, once, and not killed."""
+    import logging
+    import time
+    script = tmp_path / "linger.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret", spec=WorkerSpec(str(script)), nproc_per_node=1))
+    a.node.slot, a.node.role = 0, "active"
+    a.node.job = {"nnodes": 1, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
+    sup = a.supervisor
+    with a.node.lock:
+        sup.spawn(0, rank_known=True)
+    w = sup.workers[0]
+    try:
+        sup.left_loop[0] = time.time() - EXIT_WAIT_WARN_MIN_S - 1      # its link closed that long ago
+        with caplog.at_level(logging.WARNING, logger="phoenixrun.agent"):
+            sup.watch()
+            sup.watch()
+        named = [r.getMessage() for r in caplog.records if "left the training loop" in r.getMessage()]
+        assert len(named) == 1 and f"pid {w.pid}" in named[0]
+        assert w.poll() is None and a.reporter.outbox.empty()            # not killed, nothing reported
+    finally:
+        w.kill_tree(grace=0.1)
+        a.slots.clear()
 
 
 @pytest.mark.parametrize("rank, rc, expected, detail", [
