@@ -31,6 +31,25 @@ def _hot_swapped(job, slot: int) -> dict:
     return done[0]
 
 
+def test_fsdp2_node_lost_while_its_replicas_land(tmp_path):
+    """A node lost while its agent is still sending a replica (held half sent at step 5): its holder keeps S_4, and
+    the survivor - whose FSDP2 optimizer step holds no collective - must not end step 5 and drop its S_4 before
+    every rank committed S_5 (the commit barrier). Before it, the survivor ran on to S_6 and the recovery found no
+    common step: the job failed."""
+    ref = torchrun(tmp_path, "ref2", nproc=2, steps=STEPS, script=SCRIPT)
+    job = launch(tmp_path, "h2h", nnodes=2, nproc=1, spares=1, steps=STEPS, script=SCRIPT,
+                 PHOENIXRUN_TEST_PAUSE="h2h:5")
+    agent_pid = int(job.wait_file(tmp_path / "paused-h2h"))
+    state = job.wait_for(lambda s: any(n["agent_pid"] != agent_pid and 5 in n["snapshots"].get(str(n["slot"]), [])
+                                       for n in s["nodes"] if n.get("slot") is not None),
+                         what="the survivor's S_5 committed")      # what it would end step 5 and drop S_4 after
+    kill_node(state, slot=next(n["slot"] for n in state["nodes"] if n["agent_pid"] == agent_pid))
+    assert job.finish() == 0, job.log()[-3000:]
+    done = by_event(job.events(), "recovery_done")
+    assert len(done) == 1 and done[0]["restored_step"] == 4 and done[0]["replayed_steps"] <= 1
+    assert_identical(job.out, ref)
+
+
 @pytest.mark.smoke
 def test_fsdp2_node_kill(tmp_path, ref_fsdp):
     job = launch(tmp_path, "fsdp2", nnodes=2, spares=1, steps=STEPS, script=SCRIPT)

@@ -46,8 +46,8 @@ from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.reshard import reshard
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
                                               install_default_group)
-from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding, read_slot,
-                                         restore_into)
+from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding,
+                                         local_optimizer, read_slot, restore_into)
 from phoenixrun.topology import Coords, Layout
 
 log = logging.getLogger("phoenixrun.runtime")
@@ -402,6 +402,10 @@ class Job:
         self._protected = False               # protect() has returned this job
         stats_dir = settings.stats_dir   # per-step protection figures (benchmarks)
         self._stats = open(os.path.join(stats_dir, f"rank{rt.rank}.jsonl"), "a", buffering=1) if stats_dir else None
+        # ZeRO's optimizer step broadcasts parameters after this pre-hook: no rank ends a step before every rank
+        # committed its snapshot. Other optimizer steps are local: a one-element all-reduce there does it.
+        self._commit_barrier = local_optimizer(optimizer) is optimizer
+        self._barrier_t = torch.zeros(1)
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         # a quiesce boundary at every forward (each micro-batch); first, before a wrapper's own hooks communicate
         model.register_forward_pre_hook(self._before_forward, prepend=True)
@@ -535,9 +539,18 @@ class Job:
                 self.link.cv.wait(0.5)
             ok = self.link.committed_step >= self.awaited_step
             err, self.link.commit_error = self.link.commit_error, None
-        self.stall_s = time.perf_counter() - t0
         if not ok:
+            self.stall_s = time.perf_counter() - t0
             raise Quiesced(f"snapshot of step {self.awaited_step} not committed: {err or 'recovery in progress'}")
+        if self._commit_barrier:
+            # No rank ends this step - and drops its older snapshot by beginning the next - before every rank's
+            # S_awaited is committed. Without it, where the optimizer step holds no collective (DDP with a plain
+            # optimizer, FSDP2), a rank lost while its replicas were still landing left the survivors no step in
+            # common with its holders, and the job fell back to disk (docs/design.md, "Why two slots are
+            # enough"). On a CPU tensor: gloo, also beside NCCL, so the training thread waits for the other ranks'
+            # commits, never for the device.
+            dist.all_reduce(self._barrier_t)
+        self.stall_s = time.perf_counter() - t0
         c = self.link.last_commit
         if c.get("step") == self.awaited_step and c.get("h2h_s") is not None:
             self._samples.append(Sample(self.copier.last_seconds, c["h2h_s"], t0 - self._submit_t,
