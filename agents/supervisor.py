@@ -259,11 +259,12 @@ class WorkerSupervisor:
     def _watch_hangs(self, now: float) -> None:
         for lr, left in list(self.left_loop.items()):
             w = self.workers.get(lr)
-            if w is not None and w.poll() is None and left is not None and exit_overdue(now, left, self.cfg.hang_timeout):
-                log.warning("rank %s (pid %d) left the training loop %.0fs ago and has not exited (writing its results, "
-                            "tearing its groups down, or stuck there): waiting for it, as torchrun would; "
-                            "`py-spy dump --pid %d` shows where it is", w.rank, w.pid, now - left, w.pid)
-                self.left_loop[lr] = None
+            if w is None or w.poll() is not None or left is None or not exit_overdue(now, left, self.cfg.hang_timeout):
+                continue
+            log.warning("rank %s (pid %d) left the training loop %.0fs ago and has not exited (writing its results, "
+                        "tearing its groups down, or stuck there): waiting for it, as torchrun would; "
+                        "`py-spy dump --pid %d` shows where it is", w.rank, w.pid, now - left, w.pid)
+            self.left_loop[lr] = None
         for lr, w in list(self.workers.items()):
             last, conn = self.last_progress.get(lr), self.conns.get(lr)
             if w.rank is None or w.poll() is not None or last is None or conn is None:
