@@ -417,21 +417,23 @@ class ReplicaStore:
             bufs[idx] = data if isinstance(data, bytearray) else bytearray(data)
             steps[idx] = step
 
+    def _find(self, rank: int, step: int) -> bytearray | None:
+        """The buffer holding the replica of `rank` at `step` (None: not held). Locked."""
+        steps = self._steps.get(rank, [])
+        return next((self._bufs[rank][i] for i, s in enumerate(steps) if s == step), None)
+
     def get(self, rank: int, step: int) -> bytes:
         with self._lock:     # copied under the lock: no receive can reuse the buffer meanwhile
-            for i, s in enumerate(self._steps.get(rank, [])):
-                if s == step:
-                    return bytes(self._bufs[rank][i])
+            buf = self._find(rank, step)
+            if buf is not None:
+                return bytes(buf)
         raise SlotError(f"no replica of rank {rank} at step {step}")
 
     def held(self, rank: int, step: int) -> bytearray | None:
         """The buffer that holds the replica of `rank` at `step` itself, not a copy (None: not held). Read it only
         while no replica of `rank` can arrive: the next one but one is received into it."""
         with self._lock:
-            for i, s in enumerate(self._steps.get(rank, [])):
-                if s == step:
-                    return self._bufs[rank][i]
-        return None
+            return self._find(rank, step)
 
     def available(self) -> dict[int, list[int]]:
         with self._lock:

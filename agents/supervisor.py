@@ -94,7 +94,7 @@ class WorkerSupervisor:
         self.last_progress: dict[int, float] = {}
         self.step_times = StepTimes()                    # what the quiesce grace follows (phases.quiesce_grace)
         self.pinged: dict[int, float] = {}
-        self.left_loop: dict[int, float | None] = {}     # when a live worker closed its link (None once named)
+        self.left_loop: dict[int, float] = {}            # when a live worker closed its link (until named)
         self.error_text: dict[int, str] = {}             # a worker's own exception, sent before it exits
 
     # ------------------------------------------------------------------ spawning
@@ -259,12 +259,12 @@ class WorkerSupervisor:
     def _watch_hangs(self, now: float) -> None:
         for lr, left in list(self.left_loop.items()):
             w = self.workers.get(lr)
-            if w is None or w.poll() is not None or left is None or not exit_overdue(now, left, self.cfg.hang_timeout):
+            if w is None or w.poll() is not None or not exit_overdue(now, left, self.cfg.hang_timeout):
                 continue
             log.warning("rank %s (pid %d) left the training loop %.0fs ago and has not exited (writing its results, "
                         "tearing its groups down, or stuck there): waiting for it, as torchrun would; "
                         "`py-spy dump --pid %d` shows where it is", w.rank, w.pid, now - left, w.pid)
-            self.left_loop[lr] = None
+            del self.left_loop[lr]
         for lr, w in list(self.workers.items()):
             last, conn = self.last_progress.get(lr), self.conns.get(lr)
             if w.rank is None or w.poll() is not None or last is None or conn is None:
