@@ -43,6 +43,7 @@ from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check, process_group
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
+from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, StatefulObjects
 from phoenixrun.runtime.reshard import reshard
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
                                               install_default_group)
@@ -161,21 +162,25 @@ def _plan_layout(world: int, tp: int, pp: int) -> Layout:
 
 
 def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None,
-            every: int = 1) -> "Job | PassThroughJob":
+            every: int = 1, *, data=None, stateful: dict | None = None,
+            check_data: bool = True) -> "Job | PassThroughJob":
     """Protect (model, optimizer, state) with per-step in-memory snapshots; see the module doc.
 
-    state: a JSON-serialisable dict you own (data position, metrics...). It is snapshotted with
+    state: a JSON-serialisable dict you own (metrics, counters...). It is snapshotted with
     the step and restored in place (cleared and refilled) when the job rolls back.
+    data: the loader the loop takes its batches from (`next(job.batches)`); its position is restored on
+    every rank at a recovery (runtime/data.py). stateful: {name: object with state_dict()/load_state_dict()}
+    (LR scheduler, GradScaler...), snapshotted with the step and loaded on a recovery.
+    check_data: a survivor that replays a step on other inputs than it ran it with stops the job
+    (DataPositionLost) instead of training on the wrong batches; False turns the check off.
     """
+    optimizer = _unwrap_optimizer(optimizer)
+    objects = StatefulObjects(stateful)
+    stream = BatchStream(data) if data is not None else None
     ctx = init()
     if not ctx.managed:
-        return PassThroughJob()
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    if isinstance(model, DDP) and not (model.find_unused_parameters or model.static_graph):
-        raise ValueError(
-            "phoenixrun.protect: wrap the model with DDP(..., find_unused_parameters=True). DDP otherwise "
-            "rebuilds its gradient buckets after the first step, and a replacement process would start with "
-            "a different bucket layout than the survivors (gloo then aborts on a size mismatch).")
+        return PassThroughJob(stream)
+    _refuse_rebucketing(model)
     fresh = _runtime.restore_step is None
     decided = _check_layout(ctx, model, optimizer, fresh_start=fresh)
     GROUPS.sealed = True
@@ -183,7 +188,35 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
         ps = decided.dtensor_peers
         _runtime.link.send({"op": WorkerOp.LAYOUT, "peers": ps.to_wire() if ps is not None else None})
     return Job(_runtime, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared,
-               dtensor_shared=decided.dtensor_peers is not None)
+               dtensor_shared=decided.dtensor_peers is not None, stream=stream, objects=objects,
+               watch=InputWatch() if check_data else None)
+
+
+def _unwrap_optimizer(optimizer):
+    """The torch optimizer inside a framework's wrapper (accelerate's AcceleratedOptimizer: its step() calls the
+    inner one's, so the snapshot hooks on the inner one run at the same point)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        return _unwrap_optimizer(inner)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"phoenixrun.protect: {type(optimizer).__name__} is not a torch.optim.Optimizer; pass the "
+                        "optimizer whose step() the loop calls")
+    return optimizer
+
+
+def _refuse_rebucketing(model: torch.nn.Module) -> None:
+    """DDP without find_unused_parameters rebuilds its gradient buckets after the first step, and a replacement
+    process would start with another bucket layout than the survivors (gloo then aborts on a size mismatch)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = [m for m in [model, getattr(model, "_orig_mod", None)] if isinstance(m, DDP)]   # torch.compile'd too
+    if ddp and not (ddp[0].find_unused_parameters or ddp[0].static_graph):
+        raise ValueError(
+            "phoenixrun.protect: the model's DDP needs find_unused_parameters=True (DDP otherwise rebuilds its "
+            "gradient buckets after the first step, and a replacement would start with another layout than the "
+            "survivors). Set it where your framework builds DDP: DDP(model, find_unused_parameters=True); "
+            "accelerate: Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)]); "
+            "Lightning: Trainer(strategy=\"ddp_find_unused_parameters_true\"); HF Trainer: "
+            "TrainingArguments(ddp_find_unused_parameters=True).")
 
 
 def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -244,6 +277,14 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
 class PassThroughJob:
     """Under plain torchrun: a restart reruns the script from its start, so restore callbacks never run."""
 
+    def __init__(self, stream: BatchStream | None = None):
+        self._stream = stream
+
+    @property
+    def batches(self) -> BatchStream:
+        """The batches of protect(data=...), epoch after epoch: the same stream a protected run takes."""
+        return _stream_or_refuse(self._stream)
+
     @property
     def generation(self) -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -261,6 +302,13 @@ class PassThroughJob:
 
     def observe_loss(self, loss) -> None:
         check_loss(loss)
+
+
+def _stream_or_refuse(stream: BatchStream | None) -> BatchStream:
+    if stream is None:
+        raise AttributeError("job.batches: protect() was given no loader; call phoenixrun.protect(model, opt, "
+                             "data=loader) to have phoenixrun own the loader's position")
+    return stream
 
 
 class _Runtime:
@@ -364,9 +412,12 @@ class Job:
     """A protected training loop (see the module doc)."""
 
     def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-                 every: int, peer_shared: bool = True, dtensor_shared: bool = False):
+                 every: int, peer_shared: bool = True, dtensor_shared: bool = False, stream: BatchStream | None = None,
+                 objects: StatefulObjects | None = None, watch: InputWatch | None = None):
         self.rt, self.link = rt, rt.link
         self.model, self.optimizer, self.state = model, optimizer, state
+        self._stream, self.objects, self.watch = stream, objects or StatefulObjects(None), watch
+        self._in_step = False
         # plain state taken from DP peers on recovery (layout_check.verdict); a replacement takes its snapshot's
         self.peer_shared = peer_shared
         # DTensor local shards in the shared region, taken from a mesh peer (layout_check.dtensor_verdict); likewise
@@ -408,7 +459,7 @@ class Job:
         self._barrier_t = torch.zeros(1)
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         # a quiesce boundary at every forward (each micro-batch); first, before a wrapper's own hooks communicate
-        model.register_forward_pre_hook(self._before_forward, prepend=True)
+        model.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True)
         # a boundary at every collective (DDP: each gradient bucket) - except under FSDP2, whose backward hooks keep
         # state (parameters unsharded by a prefetch, gradients to reduce) that an exception raised inside them would
         # leave behind for the replay; there the quiesce waits for the next forward, optimizer step or collective wait
@@ -419,6 +470,11 @@ class Job:
         elif rt.restore_step is not None:
             self._join(rt.generation, rt.restore_step)
         self._protected = True
+
+    @property
+    def batches(self) -> BatchStream:
+        """The batches of protect(data=...), epoch after epoch, put back at the restored step on every recovery."""
+        return _stream_or_refuse(self._stream)
 
     @property
     def generation(self) -> int:
@@ -516,7 +572,9 @@ class Job:
         if self.rt.quiesce_pending:
             raise Quiesced(f"quiesced at {where} of step {self.current}")
 
-    def _before_forward(self, module, args) -> None:
+    def _before_forward(self, module, args, kwargs) -> None:
+        if self.watch is not None and self._in_step:
+            self.watch.record(self.current, args, kwargs)
         self._check_quiesce("a forward")
 
     # ---------------------------------------------------------------- snapshot path
@@ -587,7 +645,8 @@ class Job:
         self.binding.refresh_volatile()
         writer, slots, link, every = self.writer, self.slots, self.link, self.every
         # on this thread: the script mutates its state dict next step
-        meta = writer.encode_meta(step, json.dumps(self.state), self.binding.param_groups(), every)
+        meta = writer.encode_meta(step, json.dumps(self.state), self.binding.param_groups(), every,
+                                  objects_json=json.dumps(self._objects()))
         if writer.fit(len(meta)):
             log.info("rank %d: snapshot %d outgrew its layout (metadata %d bytes): re-laid out for %d bytes of "
                      "metadata, %d bytes a slot", self.rt.rank, step, len(meta), writer.meta_cap, writer.total_len)
@@ -719,6 +778,24 @@ class Job:
             "rebuild_s": round(t1 - t0, 4), "optimizer_s": round(time.time() - t1, 4),
             "worker_recovery_s": round(time.time() - t0, 4)}})
 
+    def _objects(self) -> dict:
+        """What the snapshot holds besides model, optimizer and `state`: the data position, the stateful objects."""
+        out: dict = {"stateful": self.objects.capture()}
+        if self._stream is not None:
+            out["data"] = self._stream.position()
+        return out
+
+    def _restore_objects(self, saved: dict, step: int) -> None:
+        self.objects.restore(saved.get("stateful", {}))
+        if self._stream is not None:
+            if "data" in saved:
+                self._stream.restore(saved["data"])
+            else:
+                raise RuntimeError(f"the snapshot of step {step} holds no data position (taken by a script that "
+                                   "gave protect() no loader?): refusing to guess it")
+        if self.watch is not None:
+            self.watch.rollback(step)
+
     def _restore(self, step: int) -> None:
         paths = self.link.request({"op": WorkerOp.SLOTS})["paths"]
         for p in paths:
@@ -731,6 +808,7 @@ class Job:
             self._restored_meta_cap = h.meta_cap   # a fresh process starts with the layout the state needed
             self.state.clear()
             self.state.update(meta["extra"])
+            self._restore_objects(meta.get("objects") or {}, step)
             self.every = meta.get("every", self.every)   # a replacement takes the job's interval
             self.peer_shared = meta.get("peer_shared", True)   # and the job's sharing decisions (all ranks agree)
             self.dtensor_shared = meta.get("dtensor_shared", False)
@@ -764,10 +842,14 @@ class _StepScope:
         if job.link.slow_factor > 1 and job._base_compute_s:
             time.sleep((job.link.slow_factor - 1) * job._base_compute_s)   # fault drill: a straggler's compute
         job._step_t0, job._compute_t0, job._first_collective = t0, time.perf_counter(), None
+        job._in_step = True
         return self.k
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         job = self.job
+        job._in_step = False
+        if isinstance(exc, DataPositionLost):
+            log.error("rank %d: %s", job.rt.rank, exc)
         if exc is None and not job.rt.quiesce_pending:
             if job._first_collective is not None:
                 job.compute_s = job._first_collective - job._step_t0

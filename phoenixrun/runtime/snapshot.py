@@ -190,10 +190,12 @@ class SnapshotWriter:
         """Bytes a slot needs for the current layout."""
         return slot_bytes(self.meta_cap, self.private_len, self.shared_len)
 
-    def encode_meta(self, step: int, extra_json: str, param_groups: list, every: int = 1) -> bytes:
-        """The metadata of S_step; `extra_json` is the script's state dict, already JSON."""
+    def encode_meta(self, step: int, extra_json: str, param_groups: list, every: int = 1,
+                    objects_json: str = "{}") -> bytes:
+        """The metadata of S_step; `extra_json` is the script's state dict, `objects_json` the data position and
+        stateful objects (runtime/data.py), both already JSON."""
         head = json.dumps({"step": step, "every": every, "param_groups": param_groups})
-        return f'{head[:-1]}, "extra": {extra_json}, {self._meta_tail}'.encode()
+        return f'{head[:-1]}, "extra": {extra_json}, "objects": {objects_json}, {self._meta_tail}'.encode()
 
     def fit(self, meta_len: int) -> bool:
         """Make room for `meta_len` bytes of metadata: True if the layout grew (geometric headroom)."""

@@ -1,0 +1,327 @@
+"""What a training run's position is made of besides model and optimizer: the data stream and other stateful
+objects (an LR scheduler, a GradScaler), captured with every snapshot and put back on every recovery.
+
+    job = phoenixrun.protect(model, opt, data=loader, stateful={"scheduler": sched})
+    for step in job.steps(total):
+        with job.step(step):
+            x, y = next(job.batches)      # the loader's batches, epoch after epoch
+
+`BatchStream` is the loader's iterator that phoenixrun owns: it knows how many batches of which epoch it has
+handed out, so on a recovery every rank - survivors whose own iterators ran ahead and replacements that start
+from nothing - is put at the restored step's batch, and the replay sees exactly a fault-free run's batches. Under
+plain torchrun it is the same stream without the snapshots, so both runs see the same batches.
+
+`InputWatch` catches the loops that keep their own iterator: on a replayed step a survivor compares the first
+forward's inputs with those it fed the same step before the fault; different inputs mean its data position was
+not restored, and the job stops instead of finishing on the wrong batches.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import logging
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch.utils.data import DataLoader
+
+log = logging.getLogger("phoenixrun.runtime")
+
+_POSITION_FIX = ("hand the loader to phoenixrun: protect(model, opt, data=loader) and take each step's batch with "
+                 "next(job.batches); or restore the position yourself in @job.on_restore (docs/porting.md)")
+
+
+class DataPositionLost(RuntimeError):
+    """A survivor replayed a step on other inputs than it ran the step with before the fault: the script's data
+    iterator was not put back at the restored step. Not recoverable by a hot swap; the job stops (docs/porting.md)."""
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+def encode(obj: Any) -> str:
+    """A state_dict (tensors, tuples, int keys kept as they are) as one ASCII string for the snapshot's metadata."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode(text: str) -> Any:
+    """The inverse of `encode`; only plain containers, numbers and tensors load (`weights_only`): a snapshot or a
+    replica from a peer never runs code."""
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
+
+
+def _generator_state(g: torch.Generator) -> str:
+    return base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")
+
+
+def _set_generator_state(g: torch.Generator, text: str) -> None:
+    g.set_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------- data stream
+def _generators(loader) -> list[torch.Generator]:
+    """Every generator a new iterator of `loader` may draw from, the global one first (a DataLoader draws its
+    workers' base seed from loader.generator or the global one; a RandomSampler from its own or the global one)."""
+    found: list[torch.Generator] = [torch.default_generator]
+    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+def _set_epoch(loader, epoch: int) -> None:
+    """What an epoch loop over a DistributedSampler does: `sampler.set_epoch(epoch)` before iterating."""
+    done = []
+    for owner in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(owner, "set_epoch", None)) and all(owner is not d for d in done):
+            owner.set_epoch(epoch)
+            done.append(owner)
+
+
+class _SkipFirst:
+    """A batch sampler without its first `n` batches: skipping indices, not loading the batches."""
+
+    def __init__(self, batch_sampler, n: int):
+        self.batch_sampler, self.n = batch_sampler, n
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batch_sampler):
+            if i >= self.n:
+                yield batch
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.n)
+
+
+def _skipping_iterator(loader, n: int) -> Iterator:
+    """An iterator over `loader`'s current epoch from its batch `n`. A plain DataLoader over a batch sampler skips
+    at the index level (a twin loader on the same dataset, sampler and workers settings); any other loader is
+    iterated and its first `n` batches dropped."""
+    if type(loader) is DataLoader and loader.batch_sampler is not None:
+        twin = DataLoader(loader.dataset, batch_sampler=_SkipFirst(loader.batch_sampler, n),
+                          num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+                          timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                          multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+                          prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+                          in_order=getattr(loader, "in_order", True))
+        return iter(twin)
+    it = iter(loader)
+    for _ in range(n):
+        next(it)
+    return it
+
+
+class BatchStream:
+    """The batches of `loader`, epoch after epoch, at a position phoenixrun snapshots and restores.
+
+    At the start of every epoch it calls `set_epoch(epoch)` on the loader's sampler (a DistributedSampler's
+    shuffle), as an epoch loop would. A loader with `state_dict`/`load_state_dict` (torchdata's
+    StatefulDataLoader) is restored through them; any other loader by starting its epoch again from the state its
+    random generators had when the epoch began, and skipping the batches the restored step had already used.
+    """
+
+    def __init__(self, loader):
+        if not hasattr(loader, "__iter__"):
+            raise TypeError(f"phoenixrun.protect(data=...): {type(loader).__name__} is not iterable; pass the "
+                            "DataLoader (or any iterable of batches) the loop takes its batches from")
+        self.loader = loader
+        self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
+            getattr(loader, "load_state_dict", None))
+        self.epoch, self.index = 0, 0     # the next batch is batch `index` of epoch `epoch`
+        self._it: Iterator | None = None
+        self._rng: list[str] | None = None   # the generators' states when this epoch's iterator was made
+        self._resume: dict | None = None      # a restored position not yet acted on (at the next batch)
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self):
+        if self._resume is not None:
+            self._reposition(self._resume)
+        if self._it is None:
+            self._begin_epoch()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self.index == 0:
+                raise RuntimeError(f"phoenixrun: the data loader yielded no batch in epoch {self.epoch}") from None
+            self.epoch, self.index = self.epoch + 1, 0
+            self._begin_epoch()
+            batch = next(self._it)
+        self.index += 1
+        return batch
+
+    def _begin_epoch(self) -> None:
+        _set_epoch(self.loader, self.epoch)
+        self._rng = [_generator_state(g) for g in _generators(self.loader)]
+        self._it = iter(self.loader)
+
+    def position(self) -> dict:
+        """Where the stream stands between two steps: JSON-able, a few KB (the generators' states: at the start of
+        the current epoch, or now when the next batch begins one)."""
+        pos: dict[str, Any] = {"epoch": self.epoch, "index": self.index}
+        if self.stateful:
+            pos["loader"] = encode(self.loader.state_dict())
+        else:
+            pos["rng"] = self._rng if self._it is not None and self._rng is not None else \
+                [_generator_state(g) for g in _generators(self.loader)]
+        return pos
+
+    def restore(self, pos: Mapping) -> None:
+        """Put the stream at `pos` (from `position()` in any rank's run of the same script): acted on at the next
+        batch, once the rest of the snapshot (the global RNG among it) is back in place."""
+        self._resume = dict(pos)
+        self._it = None
+
+    def _reposition(self, pos: dict) -> None:
+        self._resume = None
+        self.epoch, self.index = int(pos["epoch"]), int(pos["index"])
+        if self.stateful and "loader" in pos:
+            _set_epoch(self.loader, self.epoch)
+            self.loader.load_state_dict(decode(pos["loader"]))
+            self._rng, self._it = None, iter(self.loader)
+            return
+        # The generators go back to their states at the epoch's start (or, between epochs, at the snapshot), so the
+        # sampler draws the same order and the workers the same base seed; the global one then returns to the
+        # restored step's state, which the snapshot set.
+        now = torch.default_generator.get_state()
+        for g, state in zip(_generators(self.loader), pos.get("rng", [])):
+            _set_generator_state(g, state)
+        if self.index == 0:              # the epoch is begun at the next batch, as a fault-free run begins it
+            torch.default_generator.set_state(now)
+            return
+        _set_epoch(self.loader, self.epoch)
+        self._rng = list(pos["rng"])
+        it = _skipping_iterator(self.loader, self.index)
+        try:
+            first = next(it)             # the sampler draws its order now, under the epoch's generator state
+        except StopIteration:            # the restored step had used the epoch's last batch: the next begins one
+            first, it = None, iter(())
+        torch.default_generator.set_state(now)
+        self._it = it if first is None else _Prepend(first, it)
+
+
+class _Prepend:
+    def __init__(self, first, rest: Iterator):
+        self.first, self.rest, self.used = first, rest, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.used:
+            self.used = True
+            return self.first
+        return next(self.rest)
+
+
+# ---------------------------------------------------------------------------------------------- other objects
+class StatefulObjects:
+    """Named objects with `state_dict()`/`load_state_dict()` (LR schedulers, a GradScaler, a data stream's own
+    helpers) snapshotted with every step and loaded on every recovery."""
+
+    def __init__(self, objects: Mapping[str, Any] | None):
+        objects = dict(objects or {})
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"phoenixrun.protect(stateful={{{name!r}: ...}}): a {type(obj).__name__} has no "
+                                "state_dict()/load_state_dict(); keep what it holds in `state` instead")
+        self.objects = objects
+        self._checked = False
+
+    def capture(self) -> dict[str, str]:
+        out = {name: encode(obj.state_dict()) for name, obj in self.objects.items()}
+        if not self._checked:   # once: what cannot be loaded back safely is refused now, not at a recovery
+            for name, text in out.items():
+                try:
+                    decode(text)
+                except Exception as e:   # noqa: BLE001 - torch names what it refused
+                    raise TypeError(f"phoenixrun.protect(stateful={{{name!r}: ...}}): its state_dict() holds more "
+                                    f"than containers, numbers and tensors ({e}); keep that part in `state`") from None
+            self._checked = True
+        return out
+
+    def restore(self, saved: Mapping[str, str]) -> None:
+        for name, obj in self.objects.items():
+            if name in saved:
+                obj.load_state_dict(decode(saved[name]))
+            else:
+                log.warning("phoenixrun: the restored snapshot holds no state for %r (protect(stateful=...) "
+                            "changed?); it keeps its current state", name)
+
+
+# ---------------------------------------------------------------------------------------------- the check
+def _tensors(obj, out: list, depth: int = 0) -> list:
+    if torch.is_tensor(obj):
+        out.append(obj)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out, depth + 1)
+    elif depth < 4 and isinstance(obj, Mapping):
+        for v in obj.values():
+            _tensors(v, out, depth + 1)
+    return out
+
+
+def fingerprint(tensors: list) -> tuple | None:
+    """What identifies a step's inputs: shapes, dtypes and contents (None: no tensor to compare)."""
+    if not tensors:
+        return None
+    parts = []
+    for t in tensors:
+        t = t.detach()
+        parts.append((tuple(t.shape), str(t.dtype), hash(t.cpu().contiguous().view(-1).view(torch.uint8)
+                                                            .numpy().tobytes()) if t.numel() else 0))
+    return tuple(parts)
+
+
+class InputWatch:
+    """Remembers the first forward's inputs of the last few steps (references, no copy: nothing per step but a
+    list append) and, on the step a recovery replays, compares them with the replay's."""
+
+    KEEP = 3
+
+    def __init__(self):
+        self._seen: dict[int, list] = {}       # step -> its first forward's input tensors
+        self._expect: dict[int, tuple] = {}    # step being replayed -> the inputs it ran with before the fault
+        self._storages: dict[int, set] = {}
+
+    def record(self, step: int, args, kwargs) -> None:
+        """At a forward inside step `step`: the first one of the step is kept; a replayed step is checked."""
+        if step in self._seen:
+            return
+        tensors = _tensors((args, kwargs), [])
+        self._seen[step] = tensors
+        for old in [s for s in self._seen if s <= step - self.KEEP]:
+            del self._seen[old]
+        expected = self._expect.pop(step, None)
+        if expected is None:
+            return
+        self._expect.clear()
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        if ptrs & self._storages.pop(step, set()):   # the script refills one buffer: nothing to compare
+            return
+        if fingerprint(tensors) != expected:
+            raise DataPositionLost(
+                f"step {step} was replayed on other inputs than this rank ran it with before the recovery: the "
+                f"loop's data iterator was not put back at step {step}, and going on would train on other batches "
+                f"than a fault-free run. Fix: {_POSITION_FIX}.")
+
+    def rollback(self, step: int) -> None:
+        """A recovery restored step `step`: the steps from it on are run again; remember what they ran with."""
+        self._expect = {}
+        self._storages = {}
+        for s, tensors in self._seen.items():
+            if s >= step:
+                fp = fingerprint(tensors)
+                if fp is not None:
+                    self._expect[s] = fp
+                    self._storages[s] = {t.untyped_storage().data_ptr() for t in tensors}
+        # a buffer the script reuses holds a later step's data by now: never compare what two steps shared
+        shared = [s for s in self._storages for o in self._storages if o != s and self._storages[s] & self._storages[o]]
+        for s in shared:
+            self._expect.pop(s, None)
+        self._seen = {}
