@@ -4,11 +4,12 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.harness import BIN, assert_identical, by_event, env, launch, torchrun
+from tests.harness import BIN, assert_identical, by_event, env, kill_node, launch, torchrun
 
 STEPS = 40
 pytestmark = pytest.mark.e2e
@@ -150,3 +151,34 @@ def test_nan_loss_stops_cleanly_and_never_commits_the_bad_step(tmp_path, how):
     assert fin["exit_code"] == 1 and "non-finite loss" in fin["reason"] and f"at step {bad}" in fin["reason"]
     assert fin["committed_step"] is not None and fin["newest_snapshot"] <= bad
     assert not by_event(ev, "recovery_started")
+
+
+PLAIN = Path(__file__).resolve().parent / "scripts" / "plain_ddp.py"
+
+
+def test_node_lost_without_a_spare_while_the_survivors_fail_stops_with_75(tmp_path):
+    """Issue 31: a torchrun-style job (no API), no spare, --max-restarts 2, one node SIGKILLed. The loss is found
+    by its heartbeats while the survivor sleeps between steps; the survivor's worker then dies of the dead peer
+    while the master waits --spare-wait for a spare. That report raised Cascade out of the restart's wait and
+    crashed the controller (exit 70, "master error"); the documented outcome is exit code 75 after --spare-wait.
+    The same class of paths (a fault report while a procedure other than the hot swap's cycle waits: the
+    restart's and the fallback's spare wait, a drain, a grow) is unit-tested in test_master_coordinator.py and
+    test_master_drain.py."""
+    job = launch(tmp_path, "nospare", nnodes=2, nproc=1, spares=0, steps=200, script=PLAIN, model_args=[],
+                 extra_flags=["--max-restarts", "2", "--spare-wait", "6", "--node-timeout", "1"],
+                 script_args=["--step-sleep", "4"])
+    progress = job.out / "progress-1"
+    first = job.wait_file(progress)
+    job.wait_for(lambda _: progress.read_text() not in ("", first), what="a step after the first")  # both asleep now
+    kill_node(job.wait_for(lambda s: bool(s.get("nodes")), what="the master's state"), 1)
+    rc = job.finish(timeout=300)
+    log = job.log()
+    assert "master controller crashed" not in log, log[-3000:]
+    assert rc == 75, log[-3000:]
+    ev = job.events()
+    fin = by_event(ev, "job_finished")[-1]
+    assert fin["exit_code"] == 75 and "no spare registered within --spare-wait 6s" in fin["reason"], fin
+    loss = [e for e in by_event(ev, "fault_detected") if e["signal"] == "node_lost"][0]
+    assert loss["slot"] == 1
+    assert 6 <= fin["t"] - loss["t"] < 60, fin["t"] - loss["t"]     # waited --spare-wait, then stopped
+    assert not by_event(ev, "restart")

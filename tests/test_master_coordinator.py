@@ -64,3 +64,59 @@ def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, k
     f = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fault_detected"]
     assert [(e["node"], e["signal"], e["class"], e["kind"], e["action"], e["during_recovery"]) for e in f] == \
         [("b", kind, cls, cls, "node_replace", True)]
+
+
+# ---------------------------------------------------------------- faults while a recovery waits for a spare (issue 31)
+def _waiting(tmp_path, nnodes: int, spares: int = 0, **cfg) -> Master:
+    m = Master(MasterConfig(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1, node_timeout=1e6, **cfg),
+               auth.new_secret())
+    m.store_port = 0
+    for nid in [*"abc"[:nnodes], *(f"s{i}" for i in range(spares))]:
+        _register(m, nid)
+    while not m._inbox.empty():
+        m._inbox.get_nowait()
+    return m
+
+
+def test_a_restart_waiting_for_a_spare_outlives_the_survivors_faults(tmp_path):
+    """torchrun-style restart, no spare: the survivor's workers die of the lost peer while the master waits
+    (a Cascade that crashed the master, exit 70), a stale refusal comes in, then the survivor's node goes too:
+    every worker restarts anyway, so only the lost slots matter - the wait ends with exit code 75."""
+    from phoenixrun.control.recovery import Stop
+    m = _waiting(tmp_path, 2, max_restarts=2, spare_wait=0.3)
+    a, b = m.nodes["a"].slot, m.nodes["b"].slot
+    for ev in ({"kind": "worker_exit", "node_id": "a", "generation": 0, "rank": 0, "returncode": 1},
+               {"kind": "restore_failed", "node_id": "a", "generation": 0, "reason": "stale", "integrity": True},
+               {"kind": "node_lost", "node_id": "a", "t": 1.0, "detail": "gone"}):
+        m._inbox.put(ev)
+    lost = {b}
+    with pytest.raises(Stop) as e:
+        m.recovery.restart(lost, 1, "node lost")
+    assert e.value.exit_code == 75 and "no spare registered within --spare-wait" in e.value.reason
+    assert lost == {a, b} and m.job.restart_count == 0
+    m.events.close()
+
+
+def test_a_hot_swap_cascade_keeps_its_promoted_spares_and_its_spare_wait(tmp_path):
+    """Two slots lost, one spare: slot 1 gets it, slot 2 waits; a survivor's worker dies (a cascade). The next
+    cycle keeps the spare in slot 1 (it used to replace it again, failing it) and the wait for slot 2 goes on from
+    where it was (each cascade restarted --spare-wait: the job waited longer than it says, or stopped with
+    'recovery kept failing' instead of exit code 75)."""
+    from phoenixrun.control.recovery import Cascade, Stop
+    m = _waiting(tmp_path, 3, spares=1, spare_wait=30.0)
+    lost, fresh, waiting = {1, 2}, {}, {}
+    g = m.job.generation + 1
+    m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g, "next_step": 5})
+    m._inbox.put({"kind": "worker_exit", "node_id": "a", "generation": g, "rank": 0, "returncode": 1})
+    with pytest.raises(Cascade, match="died during recovery"):
+        m.recovery._recovery_cycle(lost, fresh, waiting)
+    assert fresh == {1: "s0"} and lost == {2} and set(waiting) == {2}
+    assert m.nodes["s0"].slot == 1 and m.nodes["s0"].role.value == "active"
+    waiting[2] -= 30.0                     # the spare wait has run out meanwhile: no second wait
+    m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g + 1, "next_step": 5})
+    t0 = time.time()
+    with pytest.raises(Stop) as e:
+        m.recovery._recovery_cycle(lost, fresh, waiting)
+    assert e.value.exit_code == 75 and "slot 2" in e.value.reason and time.time() - t0 < 5
+    assert m.nodes["s0"].role.value == "active"
+    m.events.close()

@@ -200,3 +200,22 @@ def test_compute_samples_one_per_step_and_start_again_after_a_recovery(tmp_path)
     beat(4, 0.7, 0.7)
     beat(5, 0.4, 0.4)
     assert list(m.job.compute["b"]) == [0.4]
+
+
+def test_a_drain_whose_restore_fails_its_checksum_becomes_a_hot_swap(tmp_path, monkeypatch):
+    """The spare's fetch from the drained node fails the checksum (`restore_failed` with integrity): the drain
+    is interrupted and the slot hot-swapped from the other sources (a PlanError crashed the master, exit 70)."""
+    m = _running(tmp_path, spares=1)
+    swaps = []
+    monkeypatch.setattr(m.recovery, "hot_swap", lambda lost, node, ev, action, code, fresh=None:
+                        swaps.append((set(lost), node.node_id, dict(fresh or {}))))
+    g = m.job.generation + 1
+    for r, nid in enumerate(("a", "b")):
+        m._inbox.put({"kind": "quiesced", "node_id": nid, "generation": g, "next_step": 5,
+                      "snapshots": {str(r): [3, 4]}})
+    m._inbox.put({"kind": "restore_failed", "node_id": "s0", "generation": g, "reason": "checksum mismatch",
+                  "integrity": True})
+    m.recovery.drain(m.nodes["b"], "kernel update", 1.0)
+    assert swaps == [(set(), "b", {1: "s0"})]
+    assert m.directives.get("b").fields["command"] == "stop"
+    m.events.close()

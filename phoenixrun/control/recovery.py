@@ -165,32 +165,45 @@ class Recoveries:
         g = self.job.generation
         self.inbox.take(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
 
-    def _replace_slots(self, lost: set[int], may_shrink: bool = False) -> dict[int, str]:
-        """Promote a spare into every lost slot (waiting up to --spare-wait for one). may_shrink: a hot swap's, with
-        --on-no-spare shrink - NoSpare for the slots left without one (the others keep their spare)."""
-        out: dict[int, str] = {}
-        for slot in sorted(lost):
-            deadline = time.time() + self.cfg.spare_wait
-            while True:
-                with self.job.cv:
-                    failed_id = self.job.slots[slot]
-                    failed = self.job.nodes[failed_id]
-                    spare = pick_spare(self.job.nodes, avoid_domains=[failed.fault_domain])
-                    if spare is not None:
-                        failed.role, failed.slot = Role.FAILED, None
-                        spare.role, spare.slot = Role.ACTIVE, slot
-                        self.job.slots[slot] = spare.node_id
-                        self.job.fault_history.pop(slot, None)   # escalation history belongs to the old node
-                        self.events.emit(Event.SPARE_PROMOTED, self.job.generation, slot=slot, node=spare.node_id,
-                                         replaces=failed_id)
-                        out[slot] = spare.node_id
-                        break
-                if time.time() > deadline:
-                    if may_shrink and self.cfg.on_no_spare == "shrink" and not out:
-                        raise NoSpare(set(lost))
-                    raise Stop(75, f"node in slot {slot} lost and no spare registered within "
-                                   f"--spare-wait {self.cfg.spare_wait:g}s")
+    def _replace_slots(self, lost: set[int], out: dict[int, str] | None = None, may_shrink: bool = False,
+                       since: dict[int, float] | None = None, whole: bool = True) -> dict[int, str]:
+        """Promote a spare into every lost slot (waiting up to --spare-wait for one), each recorded in `out` at once
+        (a cascade must not forget the spares promoted before it). may_shrink: a hot swap's, with --on-no-spare
+        shrink - NoSpare for the slots left without one (the others keep their spare). since: slot ->
+        when the wait for its spare began (kept by a hot swap across its cycles: a cascade does not restart the
+        wait). whole: every worker restarts anyway (a torchrun-style restart, a fallback): a fault meanwhile only
+        adds the slots of lost nodes (pump puts them in `lost`); else (a hot swap's cycle) it starts the cycle
+        over at QUIESCE. Uncaught there, a survivor's worker dying during the wait crashed the master (issue 31)."""
+        out = {} if out is None else out
+        since = {} if since is None else since
+        while pending := sorted(lost - out.keys()):
+            slot = pending[0]
+            deadline = since.setdefault(slot, time.time()) + self.cfg.spare_wait
+            with self.job.cv:
+                failed_id = self.job.slots[slot]
+                failed = self.job.nodes[failed_id]
+                spare = pick_spare(self.job.nodes, avoid_domains=[failed.fault_domain])
+                if spare is not None:
+                    failed.role, failed.slot = Role.FAILED, None
+                    spare.role, spare.slot = Role.ACTIVE, slot
+                    self.job.slots[slot] = spare.node_id
+                    self.job.fault_history.pop(slot, None)   # escalation history belongs to the old node
+                    self.events.emit(Event.SPARE_PROMOTED, self.job.generation, slot=slot, node=spare.node_id,
+                                     replaces=failed_id)
+                    out[slot] = spare.node_id
+                    since.pop(slot, None)
+                    continue
+            if time.time() > deadline:
+                if may_shrink and self.cfg.on_no_spare == "shrink" and not out:
+                    raise NoSpare(set(lost))
+                raise Stop(75, f"node in slot {slot} lost and no spare registered within "
+                               f"--spare-wait {self.cfg.spare_wait:g}s")
+            try:
                 self.pump(min(0.5, max(0.01, deadline - time.time())), lost)
+            except (Cascade, PlanError) as c:
+                if not whole:
+                    raise
+                log.warning("while waiting for a spare (every worker restarts anyway): %s", c)
         return out
 
     # ---------------------------------------------------------------- persistent fallback
@@ -230,8 +243,8 @@ class Recoveries:
                 resumed = Acks(ReportKind.RESUMED, g, self.job.slots.values())
             try:
                 self._wait_event(resumed, self.cfg.recovery_timeout, lost)
-            except Cascade as c:
-                if c.event.get("persist_step") == step:
+            except (Cascade, PlanError) as c:     # PlanError: a late refusal of the plan before (stale)
+                if getattr(c, "event", {}).get("persist_step") == step:
                     self.job.bad_checkpoints.add(step)
                     self.events.emit(Event.CHECKPOINT_REJECTED, g, step=step, reason=c.event.get("reason", ""))
                 log.warning("fallback to checkpoint step %d interrupted: %s", step, c)
@@ -255,10 +268,11 @@ class Recoveries:
                              slot=node.slot, cause=cause, action=action.value)
         attempts = 0
         fresh = dict(fresh or {})     # slot -> spare promoted during this recovery (holds no state yet)
+        waiting: dict[int, float] = {}   # slot -> when its wait for a spare began, across cycles
         while True:
             attempts += 1
             try:
-                plan, phases, reached = self._recovery_cycle(lost, fresh)
+                plan, phases, reached = self._recovery_cycle(lost, fresh, waiting)
                 break
             except NoSpare as e:
                 self.shrink(e.slots, node, t0, e.reached)
@@ -323,7 +337,7 @@ class Recoveries:
         quiesced = Acks(ReportKind.QUIESCED, g, members, on_ack=self._quiesced_inventory)
         try:
             self._wait_event(quiesced, self.cfg.recovery_timeout, set())
-        except Cascade as c:
+        except (Cascade, PlanError) as c:
             raise Stop(1, f"a fault while growing the job back: {c}") from None
         reached = max((a.get("next_step", 0) for a in quiesced.got.values()), default=0)
         with job.cv:
@@ -409,7 +423,7 @@ class Recoveries:
         quiesced = Acks(ReportKind.QUIESCED, g, members, on_ack=self._quiesced_inventory)
         try:
             self._wait_event(quiesced, self.cfg.recovery_timeout, lost)
-        except Cascade as c:
+        except (Cascade, PlanError) as c:
             self._drain_interrupted(node, lost, {}, c)
             return
         phases["quiesce_s"] = round(time.time() - t0, 4)
@@ -444,7 +458,7 @@ class Recoveries:
         resumed = Acks(ReportKind.RESUMED, g, plan.slots.values())
         try:
             self._wait_event(resumed, self.cfg.recovery_timeout, lost)
-        except Cascade as c:
+        except (Cascade, PlanError) as c:   # PlanError: the drained node's bytes fail the checksum
             self._drain_interrupted(node, lost, dict(plan.replaced_slots), c)
             return
         phases["restore_s"] = round(time.time() - t, 4)
@@ -465,7 +479,7 @@ class Recoveries:
                 self.orders.direct([node.node_id], command=Command.STOP, exit_code=0, reason=f"drained: {reason}")
         self.drain_stale()
 
-    def _drain_interrupted(self, node: NodeRecord, lost: set[int], fresh: dict[int, str], c: Cascade) -> None:
+    def _drain_interrupted(self, node: NodeRecord, lost: set[int], fresh: dict[int, str], c: Exception) -> None:
         """A fault (or a deadline) during a drain: the drained node is stopped and its slot hot-swapped as a lost
         node's (state from replica holders and DP peers), together with whatever else was lost."""
         log.warning("drain of %s interrupted, hot-swapping its slot instead: %s", node.node_id, c)
@@ -478,11 +492,12 @@ class Recoveries:
         self.hot_swap(lost, node, {"kind": "drain", "detail": f"drain interrupted: {c}", "t": time.time()},
                       Action.NODE_REPLACE, None, fresh=fresh)
 
-    def _recovery_cycle(self, lost: set[int], fresh: dict[int, str]) -> tuple[RecoveryPlan, dict, int]:
+    def _recovery_cycle(self, lost: set[int], fresh: dict[int, str],
+                        waiting: dict[int, float]) -> tuple[RecoveryPlan, dict, int]:
         """One attempt: quiesce survivors, fill lost slots from spares, plan, order the restore.
 
         lost: slots whose node is gone (emptied here as spares are promoted); fresh: slots filled
-        by a spare during this recovery, which must fetch their state from peers.
+        by a spare during this recovery, which must fetch their state from peers; waiting: see _replace_slots.
         """
         phases: dict[str, float] = {}
         t = time.time()
@@ -501,10 +516,14 @@ class Recoveries:
         phases["quiesce_s"] = round(time.time() - t, 4)
         t = time.time()
         reached = max((a.get("next_step", 0) for a in acked.values()), default=0)
+        promoted: dict[int, str] = {}
         try:
-            fresh.update(self._replace_slots(lost, may_shrink=not fresh))
+            self._replace_slots(lost, promoted, may_shrink=not fresh, since=waiting, whole=False)
         except NoSpare as e:
             raise NoSpare(e.slots, reached) from None
+        finally:      # a cascade: the next cycle keeps the spares promoted so far (it replaced them again)
+            fresh.update(promoted)
+            lost.difference_update(promoted)
         lost.clear()
         with self.job.cv:
             plan = plan_recovery(self.job.layout, dict(self.job.nodes), self.job.slots, set(fresh), self.job.placement, fresh,
