@@ -10,7 +10,7 @@ $(BIN)/phoenixrun: pyproject.toml setup.cfg
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first, pinned: the CPU build on this machine's disk (a looser pin pulls a multi-GB CUDA build)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,integrations]'
 	touch $(BIN)/phoenixrun
 
 install: $(BIN)/phoenixrun

@@ -8,6 +8,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError:   # the integrations extra is not installed
+    StatefulDataLoader = None
+
 from phoenixrun.runtime.data import (BatchStream, DataPositionLost, InputWatch, StatefulObjects, decode, encode)
 
 N = 22   # not a multiple of the batch size: a short last batch, epochs of 6 batches
@@ -28,6 +33,8 @@ def _loaders():
         "sequential_drop_last": lambda: DataLoader(ds, batch_size=4, drop_last=True),
         "workers": lambda: DataLoader(ds, batch_size=4, shuffle=True, num_workers=2),
         "iterable_list": lambda: [torch.tensor([i, i + 1]) for i in range(0, 10, 2)],
+        **({"stateful_dataloader": lambda: StatefulDataLoader(ds, batch_size=4, shuffle=True)}
+           if StatefulDataLoader is not None else {}),
     }
 
 

@@ -163,7 +163,7 @@ def _plan_layout(world: int, tp: int, pp: int) -> Layout:
 
 def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None,
             every: int = 1, *, data=None, stateful: dict | None = None,
-            check_data: bool = True) -> "Job | PassThroughJob":
+            check_data: bool = True, skip=None) -> "Job | PassThroughJob":
     """Protect (model, optimizer, state) with per-step in-memory snapshots; see the module doc.
 
     state: a JSON-serialisable dict you own (metrics, counters...). It is snapshotted with
@@ -173,10 +173,11 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
     (LR scheduler, GradScaler...), snapshotted with the step and loaded on a recovery.
     check_data: a survivor that replays a step on other inputs than it ran it with stops the job
     (DataPositionLost) instead of training on the wrong batches; False turns the check off.
+    skip: skip(loader, n) -> the loader's current epoch from its batch n (an adapter's; see runtime/data.py).
     """
     optimizer = _unwrap_optimizer(optimizer)
     objects = StatefulObjects(stateful)
-    stream = BatchStream(data) if data is not None else None
+    stream = BatchStream(data, skip) if data is not None else None
     ctx = init()
     if not ctx.managed:
         return PassThroughJob(stream)
@@ -769,6 +770,9 @@ class Job:
         extra = reshard(self.model, self.optimizer, images, info.get("predecessor"), int(info["old_world"]))
         self.state.clear()
         self.state.update(extra)
+        if self._stream is not None and self.rt.rank == 0:   # another world partitions the data otherwise
+            log.warning("phoenixrun: the world was re-shaped at step %d: the data stream starts its epoch over on "
+                        "the new partition of the data (docs/porting.md)", step)
         self.next_step = step
         self.binding = None
         self.awaited_step = step

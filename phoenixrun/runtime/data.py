@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader
@@ -59,26 +59,40 @@ def _set_generator_state(g: torch.Generator, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- data stream
+def _owners(loader) -> list:
+    """The loader and the samplers inside it (a DataLoader's sampler and batch sampler, accelerate's sharded batch
+    sampler around them), each once."""
+    found, todo = [], [loader]
+    while todo:
+        obj = todo.pop(0)
+        if obj is None or any(obj is f for f in found) or len(found) > 8:
+            continue
+        found.append(obj)
+        todo += [getattr(obj, a, None) for a in ("sampler", "batch_sampler")]
+    return found
+
+
 def _generators(loader) -> list[torch.Generator]:
     """Every generator a new iterator of `loader` may draw from, the global one first (a DataLoader draws its
-    workers' base seed from loader.generator or the global one; a RandomSampler from its own or the global one)."""
+    workers' base seed from loader.generator or the global one; a RandomSampler from its own or the global one;
+    accelerate's loader broadcasts its `synchronized_generator`)."""
     found: list[torch.Generator] = [torch.default_generator]
-    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
+    for owner in _owners(loader):
+        for name in ("generator", "synchronized_generator"):
+            g = getattr(owner, name, None)
+            if isinstance(g, torch.Generator) and all(g is not f for f in found):
+                found.append(g)
     return found
 
 
 def _set_epoch(loader, epoch: int) -> None:
-    """What an epoch loop over a DistributedSampler does: `sampler.set_epoch(epoch)` before iterating."""
-    done = []
-    for owner in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        if callable(getattr(owner, "set_epoch", None)) and all(owner is not d for d in done):
+    """What an epoch loop over a DistributedSampler does: `sampler.set_epoch(epoch)` before iterating. A loader
+    with its own `set_epoch` (accelerate's) is told instead: it passes the epoch on itself."""
+    for owner in _owners(loader):
+        if callable(getattr(owner, "set_epoch", None)):
             owner.set_epoch(epoch)
-            done.append(owner)
+            if owner is loader:
+                return
 
 
 class _SkipFirst:
@@ -96,7 +110,7 @@ class _SkipFirst:
         return max(0, len(self.batch_sampler) - self.n)
 
 
-def _skipping_iterator(loader, n: int) -> Iterator:
+def skip_batches(loader, n: int) -> Iterator:
     """An iterator over `loader`'s current epoch from its batch `n`. A plain DataLoader over a batch sampler skips
     at the index level (a twin loader on the same dataset, sampler and workers settings); any other loader is
     iterated and its first `n` batches dropped."""
@@ -123,13 +137,15 @@ class BatchStream:
     random generators had when the epoch began, and skipping the batches the restored step had already used.
     """
 
-    def __init__(self, loader):
+    def __init__(self, loader, skip: Callable[[Any, int], Iterable] | None = None):
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"phoenixrun.protect(data=...): {type(loader).__name__} is not iterable; pass the "
                             "DataLoader (or any iterable of batches) the loop takes its batches from")
         self.loader = loader
+        # accelerate's loaders have both methods, and load_state_dict works only over a StatefulDataLoader
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
-            getattr(loader, "load_state_dict", None))
+            getattr(loader, "load_state_dict", None)) and getattr(loader, "use_stateful_dataloader", True)
+        self._skip = skip
         self.epoch, self.index = 0, 0     # the next batch is batch `index` of epoch `epoch`
         self._it: Iterator | None = None
         self._rng: list[str] | None = None   # the generators' states when this epoch's iterator was made
@@ -195,7 +211,7 @@ class BatchStream:
             return
         _set_epoch(self.loader, self.epoch)
         self._rng = list(pos["rng"])
-        it = _skipping_iterator(self.loader, self.index)
+        it = iter(self._skip(self.loader, self.index)) if self._skip else skip_batches(self.loader, self.index)
         try:
             first = next(it)             # the sampler draws its order now, under the epoch's generator state
         except StopIteration:            # the restored step had used the epoch's last batch: the next begins one
