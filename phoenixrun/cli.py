@@ -272,8 +272,8 @@ def master_cmd(**o):
     _logging()
     cfg = master_config(o)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    secret = auth.read_secret(cfg.run_dir) or auth.new_secret()
-    auth.write_secret(cfg.run_dir, secret)
+    # created exactly once, whoever starts first: a standby started together with the holder serves the same secret
+    secret = auth.master_secret(cfg.run_dir)
     try:
         m = Master(cfg, secret)
         finished = m.acquire_lease()    # with --lease-ttl: a standby waits here until it takes over

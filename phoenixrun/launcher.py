@@ -119,9 +119,11 @@ def run(c: LaunchConfig) -> int:
     """Run a job: master (standalone or node rank 0) and this node's agent(s). Returns the exit code."""
     run_dir = c.master.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    secret = auth.read_secret(secret_file=run_dir / auth.SECRET_FILE) if not c.standalone else None
-    secret = secret or os.environ.get(auth.SECRET_ENV) or auth.new_secret()
-    auth.write_secret(run_dir, secret)
+    if c.standalone:     # a job of its own: $PHOENIXRUN_SECRET or a new one, whatever the directory held
+        secret = os.environ.get(auth.SECRET_ENV) or auth.new_secret()
+        auth.write_secret(run_dir, secret)
+    else:                # other masters (a standby) may share the directory: the secret is created once
+        secret = auth.master_secret(run_dir)
     env = {**os.environ, **c.extra_env, auth.SECRET_ENV: secret}
     procs = ProcessSet()
     master = None

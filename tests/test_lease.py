@@ -138,3 +138,63 @@ def test_standby_exits_with_the_jobs_code_when_it_finished_under_the_holder(tmp_
     LeaseKeeper(leases, "a", a.epoch, "hA:1", 30, 1, lambda why: None).release(exit_code=75)
     got = await_lease(leases, "b", "hB:2", 30, 1, threading.Event())
     assert got.epoch == 0 and got.previous.exit_code == 75
+
+
+# ------------------------------------------------------------------ the job secret, created once (issue 31 item 8)
+def _master_start(run_dir: str, start_at: float, out: str) -> None:
+    """One `phoenixrun master --lease-ttl` process up to the point it serves: the real command's secret handling
+    (cli.master_cmd), with the Master stubbed to record the secret it would serve and stop there."""
+    import os
+    import sys
+    import time
+
+    import phoenixrun.control.master as master_mod
+    from phoenixrun import cli
+
+    class Served(Exception):
+        pass
+
+    class Stub:
+        def __init__(self, cfg, secret):
+            with open(out, "w") as f:
+                f.write(secret)
+            raise Served()
+
+    master_mod.Master = Stub
+    os.environ.pop("PHOENIXRUN_SECRET", None)
+    while time.time() < start_at:       # every process leaves this spin together: started together
+        pass
+    try:
+        cli.master_cmd.main(["--run-dir", run_dir, "--nnodes", "1", "--nproc-per-node", "1", "--lease-ttl", "5"],
+                            standalone_mode=False)
+    except Served:
+        sys.exit(0)
+    sys.exit(1)
+
+
+def test_masters_started_together_serve_the_run_directorys_one_secret(tmp_path):
+    """Measured: two masters started together with --lease-ttl wrote different secrets (`read_secret() or
+    new_secret()`, then a truncating write) and in 1 of 5 trials the lease holder answered 401 to the run
+    directory's secret. Now the first creates it (exclusively) and every master serves what the file holds."""
+    import multiprocessing
+    import time
+
+    import phoenixrun.cli  # noqa: F401  imported once, before the forks
+    import phoenixrun.control.master  # noqa: F401
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(12):
+        run_dir = tmp_path / f"run{trial}"
+        run_dir.mkdir()
+        start_at = time.time() + 0.3
+        procs = [ctx.Process(target=_master_start, args=(str(run_dir), start_at, str(tmp_path / f"s{trial}-{i}")))
+                 for i in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0] * len(procs)
+        on_disk = (run_dir / "secret").read_text()
+        served = {(tmp_path / f"s{trial}-{i}").read_text() for i in range(len(procs))}
+        assert served == {on_disk}, f"trial {trial}: masters serve {len(served)} secrets"
+        assert oct((run_dir / "secret").stat().st_mode & 0o777) == "0o600"
+        assert not [p.name for p in run_dir.iterdir() if p.name != "secret"]     # no temporary file left
