@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import sys
@@ -108,7 +109,9 @@ class Agent:
             self.node, self.life, self.client,
             registration={"node_id": self.node.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
                           "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
-                          "nproc_per_node": self.cfg.nproc_per_node},
+                          "nproc_per_node": self.cfg.nproc_per_node,
+                          # only this process holds it: proves a retried registration or a rejoin is ours
+                          "nonce": secrets.token_hex(16)},
             heartbeat_interval=self.cfg.heartbeat_interval, node_state=self._heartbeat_state,
             rejoin_state=self._rejoin_state, on_inject=self.drills.inject)
         try:

@@ -176,6 +176,9 @@ def test_rejections_are_counted_and_one_event_per_peer_and_reason_per_interval()
 
 
 # ------------------------------------------------------------------ a real master over HTTP
+NONCES = {f"n{i}": f"nonce-of-n{i}-" + "7" * 20 for i in range(2)}    # what only each node's agent holds
+
+
 @pytest.fixture
 def running(tmp_path):
     """A started Master with both slots taken by registrations made here (their tokens kept): the job is
@@ -187,7 +190,8 @@ def running(tmp_path):
     tokens = {}
     for i in range(2):
         reply = client.post("/v1/register", {"node_id": f"n{i}", "host": "127.0.0.1", "agent_pid": 100 + i,
-                                             "peer_addr": f"127.0.0.1:{2000 + i}", "nproc_per_node": 2})
+                                             "peer_addr": f"127.0.0.1:{2000 + i}", "nproc_per_node": 2,
+                                             "nonce": NONCES[f"n{i}"]})
         tokens[f"n{i}"] = reply["token"]
     deadline = time.time() + 60
     while master.phase.value != "running" and time.time() < deadline:
@@ -287,9 +291,14 @@ def test_stale_generation_reports_are_ignored_and_counted(running):
 def test_retried_registration_gets_the_same_answer(running):
     master, secret, tokens = running
     client = ControlClient(master.endpoint, secret)
-    again = client.post("/v1/register", {"node_id": "n1", "host": "127.0.0.1", "agent_pid": 101,
-                                         "peer_addr": "127.0.0.1:2001"})
+    shown = {"node_id": "n1", "host": "127.0.0.1", "agent_pid": 101, "peer_addr": "127.0.0.1:2001"}
+    again = client.post("/v1/register", {**shown, "nonce": NONCES["n1"]})
     assert again["slot"] == 1 and again["token"] == tokens["n1"]
+    # what /v1/state shows of the node is no proof: without the agent's nonce, no token (issue 31 item 1)
+    for body in (shown, {**shown, "nonce": NONCES["n0"]}):
+        with pytest.raises(ControlError, match="403") as e:
+            client.post("/v1/register", body)
+        assert e.value.refused and "nonce" in str(e.value) and tokens["n1"] not in str(e.value)
     with pytest.raises(ControlError, match="409") as e:
         client.post("/v1/register", {"node_id": "n1", "host": "127.0.0.1", "agent_pid": 7, "peer_addr": "127.0.0.1:9"})
     assert e.value.refused and "unique --node-id" in str(e.value)
@@ -355,6 +364,58 @@ def test_fuzzed_bodies_never_crash_the_master_and_refused_ones_change_nothing(ru
         assert view(master, inbox=False) == before, (path, body, reply)
     assert master.exit_code is None and master.phase.value == "running"
     assert master.http._thread.is_alive()
+
+
+# ------------------------------------------------------------------ an impostor: the secret, no registration
+# Issue 31: a caller holding the job secret reads /v1/state (node ids, hosts, pids, peer addresses, the generation)
+# and sends messages that look valid. Without a node's nonce or token none of them may be taken: no token handed
+# out, nothing of the job's state changed, no report queued for the controller.
+PUBLISHED = {f"n{i}": {"node_id": f"n{i}", "host": "127.0.0.1", "agent_pid": 100 + i,
+                       "peer_addr": f"127.0.0.1:{2000 + i}", "fault_domain": f"n{i}"} for i in range(2)}
+GUESSES = st.one_of(st.none(), st.just(""), st.text("0123456789abcdef", min_size=16, max_size=32))
+GENERATIONS = st.sampled_from([0, 1, 2, 2 ** 31 - 1])
+
+
+@st.composite
+def impostor_message(draw):
+    nid = draw(st.sampled_from(["n0", "n1"]))
+    kind = draw(st.sampled_from(["register", "rejoin", "heartbeat", "report", "poll"]))
+    guess = draw(GUESSES)
+    if kind in ("register", "rejoin"):
+        body = {**PUBLISHED[nid], "nproc_per_node": 2}
+        if draw(st.booleans()):
+            body["node_id"] = draw(st.sampled_from(["intruder", "n0", "n1"])) if kind == "rejoin" else nid
+        if guess:
+            body["nonce"] = guess.ljust(16, "0")
+        if kind == "rejoin":
+            slot = draw(st.sampled_from([None, 0, 1]))
+            body["rejoin"] = {"role": "spare" if slot is None else "active", "slot": slot,
+                              "generation": draw(GENERATIONS), "api": draw(st.booleans()),
+                              "snapshots": {"0": [draw(st.integers(0, 5))]}}
+        return "/v1/register", body
+    if kind == "heartbeat":
+        return "/v1/heartbeat", {"node_id": nid, "token": guess, "snapshots": {"0": [1]}, "worker_pids": [1],
+                                 "api": True}
+    if kind == "poll":
+        return "/v1/directive", {"node_id": nid, "token": guess, "version": -1, "timeout": 0.2}
+    report = draw(st.sampled_from([
+        {"kind": "workers_done"}, {"kind": "comm_error", "rank": 0, "text": "forged"},
+        {"kind": "worker_exit", "rank": 1, "returncode": -9}, {"kind": "drain", "reason": "forged"},
+        {"kind": "protection_mode", "rank": 0, "every": 4}]))
+    return "/v1/report", {"node_id": nid, "token": guess, "generation": draw(GENERATIONS), **report}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sequence=st.lists(impostor_message(), min_size=1, max_size=8))
+def test_an_impostor_with_the_secret_but_no_registration_changes_nothing(running, sequence):
+    master, secret, tokens = running
+    before = view(master)
+    for path, body in sequence:
+        status, reply = raw_post(master.endpoint, path, json.dumps(body).encode(), secret, timeout=5.0)
+        assert status is not None and 400 <= status < 500, (path, body, status, reply)
+        assert not any(t in json.dumps(reply) for t in tokens.values()), (path, body, reply)
+        assert view(master) == before, (path, body, reply)
+    assert master.exit_code is None and master.phase.value == "running"
 
 
 # ------------------------------------------------------------------ memory bound

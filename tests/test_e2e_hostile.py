@@ -46,6 +46,11 @@ def test_malformed_and_forged_messages_are_refused_while_the_job_finishes_bit_id
         ("/v1/register", {"node_id": "intruder", "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:9",
                           "rejoin": {"role": "active", "slot": 1, "generation": gen + 1}}),
         ("/v1/register", {"node_id": live["node_id"], "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:9"}),
+        # issue 31: a live node's registration as /v1/state shows it (its token was handed out), and a forged rejoin
+        # on a master that never restarted (it was answered 200)
+        ("/v1/register", {k: live[k] for k in ("node_id", "host", "agent_pid", "peer_addr", "fault_domain")}),
+        ("/v1/register", {"node_id": "intruder", "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:9",
+                          "rejoin": {"role": "spare", "slot": None, "generation": 2 ** 31 - 1}}),
         ("/v1/inject", {"slot": 0, "fault": "xid:abc"}),
         *[("/v1/report", {"node_id": nid, "kind": "workers_done", "generation": gen, "slot": s})
           for s, nid in ids.items()],

@@ -331,6 +331,8 @@ class Coordinator:
                              newest_snapshot=max(newest.values(), default=None))
             self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command=Command.STOP,
                                exit_code=exit_code, reason=reason)
+            if job.roster is not None:     # nobody rejoins a finished job (control/roster.py)
+                job.roster.append(job.master_epoch, finished=True)
         if exit_code:
             log.error("job failed (exit %d): %s", exit_code, reason)
         job.stopped.set()

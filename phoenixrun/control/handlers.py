@@ -19,6 +19,7 @@ from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.rejections import Rejections
+from phoenixrun.control.roster import digest
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
 from phoenixrun.protocol.names import Command, Event, ReportKind
 
@@ -68,6 +69,11 @@ class Handlers:
             self.job.heard.move_to_end(node.node_id)
             if slot is not None:
                 self.job.slots[slot] = node.node_id
+            nonce = None
+            if msg.nonce is not None:
+                nonce = self.job.nonces[node.node_id] = digest(msg.nonce)
+            # in the run directory before the reply names the slot: a restarted master vouches for its rejoin
+            self.job.save_roster({node.node_id: nonce} if nonce else None)
             self.events.emit(Event.NODE_JOINED, self.job.generation, node=node.node_id, host=node.host,
                              role=role.value, slot=slot, agent_pid=node.agent_pid, fault_domain=node.fault_domain)
             if role == Role.SPARE:
@@ -76,11 +82,19 @@ class Handlers:
             return self._job_json(role, slot, self._new_token(node.node_id))
 
     def _reregister(self, node: NodeRecord, msg: messages.Register) -> dict:
-        """A live node id registering again. Node ids are bound to the registration that created them: the
-        same agent retrying (its reply was lost: same pid and peer address) gets the same answer; anyone
-        else is refused (a second agent with the same --node-id, a buggy one) and the record stays as it was."""
+        """A live node id registering again. Node ids are bound to the registration that created them: the same
+        agent process retrying (its reply was lost) gets the same answer, and it proves it is that process with
+        the nonce it sent the first time - never with what /v1/state shows of the node (host, pid, address: anyone
+        holding the job secret reads them). Anyone else is refused and the record stays as it was."""
+        expected = self.job.nonces.get(node.node_id)
+        if expected is not None and msg.nonce is not None and hmac.compare_digest(expected, digest(msg.nonce)):
+            return self._job_json(node.role, node.slot,
+                                  self.job.tokens.get(node.node_id) or self._new_token(node.node_id))
         if (node.agent_pid, node.peer_addr, node.host) == (msg.agent_pid, msg.peer_addr, msg.host):
-            return self._job_json(node.role, node.slot, self.job.tokens.get(node.node_id) or self._new_token(node.node_id))
+            raise messages.MessageError(
+                f"node id {node.node_id!r} is registered, and this registration does not carry the nonce its agent "
+                "sent first: a retry must come from the same agent process (what /v1/state shows of a node proves "
+                "nothing)", code=403, reason="wrong_nonce")
         raise messages.MessageError(
             f"node id {node.node_id!r} is already registered (agent pid {node.agent_pid} at {node.peer_addr}): "
             "give each agent a unique --node-id", code=409, reason="node_id_in_use")
@@ -102,6 +116,30 @@ class Handlers:
         """An agent of a job already running when this master started (it restarted): rebuild the
         job's state from what the agents report - membership, slots, generation, snapshots."""
         nid, gen, slot = msg.node_id, r.generation, r.slot
+        roster = self.job.roster
+        # only what the run directory vouches for (control/roster.py): a master that took over a running job, the
+        # agent process that registered (its nonce), a generation some master issued, the slot it was given
+        if roster is None or not roster.restarted:
+            raise messages.MessageError(
+                f"rejoin from {nid!r} refused: this master did not take over a running job (its run directory holds "
+                f"no roster of run {self.cfg.run_id!r}); a new agent registers without `rejoin`",
+                code=409, reason="not_restarted")
+        if not roster.vouches_nonce(nid, msg.nonce):
+            raise messages.MessageError(
+                f"rejoin from {nid!r} refused: " + ("it does not carry the nonce of its agent's registration"
+                                                    if nid in roster.nonces else
+                                                    "the run directory's roster has no such node"),
+                code=403, reason="wrong_nonce")
+        if gen > roster.generation:
+            raise messages.MessageError(f"rejoin generation {gen} was never issued (the run directory records "
+                                        f"generation {roster.generation})", code=409, reason="generation_not_issued")
+        if slot is not None and roster.slots.get(slot) != nid:
+            # replaced while the master was away (a healed partition, a node declared lost): fenced
+            owner = roster.slots.get(slot)
+            reason = (f"slot {slot} was given to {owner}" if owner is not None
+                      else f"the run directory gives slot {slot} to no node")
+            self.events.emit(Event.NODE_FENCED, self.job.generation, node=nid, slot=slot, reason=reason)
+            return {"role": Role.FAILED.value, "slot": None, "reason": reason}
         if gen > self.job.generation and self.job.phase != Phase.WAITING:
             # once running, this master issued every generation since: a newer one was never issued
             raise messages.MessageError(f"rejoin generation {gen} was never issued (the job is at generation "
@@ -120,6 +158,7 @@ class Handlers:
             self.events.emit(Event.NODE_FENCED, self.job.generation, node=nid, slot=slot, reason=reason)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
         self.job.rejoin_generation[nid] = gen
+        self.job.nonces[nid] = roster.nonces[nid]
         role = Role.ACTIVE if slot is not None else Role.SPARE
         node = NodeRecord(node_id=nid, host=msg.host, agent_pid=msg.agent_pid, peer_addr=msg.peer_addr,
                           fault_domain=msg.fault_domain, role=role, slot=slot, api=r.api)
@@ -136,6 +175,7 @@ class Handlers:
         self.job.restart_count = max(self.job.restart_count, r.restart_count)
         self.job.peer_hint.update(r.world_slots)
         self.job.resumed_at = self.job.resumed_at or time.time()
+        self.job.save_roster()
         self.events.emit(Event.NODE_REJOINED, self.job.generation, node=nid, role=role.value, slot=slot,
                          agent_generation=gen, interrupted=r.frozen)
         if role == Role.SPARE:

@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from typing import Callable
 
 from phoenixrun.control.decide import drain_refusal, stragglers
+from phoenixrun.control.roster import Roster, TrackedSlots
 from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role
 from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
@@ -35,11 +36,14 @@ class JobState:
         self.master_epoch = 0       # the lease epoch this master holds (0: no lease); every order carries it
         # membership
         self.nodes: dict[str, NodeRecord] = {}
-        self.slots: dict[int, str] = {}          # slot -> node id, current generation
+        self.slots: dict[int, str] = TrackedSlots()   # slot -> node id, current generation (changes: the roster)
         self.free_slots = FreeSlots(cfg.nnodes)  # what registrations before the start fill
         self.heard: OrderedDict[str, None] = OrderedDict()   # node ids, least recently heard from first
         self.api_nodes: set[str] = set()
         self.tokens: dict[str, str] = {}         # node id -> the token its registration was given
+        self.nonces: dict[str, str] = {}         # node id -> digest of its agent's nonce (never served: roster.py)
+        # what the run directory vouches for (control/roster.py): set by the Master; None: nothing (no rejoins)
+        self.roster: Roster | None = None
         self.fenced: set[str] = set()            # replaced nodes already told to go (one event each)
         self.injections: dict[str, list[str]] = {}
         # the job's course
@@ -76,6 +80,22 @@ class JobState:
         self.stragglers_at = 0.0
 
     # everything below: call with cv held
+    def save_roster(self, nonces: dict[str, str] | None = None) -> None:
+        """Append to the run directory's roster what changed since the last call: the slots, a newer generation,
+        `nonces` of new registrations. Called before any directive or registration reply tells an agent of the
+        change, so a restarted master never meets an agent that knows more than the roster. O(what changed)."""
+        r = self.roster
+        if r is None:
+            return
+        changed = getattr(self.slots, "changed", None) or ()
+        generation = self.generation if self.generation > r.generation else None
+        if not changed and generation is None and not nonces:
+            return
+        r.append(self.master_epoch, generation=generation, slots={s: self.slots.get(s) for s in changed},
+                 nonces=nonces)
+        if changed:
+            changed.clear()
+
     def relayout(self, layout: Layout) -> None:
         """The job's layout and replica placement: --nnodes at the start, fewer nodes while shrunk
         (control/reshape.py). Per slot: its ranks' replica holders, and the slots whose addresses it needs."""

@@ -35,6 +35,7 @@ from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.recovery import Acks, Recoveries
 from phoenixrun.control.rejections import Rejections
+from phoenixrun.control.roster import Roster
 from phoenixrun.control.server import ControlServer
 from phoenixrun.control.standby import Acquired, LeaseKeeper, await_lease
 from phoenixrun.control.state import NodeRecord, Phase, Role
@@ -56,6 +57,8 @@ class Master:
         self.job = JobState(cfg)
         # a master started again over this run's directory plans from the DTensor peer set the first one was told
         self.job.peer_set = layout_file.load(self.run_dir, cfg.run_id, cfg.nnodes * cfg.nproc_per_node)
+        # what the run directory vouches for when agents rejoin (a standby reads it again once it takes over)
+        self.job.roster = Roster(self.run_dir, cfg.run_id)
         self.orders = Orders(self.job, self.events)
         self._inbox = Inbox()
         self.rejections = Rejections(lambda **f: self.events.emit(Event.REJECTED_REQUEST, self.job.generation, **f))
@@ -89,6 +92,11 @@ class Master:
             return got.previous.exit_code or 0 if got.previous is not None else 0
         self.acquired = got
         self.job.master_epoch = got.epoch
+        with self.job.cv:
+            # the holder wrote on while this master waited; from now on a deposed holder's late lines are skipped
+            self.job.roster.close()
+            self.job.roster = Roster(self.run_dir, self.cfg.run_id)
+            self.job.roster.append(got.epoch)
         return None
 
     def _keep_lease(self) -> None:

@@ -82,7 +82,9 @@ class Orders:
 
     def _generation_fields(self) -> dict:
         """What every directive carries: the generation and its rendezvous prefix, and the master's lease epoch
-        (agents ignore orders of an epoch older than one they have seen: a deposed master's)."""
+        (agents ignore orders of an epoch older than one they have seen: a deposed master's). The roster is brought
+        up to date first: no agent may learn of a generation or a slot the run directory does not vouch for."""
+        self.job.save_roster()
         return {"generation": self.job.generation, "store_prefix": self.store_prefix(self.job.generation),
                 "master_epoch": self.job.master_epoch}
 

@@ -225,6 +225,9 @@ class Register:
     fault_domain: str
     rejoin: Rejoin | None = None
     node_rank: int | None = None   # --node-rank: the slot it asks for (>= nnodes: a spare)
+    # a random value only this agent process holds, the same in each of its registrations: a retry or a rejoin
+    # must carry it (what /v1/state shows of a node - host, pid, address - anyone holding the secret can read)
+    nonce: str | None = field(default=None, repr=False)
 
 
 # Heartbeat and Report are not frozen (the others are): with a frozen __init__ (and a generator over worker_pids)
@@ -305,7 +308,17 @@ def parse_register(p, job: Job) -> Register:
                     peer_addr=_addr(_get(p, "peer_addr"), "peer_addr"),
                     fault_domain=_str(p.get("fault_domain"), "fault_domain") or node_id,
                     rejoin=parse_rejoin(r, job) if r else None,
-                    node_rank=_int(p.get("node_rank"), "node_rank", 0, MAX_COUNT, none=True))
+                    node_rank=_int(p.get("node_rank"), "node_rank", 0, MAX_COUNT, none=True),
+                    nonce=_nonce(p.get("nonce")))
+
+
+def _nonce(v) -> str | None:
+    if v is None:
+        return None
+    v = _str(v, "nonce", limit=128, ident=True)
+    if len(v) < 16:
+        raise MessageError(f"nonce must be 16 to 128 characters, got {len(v)}")
+    return v
 
 
 def parse_rejoin(r, job: Job) -> Rejoin:
