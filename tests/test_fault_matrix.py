@@ -104,7 +104,7 @@ def test_partition_is_replaced_and_fenced_when_it_heals(tmp_path, ref2):
     job.wait_for(lambda s: by_event(job.events(), "node_fenced"), timeout=60, what="the healed node to be fenced")
     ev = job.events()
     f = [e for e in by_event(ev, "fault_detected") if not e.get("during_recovery")][0]
-    assert (f["class"], f["action"], f["signal"]) == ("host_pcie", "node_replace", "node_lost")
+    assert (f["class"], f["action"], f["signal"]) == ("node_lost", "node_replace", "node_lost")
     assert f["node"] == target["node_id"]                 # the survivors are never blamed
     assert by_event(ev, "spare_promoted")[0]["replaces"] == target["node_id"]
     assert [e["node"] for e in by_event(ev, "node_fenced")] == [target["node_id"]]

@@ -7,8 +7,8 @@ from phoenixrun.faults.classify import (COLLECTIVE_ERROR_PATTERNS, classify, col
 from phoenixrun.faults.taxonomy import Action, FaultClass, Signal, SignalKind
 
 K = SignalKind
-TC, GM, HP, NS, SU = (FaultClass.TRANSIENT_COMM, FaultClass.GPU_MEMORY, FaultClass.HOST_PCIE,
-                      FaultClass.NETWORK_STORAGE, FaultClass.SOFTWARE_UNKNOWN)
+TC, GM, HP, NS, SU, NL = (FaultClass.TRANSIENT_COMM, FaultClass.GPU_MEMORY, FaultClass.HOST_PCIE,
+                          FaultClass.NETWORK_STORAGE, FaultClass.SOFTWARE_UNKNOWN, FaultClass.NODE_LOST)
 LR, NR, XF = Action.LOCAL_RESET, Action.NODE_REPLACE, Action.EXTERNAL_FALLBACK
 
 # (signal, fault class, action, root cause, ambiguous)
@@ -21,8 +21,10 @@ TABLE = [
     (Signal(K.ECC_UNCORRECTABLE), GM, NR, True, False),
     (Signal(K.ROW_REMAP_FAILURE), GM, NR, True, False),
     *[(Signal(K.GPU_RECOVERY_ACTION, code=v), HP, NR, True, False) for v in (1, 2, 3, 4, 6, 7, 42)],
-    (Signal(K.NODE_HEARTBEAT_LOST), HP, NR, True, False),
-    (Signal(K.NODE_UNREACHABLE), NS, NR, True, False),
+    # a vanished or silent agent (SIGKILL, a crash, a partition) names no hardware: a node loss, cause unknown
+    (Signal(K.NODE_HEARTBEAT_LOST), NL, NR, True, False),
+    (Signal(K.NODE_HEARTBEAT_LOST, detail="agent unreachable"), NL, NR, True, False),
+    (Signal(K.NODE_UNREACHABLE, detail="agent got signal 15"), NL, NR, True, False),
     (Signal(K.NIC_DOWN), NS, NR, True, False),
     (Signal(K.STORAGE_ERROR), NS, NR, True, False),
     # the agent cannot grow a snapshot slot (shared memory full): never a local reset that would loop
@@ -125,6 +127,19 @@ def test_every_pattern_is_exercised():
     assert all(p.lower() in low for p in COLLECTIVE_ERROR_PATTERNS)
 
 
+@pytest.mark.parametrize("sig, reason", [
+    (Signal(K.NODE_HEARTBEAT_LOST, detail="agent unreachable"), "node lost, cause unknown: agent unreachable"),
+    (Signal(K.NODE_HEARTBEAT_LOST, detail="no heartbeat for 5.1s"), "node lost, cause unknown: no heartbeat for 5.1s"),
+    (Signal(K.NODE_HEARTBEAT_LOST), "node lost, cause unknown"),
+    (Signal(K.NODE_UNREACHABLE, detail="agent got signal 15"), "node left: agent got signal 15"),
+])
+def test_a_lost_node_is_reported_as_what_was_seen(sig, reason):
+    """A SIGKILLed node (its agent refuses connections) was filed as host_pcie, "agent heartbeat lost": an operator
+    would have filed a hardware ticket for a kill."""
+    c = classify(sig)
+    assert (c.fault_class, c.reason) == (FaultClass.NODE_LOST, reason)
+
+
 def test_exit_signal_number():
     assert exit_signal_number(-9) == 9
     assert exit_signal_number(137) == 9
@@ -195,7 +210,7 @@ def test_signal_round_trips_through_dict():
 
 def test_enum_values_are_stable():
     assert [c.value for c in FaultClass] == [
-        "transient_comm", "gpu_memory", "host_pcie", "network_storage", "software_unknown"]
+        "transient_comm", "gpu_memory", "host_pcie", "network_storage", "software_unknown", "node_lost"]
     assert [a.value for a in Action] == ["local_reset", "node_replace", "external_fallback"]
 
 

@@ -47,7 +47,7 @@ def test_a_finished_job_ends_with_exit_code_0(tmp_path):
     assert {m.directives.get(n).fields["command"] for n in ("a", "b")} == {"stop"}
 
 
-@pytest.mark.parametrize("kind, cls", [("node_lost", "host_pcie"), ("left", "network_storage")])
+@pytest.mark.parametrize("kind, cls", [("node_lost", "node_lost"), ("left", "node_lost")])
 def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, kind, cls):
     """The same report files the same class during a recovery as outside one (the class was host_pcie for both)."""
     m = _master(tmp_path, 2)

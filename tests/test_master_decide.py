@@ -114,7 +114,7 @@ def test_fallback_reason():
     assert fallback_reason(c, {"kind": "health", "rank": None}, 2) == "non-finite loss (rank None on slot 2)"
 
 
-@pytest.mark.parametrize("kind, cls", [("node_lost", FaultClass.HOST_PCIE), ("left", FaultClass.NETWORK_STORAGE)])
+@pytest.mark.parametrize("kind, cls", [("node_lost", FaultClass.NODE_LOST), ("left", FaultClass.NODE_LOST)])
 def test_a_node_lost_mid_recovery_is_filed_by_the_classifier(kind, cls):
     c = loss_verdict({"kind": kind, "node_id": "b"}, 1, max_local_resets=3)     # no "t": a probe's own report
     assert (c.fault_class, c.action) == (cls, Action.NODE_REPLACE)

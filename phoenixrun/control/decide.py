@@ -134,8 +134,8 @@ def fallback_reason(c: Classification, ev: dict, slot: int | None) -> str:
 
 def loss_verdict(ev: dict, slot: int, max_local_resets: int) -> Classification:
     """How a node loss found while a recovery or a restart is under way is filed: by the classifier, as the
-    same report outside a recovery (a lost heartbeat: host_pcie; a node that said it leaves: network_storage);
-    either way its slot goes to a spare."""
+    same report outside a recovery (node_lost: a vanished or silent agent, a node that said it leaves); either
+    way its slot goes to a spare."""
     if ev.get("kind") not in NODE_LOSSES:
         raise ValueError(f"not a node loss: {ev.get('kind')!r}")
     return classify(signal_of(ev, slot), max_local_resets=max_local_resets)

@@ -178,10 +178,14 @@ def _base(sig: Signal) -> Classification:
         return _c(FaultClass.TRANSIENT_COMM, Action.LOCAL_RESET, "worker made no progress past the hang timeout",
                   ambiguous=True)
     if k is SignalKind.NODE_HEARTBEAT_LOST:
-        return _c(FaultClass.HOST_PCIE, Action.NODE_REPLACE, "agent heartbeat lost")
+        # The agent is gone (its peer port refuses) or silent: that is all the master knows. A dead host, a
+        # kill, a reboot and a partition look alike from here, so the class says so instead of guessing at
+        # hardware (docs/fault-model.md, "The table"); the detail says what was seen.
+        return _c(FaultClass.NODE_LOST, Action.NODE_REPLACE,
+                  f"node lost, cause unknown: {sig.detail}" if sig.detail else "node lost, cause unknown")
     if k is SignalKind.NODE_UNREACHABLE:
-        # a partition from the master is a network/storage fault (docs/fault-model.md, "The table").
-        return _c(FaultClass.NETWORK_STORAGE, Action.NODE_REPLACE, "node unreachable")
+        # the agent said it leaves (SIGTERM with its drain refused): its slot needs a spare all the same
+        return _c(FaultClass.NODE_LOST, Action.NODE_REPLACE, f"node left: {sig.detail}" if sig.detail else "node left")
     if k is SignalKind.XID:
         x = sig.code
         assert x is not None

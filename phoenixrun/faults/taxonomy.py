@@ -20,6 +20,9 @@ class FaultClass(str, Enum):
     HOST_PCIE = "host_pcie"  # PCIe / host / kernel / reboot
     NETWORK_STORAGE = "network_storage"
     SOFTWARE_UNKNOWN = "software_unknown"  # user bug, numerics, or a fault we cannot name
+    # the node's agent vanished (its connections refused) or went silent: the node is gone, why is not known from
+    # here (a host crash or reboot, power, a kill, a partition). Not a hardware verdict: nothing named the hardware.
+    NODE_LOST = "node_lost"
 
 
 class Action(str, Enum):
@@ -33,8 +36,8 @@ class Action(str, Enum):
 class SignalKind(str, Enum):
     WORKER_EXIT = "worker_exit"  # code: Popen returncode (negative = killed by that signal number)
     WORKER_HANG = "worker_hang"  # no progress heartbeat past --hang-timeout
-    NODE_HEARTBEAT_LOST = "node_heartbeat_lost"  # master: agent silent past --node-timeout
-    NODE_UNREACHABLE = "node_unreachable"  # master/peers cannot connect to the agent (partition)
+    NODE_HEARTBEAT_LOST = "node_heartbeat_lost"  # master: agent silent past --node-timeout, or refuses connections
+    NODE_UNREACHABLE = "node_unreachable"  # master: the agent said it leaves (it got SIGTERM, its drain refused)
     XID = "xid"  # code: Xid number
     ECC_UNCORRECTABLE = "ecc_uncorrectable"
     ROW_REMAP_FAILURE = "row_remap_failure"
