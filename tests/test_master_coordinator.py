@@ -49,7 +49,8 @@ def test_a_finished_job_ends_with_exit_code_0(tmp_path):
 
 @pytest.mark.parametrize("kind, cls", [("node_lost", "node_lost"), ("left", "node_lost")])
 def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, kind, cls):
-    """The same report files the same class during a recovery as outside one (the class was host_pcie for both)."""
+    """The same report files the same class during a recovery as outside one (a lost heartbeat and a node that
+    left were once host_pcie and network_storage outside a recovery, host_pcie for both inside one)."""
     m = _master(tmp_path, 2)
     for nid in ("a", "b"):
         _register(m, nid)
@@ -60,6 +61,7 @@ def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, k
     with pytest.raises(Cascade, match="lost during recovery"):
         m.recovery.pump(1.0, lost)
     assert lost == {m.nodes["b"].slot}
+    assert m.nodes["b"].last_fault == f"{cls}: gone"          # status shows it on the lost node's row
     m.events.close()
     f = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fault_detected"]
     assert [(e["node"], e["signal"], e["class"], e["kind"], e["action"], e["during_recovery"]) for e in f] == \
@@ -119,4 +121,26 @@ def test_a_hot_swap_cascade_keeps_its_promoted_spares_and_its_spare_wait(tmp_pat
         m.recovery._recovery_cycle(lost, fresh, waiting)
     assert e.value.exit_code == 75 and "slot 2" in e.value.reason and time.time() - t0 < 5
     assert m.nodes["s0"].role.value == "active"
+    m.events.close()
+
+
+# ---------------------------------------------------------------- who the fault belongs to (issue 29 item 4)
+def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_survivor(tmp_path):
+    """A plain script: the survivor's worker exits first (its gloo error, no text: filed as its own fault), the
+    probe then finds the killed node. `status`'s "last fault" showed the survivor's symptom on the survivor's row
+    and nothing on the lost node's; the fault is the lost node's, and it is a node loss, not host_pcie."""
+    m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6, max_restarts=1,
+                            correlation_window=0.01), auth.new_secret())
+    m.store_port = 0
+    for i, nid in enumerate(("a", "b", "s0")):
+        m.register({"node_id": nid, "host": f"host-{nid}", "agent_pid": 1, "peer_addr": f"127.0.0.1:{i + 1}"})
+    while not m._inbox.empty():
+        m._inbox.get_nowait()
+    dead = {m.nodes["b"].peer_addr}
+    m.coordinator.probe = m.recovery.probe = lambda addrs, timeout, silent_is_dead: dead & set(addrs)
+    m.coordinator._dispatch({"kind": "worker_exit", "node_id": "a", "generation": 0, "rank": 0, "returncode": 1,
+                             "detail": "rank 0 exited with code 1", "t": time.time()})
+    assert m.job.restart_count == 1 and m.nodes["s0"].slot == 1
+    assert m.nodes["a"].last_fault is None
+    assert m.nodes["b"].last_fault == "node_lost: agent unreachable"
     m.events.close()

@@ -12,8 +12,8 @@ import queue
 import time
 
 from phoenixrun.control.decide import (FAULT_REPORTS, NODE_LOSSES, JobEnd, Remedy, carried_out_first, detail_of,
-                                       escalated, exit_code_of, fallback_reason, is_definite, loss_verdict, respond,
-                                       signal_of)
+                                       escalated, exit_code_of, fallback_reason, fault_text, is_definite, loss_verdict,
+                                       respond, signal_of)
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
@@ -257,7 +257,7 @@ class Coordinator:
         job = self.job
         with job.cv:
             job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
-            node.last_fault = f"{verdict.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
+            before, node.last_fault = node.last_fault, fault_text(verdict, ev)
             self.events.emit(Event.FAULT_DETECTED, job.generation, node=node.node_id, slot=node.slot,
                              signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
                              detail=detail_of(ev), **{"class": verdict.fault_class.value},
@@ -276,18 +276,20 @@ class Coordinator:
                 self.orders.direct([node.node_id], command=Command.STOP, exit_code=0, reason=f"fenced: {verdict.reason}")
         lost = {node.slot} if response.replace else set()
         if response.remedy is Remedy.RESTART:
-            self._restart_plain(lost, node, ev, verdict, failing_code)
+            self._restart_plain(lost, node, ev, verdict, failing_code, before)
         else:
             self.recovery.hot_swap(lost, node, ev, verdict.action, failing_code)
 
     def _restart_plain(self, lost: set[int], node: NodeRecord, ev: dict, verdict: Classification,
-                       failing_code: int | None) -> None:
+                       failing_code: int | None, before: str | None = None) -> None:
         """A script without the API: torchrun's semantics, a full restart on any failure while --max-restarts
         allows. A worker's failure may be the symptom of a node loss not yet detected (a survivor's gloo
         error came 1.4 s before the lost node's heartbeat timeout): the agents are probed, and node losses
         reported within the correlation window are taken too, so the lost nodes' slots get spares in the
-        same restart (one restart, not two)."""
+        same restart (one restart, not two). The fault is then the lost nodes': their rows in `status` show
+        it, and the reporting node's goes back to what it showed before (`before`)."""
         job = self.job
+        reporter_lost = node.slot in lost
         time.sleep(self.cfg.correlation_window)
         losses = self.inbox.take(lambda e: e.get("kind") in NODE_LOSSES)
         with job.cv:
@@ -303,11 +305,15 @@ class Coordinator:
             with job.cv:
                 for n in gone:
                     lost.add(n.slot)
-                    loss = reported.get(n.node_id) or {"kind": ReportKind.NODE_LOST, "node_id": n.node_id}
+                    loss = reported.get(n.node_id) or {"kind": ReportKind.NODE_LOST, "node_id": n.node_id,
+                                                       "detail": "agent unreachable"}
                     c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
+                    n.last_fault = fault_text(c, loss)
                     self.events.emit(Event.FAULT_DETECTED, job.generation, node=n.node_id, slot=n.slot, signal=ReportKind.NODE_LOST,
                                      detail="node lost with the failure", action=c.action.value,
                                      **{"class": c.fault_class.value}, kind=c.fault_class.value, symptom_of_loss=True)
+                if not reporter_lost:      # its report was a symptom of the loss: not its fault
+                    node.last_fault = before
             why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.get('rank')}'s "
                    f"{ev.get('kind')} was its symptom)")
         for e in losses:   # losses of spares and of nodes already handled: the usual bookkeeping

@@ -95,6 +95,11 @@ def carried_out_first(corr: Correlation) -> NodeDecision | None:
     return max(acted, key=lambda d: ACTION_PRECEDENCE[d.action])   # max keeps the first of equals
 
 
+def fault_text(c: Classification, ev: dict) -> str:
+    """A node's "last fault" as `status` shows it: the class and what the report said. Pure."""
+    return f"{c.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
+
+
 def escalated(c: Classification, e: Escalation) -> Classification:
     """The classification with the escalation's action and reason (call only when e does not stop the job)."""
     if e.action is c.action:

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
 from phoenixrun.control.decide import (NODE_LOSSES, attempt_ranks, attempt_verdict, detail_of, drain_step,
-                                       fallback_attempts, loss_verdict, plan_drain, signal_of)
+                                       fallback_attempts, fault_text, loss_verdict, plan_drain, signal_of)
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
@@ -632,6 +632,7 @@ class Recoveries:
                     lost.add(n.slot)     # whatever the classifier says: a lost node's slot goes to a spare
                     newly += 1
                     c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
+                    n.last_fault = fault_text(c, loss)
                     self.events.emit(Event.FAULT_DETECTED, self.job.generation, node=n.node_id, slot=n.slot,
                                      signal=loss["kind"], detail=loss.get("detail", ""), action=c.action.value,
                                      **{"class": c.fault_class.value}, kind=c.fault_class.value,
