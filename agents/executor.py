@@ -114,8 +114,9 @@ class DirectiveExecutor:
         elif step is Step.FENCED:
             self.life.fenced(d)
         elif step is Step.STOP:
-            if d.get("reason"):
-                log.warning("stopping (exit code %s): %s", d.get("exit_code", 0), d["reason"])
+            if d.get("reason"):    # a clean finish is news, not a warning (issue 29 item 3)
+                log.log(logging.WARNING if d.get("exit_code") else logging.INFO,
+                        "stopping (exit code %s): %s", d.get("exit_code", 0), d["reason"])
             self.life.stop(d.get("exit_code", 0))
 
     # ------------------------------------------------------------------ quiesce

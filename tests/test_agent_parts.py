@@ -49,6 +49,24 @@ def test_plan_directive(d, has_workers, in_place, expected):
     assert plan_directive(d, has_workers=has_workers, in_place=in_place) is expected
 
 
+@pytest.mark.parametrize("code, level", [(0, "INFO"), (1, "WARNING"), (75, "WARNING")])
+def test_a_clean_finish_is_not_a_warning(caplog, code, level):
+    """Every agent logged a finished job as `WARNING stopping (exit code 0)` (issue 29 item 3)."""
+    import threading
+    from types import SimpleNamespace
+
+    from phoenixrun.agents.executor import DirectiveExecutor
+    stopped = []
+    node = SimpleNamespace(lock=threading.Lock(), take_directive=lambda d: None, api=False, persister=None)
+    ex = DirectiveExecutor(node, SimpleNamespace(stop=stopped.append), None, None,
+                           SimpleNamespace(workers={}, warm_workers=lambda: False), None, None, None)
+    caplog.set_level("DEBUG", logger="phoenixrun.agent")
+    ex.apply({"command": "stop", "exit_code": code, "reason": "all workers finished"})
+    assert stopped == [code]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "stopping" in r.getMessage()] == \
+        [(level, f"stopping (exit code {code}): all workers finished")]
+
+
 @pytest.mark.parametrize("d, expected", [
     ({"command": "run"}, True),
     ({"command": "run", "resume": True}, True),
