@@ -56,12 +56,24 @@ def test_standalone_matches_torchrun_and_shows_status(tmp_path, ref4):
 def test_node_kill_hot_swap_three_nodes(tmp_path):
     ref3 = torchrun(tmp_path, "ref3", nproc=3, steps=STEPS)
     job = launch(tmp_path, "node", nnodes=3, nproc=1, spares=1, steps=STEPS)
-    kill_node(job.wait_step(8), slot=1)
+    killed = kill_node(job.wait_step(8), slot=1)
     assert job.finish() == 0, job.log()[-3000:]
     d = _recovered(job)[0]
     assert d["replaced_slots"] and d["phases"]["quiesce_s"] >= 0
     started = by_event(job.events(), "recovery_started")[0]
     assert started["slot"] == 1 and started["action"] == "node_replace"
+    # a killed node is a node lost, cause unknown: not a hardware (host_pcie) verdict (issue 29 item 4)
+    fault = [f for f in by_event(job.events(), "fault_detected") if not f.get("during_recovery")][0]
+    assert (fault["node"], fault["class"], fault["action"]) == (killed["node_id"], "node_lost", "node_replace")
+    # the console says what happened, once (issue 29 item 3): it said nothing, and "WARNING stopping (exit code 0)"
+    # once per agent at the end
+    log = job.log()
+    lines = [x for x in log.splitlines() if "incident:" in x]
+    assert len(lines) == 1, log[-3000:]
+    assert f"incident: node lost on slot 1 (node {killed['node_id']}, host " in lines[0], lines
+    assert f"[node_lost: " in lines[0] and f"-> hot swap onto spare {d['replaced_slots']['1']} in " in lines[0], lines
+    assert f"restored step {d['restored_step']}, " in lines[0] and lines[0].endswith("; 0 spares left"), lines
+    assert "stopping (exit code 0)" not in log, log[-3000:]
     assert_identical(job.out, ref3)
 
 

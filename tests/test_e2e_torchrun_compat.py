@@ -96,6 +96,10 @@ def test_node_killed_mid_training_restarts_with_the_spare(tmp_path):
     promoted = by_event(ev, "spare_promoted")
     assert [(p["slot"], p["node"]) for p in promoted] == [(1, spare["node_id"])]
     assert by_event(ev, "job_finished")[-1]["restarts"] == 1
+    # one console line names the lost node, not the survivor whose worker died of it (issue 29 items 3, 4)
+    lines = [x for x in job.log().splitlines() if "incident:" in x]
+    assert len(lines) == 1 and f"incident: node lost on slot 1 (node {node['node_id']}, " in lines[0], lines
+    assert "[node_lost: " in lines[0] and "-> torchrun-style restart 1, " in lines[0], lines
 
 
 def test_restart_that_cannot_come_up_fails_within_bounded_time(tmp_path):

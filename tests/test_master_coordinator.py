@@ -125,10 +125,12 @@ def test_a_hot_swap_cascade_keeps_its_promoted_spares_and_its_spare_wait(tmp_pat
 
 
 # ---------------------------------------------------------------- who the fault belongs to (issue 29 item 4)
-def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_survivor(tmp_path):
+def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_survivor(tmp_path, caplog):
     """A plain script: the survivor's worker exits first (its gloo error, no text: filed as its own fault), the
     probe then finds the killed node. `status`'s "last fault" showed the survivor's symptom on the survivor's row
-    and nothing on the lost node's; the fault is the lost node's, and it is a node loss, not host_pcie."""
+    and nothing on the lost node's; the fault is the lost node's, and it is a node loss, not host_pcie. The
+    console says so in one line (issue 29 item 3: it said nothing)."""
+    caplog.set_level("WARNING", logger="phoenixrun.master")
     m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6, max_restarts=1,
                             correlation_window=0.01), auth.new_secret())
     m.store_port = 0
@@ -143,4 +145,9 @@ def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_sur
     assert m.job.restart_count == 1 and m.nodes["s0"].slot == 1
     assert m.nodes["a"].last_fault is None
     assert m.nodes["b"].last_fault == "node_lost: agent unreachable"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("incident:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "incident: node lost on slot 1 (node b, host host-b) [node_lost: agent unreachable] -> torchrun-style "
+        "restart 1, ordered "), lines
+    assert lines[0].endswith("; 0 spares left")
     m.events.close()

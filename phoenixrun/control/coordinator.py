@@ -246,9 +246,10 @@ class Coordinator:
             e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.max_local_resets))
             job.attempts = [*job.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:
-                self.events.emit(Event.FAULT_DETECTED, job.generation, node=ev.get("node_id"), signal=ev.get("kind"),
-                                 rank=ev.get("rank"), detail=detail_of(ev),
-                                 **{"class": c.fault_class.value}, action="stop", step=step, repeats=e.repeats)
+                self.recovery.open_incident(self.events.emit(
+                    Event.FAULT_DETECTED, job.generation, node=ev.get("node_id"), signal=ev.get("kind"),
+                    rank=ev.get("rank"), detail=detail_of(ev), **{"class": c.fault_class.value}, action="stop",
+                    step=step, repeats=e.repeats))
         if e.stop:
             raise Stop(exit_code_of(ev) or 1, e.reason)
         return escalated(c, e)
@@ -258,11 +259,11 @@ class Coordinator:
         with job.cv:
             job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
             before, node.last_fault = node.last_fault, fault_text(verdict, ev)
-            self.events.emit(Event.FAULT_DETECTED, job.generation, node=node.node_id, slot=node.slot,
-                             signal=ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
-                             detail=detail_of(ev), **{"class": verdict.fault_class.value},
-                             action=verdict.action.value, kind=verdict.fault_class.value, step=ev.get("step"),
-                             **(context or {}))
+            self.recovery.open_incident(self.events.emit(
+                Event.FAULT_DETECTED, job.generation, node=node.node_id, slot=node.slot, signal=ev.get("kind"),
+                rank=ev.get("rank"), returncode=ev.get("returncode"), detail=detail_of(ev),
+                **{"class": verdict.fault_class.value}, action=verdict.action.value, kind=verdict.fault_class.value,
+                step=ev.get("step"), **(context or {})))
             response = respond(job.hot_swap_capable(), verdict.action, ev.get("kind"))
         failing_code = exit_code_of(ev)
         if response.remedy is Remedy.FALLBACK:
@@ -309,9 +310,14 @@ class Coordinator:
                                                        "detail": "agent unreachable"}
                     c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
                     n.last_fault = fault_text(c, loss)
-                    self.events.emit(Event.FAULT_DETECTED, job.generation, node=n.node_id, slot=n.slot, signal=ReportKind.NODE_LOST,
-                                     detail="node lost with the failure", action=c.action.value,
-                                     **{"class": c.fault_class.value}, kind=c.fault_class.value, symptom_of_loss=True)
+                    rec = self.events.emit(Event.FAULT_DETECTED, job.generation, node=n.node_id, slot=n.slot,
+                                           signal=ReportKind.NODE_LOST, detail="node lost with the failure",
+                                           action=c.action.value, **{"class": c.fault_class.value},
+                                           kind=c.fault_class.value, symptom_of_loss=True)
+                    if n is gone[0] and not reporter_lost:    # the incident is the loss (what the console says)
+                        first = self.recovery.incident or rec
+                        self.recovery.open_incident({**rec, "detail": loss.get("detail") or rec["detail"],
+                                                     "t": first.get("t", rec["t"])})
                 if not reporter_lost:      # its report was a symptom of the loss: not its fault
                     node.last_fault = before
             why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.get('rank')}'s "
@@ -331,14 +337,15 @@ class Coordinator:
             # newest any rank has (a non-finite step must never appear here)
             newest = job.newest_snapshots()
             complete = len(newest) == job.layout.world_size
-            self.events.emit(Event.JOB_FINISHED, job.generation, exit_code=exit_code, reason=reason,
-                             restarts=job.restart_count, recoveries=job.recoveries,
-                             committed_step=min(newest.values()) if complete else None,
-                             newest_snapshot=max(newest.values(), default=None))
+            end = self.events.emit(Event.JOB_FINISHED, job.generation, exit_code=exit_code, reason=reason,
+                                   restarts=job.restart_count, recoveries=job.recoveries,
+                                   committed_step=min(newest.values()) if complete else None,
+                                   newest_snapshot=max(newest.values(), default=None))
             self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command=Command.STOP,
                                exit_code=exit_code, reason=reason)
             if job.roster is not None:     # nobody rejoins a finished job (control/roster.py)
                 job.roster.append(job.master_epoch, finished=True)
-        if exit_code:
+        # a fault ended it: one line, as for every incident (control/incident.py); else the plain reason
+        if exit_code and not self.recovery.close_incident(end, level=logging.ERROR):
             log.error("job failed (exit %d): %s", exit_code, reason)
         job.stopped.set()

@@ -20,6 +20,7 @@ from phoenixrun import persist_layout as persist   # torch-free: the master neve
 from phoenixrun.control.decide import (NODE_LOSSES, attempt_ranks, attempt_verdict, detail_of, drain_step,
                                        fallback_attempts, fault_text, loss_verdict, plan_drain, signal_of)
 from phoenixrun.control.events import EventLog
+from phoenixrun.control.incident import incident_line
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
@@ -98,6 +99,23 @@ class Recoveries:
     def __init__(self, job: JobState, orders: Orders, events: EventLog, inbox: Inbox, probe: Probe = unreachable):
         self.cfg, self.job, self.orders, self.events, self.inbox, self.probe = job.cfg, job, orders, events, inbox, probe
         self._attempt_stores: dict = {}     # generation -> the TCPStore of that restart attempt
+        self.incident: dict | None = None   # the fault_detected record of the incident being handled
+
+    def open_incident(self, fault: dict) -> None:
+        """The incident being handled is this fault (its fault_detected record); the next outcome closes it."""
+        self.incident = fault
+
+    def close_incident(self, outcome: dict, level: int = logging.WARNING) -> bool:
+        """Say on the console, in one line, how the open incident ended (control/incident.py); False if none
+        was open."""
+        fault, self.incident = self.incident, None
+        if fault is None:
+            return False
+        with self.job.cv:
+            node = self.job.nodes.get(fault.get("node") or "")
+            spares = sum(1 for n in self.job.nodes.values() if n.role == Role.SPARE)
+        log.log(level, "%s", incident_line(fault, outcome, host=node.host if node else None, spares_left=spares))
+        return True
 
     def absorb(self, ev: dict) -> None:
         self.job.absorb(ev, self.events.emit)
@@ -122,10 +140,11 @@ class Recoveries:
             self.job.done_nodes.clear()
             self.job.restored_step = None        # every worker starts from scratch
             port = self._attempt_store(self.job.generation)
-            self.events.emit(Event.RESTART, self.job.generation, restart_count=self.job.restart_count, reason=why,
-                             store_port=port)
+            done = self.events.emit(Event.RESTART, self.job.generation, restart_count=self.job.restart_count,
+                                    reason=why, store_port=port)
             self.orders.direct_slots(Command.RESTART, restart_count=self.job.restart_count, restore_step=None, store_port=port)
             self.job.phase = Phase.RUNNING
+        self.close_incident(done)
         self.drain_stale()
         self._arm_attempt_check(self.job.generation, None)
 
@@ -251,7 +270,9 @@ class Recoveries:
                 continue
             with self.job.cv:
                 self.job.phase = Phase.RUNNING
-                self.events.emit(Event.FALLBACK_DONE, g, restore_step=step, duration_s=round(time.time() - t0, 4))
+                done = self.events.emit(Event.FALLBACK_DONE, g, restore_step=step,
+                                        duration_s=round(time.time() - t0, 4))
+            self.close_incident(done)
             self.drain_stale()
             return True
         raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason}); "
@@ -263,6 +284,9 @@ class Recoveries:
         """fresh: slots a spare was promoted into before (an interrupted drain's), which hold no state yet."""
         t0 = time.time()
         cause = ev.get("detail") or ev.get("text") or ev.get("kind")
+        if self.incident is None:    # not opened by the coordinator (an interrupted drain): this is the incident
+            self.open_incident({"t": ev.get("t", t0), "node": node.node_id, "slot": node.slot,
+                                "signal": ev.get("kind"), "detail": cause})
         with self.job.cv:
             self.events.emit(Event.RECOVERY_STARTED, self.job.generation + 1, failed_node=node.node_id,
                              slot=node.slot, cause=cause, action=action.value)
@@ -292,12 +316,14 @@ class Recoveries:
             self.job.recoveries += 1
             self.job.phase = Phase.RUNNING
             self.job.done_nodes.clear()
-            self.events.emit(Event.RECOVERY_DONE, self.job.generation, restored_step=plan.restore_step,
-                             replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
-                             duration_s=round(time.time() - t0, 4), detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
-                             replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
+            done = self.events.emit(Event.RECOVERY_DONE, self.job.generation, restored_step=plan.restore_step,
+                                    replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
+                                    duration_s=round(time.time() - t0, 4),
+                                    detect_to_done_s=round(time.time() - ev.get("t", t0), 4),
+                                    replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
             # one directive for every node: each got its slot and world with the restore order
             self.orders.direct(self.job.slots.values(), command=Command.RUN, restart_count=self.job.restart_count, resume=True)
+        self.close_incident(done)
         self.drain_stale()
 
     # ---------------------------------------------------------------- shrink and grow
@@ -384,12 +410,14 @@ class Recoveries:
         with job.cv:
             job.recoveries += 1
             job.phase = Phase.RUNNING
-            self.events.emit(Event.JOB_SHRUNK if plan.kind == "shrink" else Event.JOB_GROWN, g,
-                             nnodes=plan.new.nnodes, world_size=plan.new.world_size, was_nnodes=plan.old.nnodes,
-                             was_world_size=plan.old.world_size, restored_step=plan.restore_step,
-                             replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
-                             slot_map=dict(plan.slot_map), duration_s=round(time.time() - t0, 4), **what)
+            done = self.events.emit(Event.JOB_SHRUNK if plan.kind == "shrink" else Event.JOB_GROWN, g,
+                                    nnodes=plan.new.nnodes, world_size=plan.new.world_size, was_nnodes=plan.old.nnodes,
+                                    was_world_size=plan.old.world_size, restored_step=plan.restore_step,
+                                    replayed_steps=max(0, reached - plan.restore_step), steps_completed_before=reached,
+                                    slot_map=dict(plan.slot_map), duration_s=round(time.time() - t0, 4), **what)
             self.orders.direct(job.slots.values(), command=Command.RUN, restart_count=job.restart_count, resume=True)
+        if plan.kind == "shrink":
+            self.close_incident(done)
         self.drain_stale()
 
     # ---------------------------------------------------------------- planned drain
