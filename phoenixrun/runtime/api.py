@@ -154,6 +154,14 @@ def init(backend: str = "gloo") -> Context:
     return _ctx
 
 
+def joining_step() -> int | None:
+    """The step this process joins a running job at (a warm spare or a local reset's new worker: its state is
+    restored by protect()); None at a fresh start or without phoenixrun. For a loop that must fast-forward its own
+    position before protect() runs (phoenixrun.integrations)."""
+    init()
+    return _runtime.restore_step if _runtime is not None else None
+
+
 def _plan_layout(world: int, tp: int, pp: int) -> Layout:
     """The (nodes, ranks per node, tp, pp) layout the master plans recoveries with."""
     nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
