@@ -249,9 +249,9 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
     mesh_peers = layout_check.dtensor_peers(facts, ctx.world_size)
     mine = torch.tensor([0 if own else layout_check.shared_checksum(model), 1 if own else 0, 1 if unshared else 0,
                          layout_check.peer_fingerprint(mesh_peers)], dtype=torch.int64)
-    gathered = torch.zeros(4 * ctx.world_size, dtype=torch.int64)
-    dist.all_gather_into_tensor(gathered, mine)
-    rows = gathered.view(ctx.world_size, 4).tolist()
+    gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, mine)   # (all_gather_into_tensor warns of its deprecation on every rank in torch 2.13)
+    rows = [g.tolist() for g in gathered]
     flagged = [(ctx.rank, unshared)] if unshared else []
     flagged += [(r, "its plain state is not provably its peers' (that rank's log says why)")
                 for r, (_, _, u, _) in enumerate(rows) if u and r != ctx.rank]

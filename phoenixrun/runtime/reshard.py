@@ -110,15 +110,15 @@ def merge_shards(shards: dict[int, dict[int, dict]], old_world: int) -> dict[int
 def _all_gather_bytes(data: bytes) -> list[bytes]:
     world = dist.get_world_size()
     n = torch.tensor([len(data)], dtype=torch.int64)
-    sizes = torch.zeros(world, dtype=torch.int64)
-    dist.all_gather_into_tensor(sizes, n)
-    cap = int(sizes.max())
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, n)   # (all_gather_into_tensor warns of its deprecation in torch 2.13)
+    cap = int(max(s.item() for s in sizes))
     mine = torch.zeros(cap, dtype=torch.uint8)
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.zeros(cap * world, dtype=torch.uint8)
-    dist.all_gather_into_tensor(out, mine)
-    return [out[i * cap:i * cap + int(sizes[i])].numpy().tobytes() for i in range(world)]
+    out = [torch.zeros(cap, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [out[i][:int(sizes[i].item())].numpy().tobytes() for i in range(world)]
 
 
 def _dumps(obj) -> bytes:
