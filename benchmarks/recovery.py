@@ -72,19 +72,23 @@ def status(run: Path) -> dict:
 
 
 def phoenix_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, model: list[str],
-                  script: Path = EXAMPLE) -> dict:
-    run, prog = tmp / "ph-run", tmp / "ph-progress"
+                  script: Path = EXAMPLE, flags: tuple[str, ...] = (), env: dict | None = None,
+                  name: str = "ph") -> dict:
+    """One job with a node killed at step `kill`. `flags`/`env` make it another arm (benchmarks/frameworks.py: the
+    same script unprotected, with --max-restarts: torchrun's restart); without a hot swap in its events, only the
+    lost time and the survivors' processes are reported."""
+    run, prog = tmp / f"{name}-run", tmp / f"{name}-progress"
     prog.mkdir(parents=True)
     world = nodes * nproc
     cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nodes), "--nproc-per-node", str(nproc), "--spares", "1",
-           "--run-dir", str(run), str(script), "--steps", str(steps), "--out", str(tmp / "ph-out"),
+           "--run-dir", str(run), *flags, str(script), "--steps", str(steps), "--out", str(tmp / f"{name}-out"),
            "--progress-dir", str(prog), *model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING"})
+                            env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING", **(env or {})})
     wait_all_reached(prog, world, 0, 0, proc)
     while True:  # steady state of a real job: the spare's workers are up (warm) long before a failure
-        state = status(run)
-        if all(len(n["worker_pids"]) == nproc for n in state["nodes"]):
+        state = status(run)   # (unprotected, a spare starts its workers only when a restart needs them)
+        if all(len(n["worker_pids"]) == nproc for n in state["nodes"] if n["role"] == "active" or not flags):
             break
         time.sleep(0.2)
     node = next(n for n in state["nodes"] if n["slot"] == 1)
@@ -105,9 +109,12 @@ def phoenix_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, mode
     rc = proc.wait(timeout=600)
     ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     fault = next(e for e in ev if e["event"] == "fault_detected")
-    done = next(e for e in ev if e["event"] == "recovery_done")
+    done = next((e for e in ev if e["event"] == "recovery_done"), None)
     step_s = statistics.median(b - a for lines in progress(prog).values() for (s0, a), (s1, b) in zip(lines, lines[1:])
                                if s1 == s0 + 1 and b < t_kill)
+    if done is None:
+        return {"exit_code": rc, "lost_s": t_back - t_kill, "detect_s": fault["t"] - t_kill,
+                "survivors_kept": after == survivors, "step_s": round(step_s, 3)}
     return {"exit_code": rc, "lost_s": t_back - t_kill, "detect_s": fault["t"] - t_kill,
             "recovery_s": done["duration_s"], "replayed_steps": done["replayed_steps"], "phases": done["phases"],
             "survivors_kept": after == survivors, "step_s": round(step_s, 3),

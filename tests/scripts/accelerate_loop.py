@@ -7,6 +7,7 @@ rates, parameter and optimizer hashes, its pid and generation.
 import argparse
 import hashlib
 import json
+import time
 import os
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import phoenixrun.integrations.accelerate
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--out", required=True)
+ap.add_argument("--progress-dir", default=None, help="append 'step unix_time' per finished step (benchmarks)")
 args, _ = ap.parse_known_args()
 
 phoenixrun.init()   # before Accelerator(): the job's process group is phoenixrun's
@@ -31,9 +33,11 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.L
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.8)
 model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+rank = accelerator.process_index
 progress: dict = {"losses": {}, "batches": {}, "lr": {}}
 job = phoenixrun.integrations.accelerate.protect(accelerator, model, opt, dataloader=loader, scheduler=sched,
                                                  state=progress)
+log = open(os.path.join(args.progress_dir, f"rank{rank}.log"), "a", buffering=1) if args.progress_dir else None
 for step in job.steps(args.steps):
     with job.step(step):
         x, y, idx = next(job.batches)
@@ -45,8 +49,9 @@ for step in job.steps(args.steps):
         opt.zero_grad()
         progress["losses"][str(step)] = loss.item()
         progress["batches"][str(step)] = idx.tolist()
+        if log:   # a step abandoned for a recovery never gets here (it is replayed)
+            log.write(f"{step} {time.time()}\n")
 
-rank = accelerator.process_index
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import time
 import os
 from pathlib import Path
 
@@ -30,6 +31,7 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--mode", choices=["managed", "naive"], default="managed")
 ap.add_argument("--workers", type=int, default=0)
 ap.add_argument("--samples", type=int, default=64)
+ap.add_argument("--progress-dir", default=None, help="append 'step unix_time' per finished step (benchmarks)")
 args, _ = ap.parse_known_args()   # the harness's model flags are not this script's
 
 ctx = phoenixrun.init()
@@ -57,6 +59,7 @@ else:
             yield from loader
     batches = epochs()
 
+log = open(os.path.join(args.progress_dir, f"rank{rank}.log"), "a", buffering=1) if args.progress_dir else None
 for step in job.steps(args.steps):
     with job.step(step):
         x, y, idx = next(batches)
@@ -68,6 +71,8 @@ for step in job.steps(args.steps):
         sched.step()
         progress["losses"][str(step)] = loss.item()
         progress["batches"][str(step)] = idx.tolist()
+        if log:   # a step abandoned for a recovery never gets here (it is replayed)
+            log.write(f"{step} {time.time()}\n")
 
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ it joined at), parameter and optimizer hashes, its pid.
 import argparse
 import hashlib
 import json
+import time
 import os
 from pathlib import Path
 
@@ -18,13 +19,24 @@ import phoenixrun
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--out", required=True)
-args, _ = ap.parse_known_args()
+ap.add_argument("--progress-dir", default=None, help="append 'step unix_time' per finished step (benchmarks)")
+cli, _ = ap.parse_known_args()
 
 phoenixrun.init()   # first: TrainingArguments sets up torch.distributed when it is built
 
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
 
+from transformers import TrainerCallback  # noqa: E402
+
 from phoenixrun.integrations.transformers import PhoenixTrainer  # noqa: E402
+
+
+class Progress(TrainerCallback):
+    """'step unix_time' per finished step (benchmarks)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        with open(os.path.join(cli.progress_dir, f"rank{args.process_index}.log"), "a") as f:
+            f.write(f"{state.global_step - 1} {time.time()}\n")
 
 
 class Recording(PhoenixTrainer):
@@ -40,15 +52,16 @@ torch.manual_seed(0)
 data = torch.randint(0, 64, (64, 17))
 dataset = [{"input_ids": row, "labels": row} for row in data]
 model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2))
-out = Path(args.out)
-targs = TrainingArguments(output_dir=str(out / "hf"), per_device_train_batch_size=4, max_steps=args.steps,
+out = Path(cli.out)
+targs = TrainingArguments(output_dir=str(out / "hf"), per_device_train_batch_size=4, max_steps=cli.steps,
                           learning_rate=3e-3, warmup_steps=5, lr_scheduler_type="linear", max_grad_norm=1.0,
                           logging_steps=10_000, save_strategy="no", report_to=[], seed=0, use_cpu=True,
                           disable_tqdm=True, dataloader_num_workers=0)
 # one float summation order on every topology: accelerate sizes the CPU thread pool by the ranks a host runs
 # (2 nodes x 1 rank here, 1 x 2 under the torchrun reference), and a matmul's sums follow the thread count
 torch.set_num_threads(1)
-trainer = Recording(model=model, args=targs, train_dataset=dataset)
+trainer = Recording(model=model, args=targs, train_dataset=dataset,
+                    callbacks=[Progress()] if cli.progress_dir else None)
 trainer.train()
 
 rank = targs.process_index
