@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN_DIR ?= demo-run
 
-.PHONY: install demo test test-all test-gpu bench clean
+.PHONY: install demo lint test test-all test-gpu bench clean
 
 $(BIN)/phoenixrun: pyproject.toml setup.cfg
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,11 +26,15 @@ demo: install
 # restart, FSDP2, growing state, hostile input, a corrupt replica refused, shrink and grow, a Slurm template.
 # Measured on an idle machine (2026-12-02): 1040 tests in 439 s of pytest (make test-all: 1088 in 1778 s).
 SMOKE := not gpu and (smoke or not (e2e or slurm))
-test: install
+test: install lint
 	$(BIN)/python -m pytest -q -m "$(SMOKE)" tests
 
+# The linter CI runs before the tests (rules in pyproject.toml): undefined and unused names, mutable defaults
+lint: install
+	$(BIN)/ruff check phoenixrun agents tests benchmarks tools examples
+
 # Every test (23-30 min of pytest on 2 cores, idle machine): what CI runs (.ci/run).
-test-all: install
+test-all: install lint
 	$(BIN)/python -m pytest -q -m "not gpu" tests
 
 # The GPU tests (pytest -m gpu; on a CPU-only machine they are skipped). tools/gpu_check.sh runs this on the device

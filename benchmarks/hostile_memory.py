@@ -1,7 +1,7 @@
 """Run: python benchmarks/hostile_memory.py.
 RSS growth of one process hosting a real Master and a PeerServer under oversized claims from unauthenticated
 connections (what tests/test_control_fuzz.py bounds), printed per part."""
-import json, socket, struct, sys, tempfile, time
+import json, socket, struct, tempfile, time
 from pathlib import Path
 import psutil
 from phoenixrun import auth

@@ -127,8 +127,8 @@ def main() -> None:
     progress: dict = {"losses": {}}
     job = phoenixrun.protect(model, opt, state=progress)
 
-    def schedule() -> ScheduleGPipe:
-        stage = PipelineStage(model, pp_rank, args.pp, torch.device("cpu"), group=mesh["pp"].get_group())
+    def schedule(stage_model: torch.nn.Module = model) -> ScheduleGPipe:
+        stage = PipelineStage(stage_model, pp_rank, args.pp, torch.device("cpu"), group=mesh["pp"].get_group())
         return ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
 
     pipe = schedule()

@@ -7,7 +7,6 @@ batches, learning rates and updates of a fault-free torchrun run. Keeping its ow
 must not finish as if nothing happened: the survivor's replay is caught on other inputs and the job stops, naming the
 fix.
 """
-import json
 
 import pytest
 

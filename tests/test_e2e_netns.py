@@ -6,9 +6,7 @@ Needs root and `ip netns` (skipped with the reason otherwise)."""
 import json
 import os
 import shutil
-import signal
 import subprocess
-import time
 
 import psutil
 import pytest

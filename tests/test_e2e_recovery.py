@@ -71,7 +71,7 @@ def test_node_kill_hot_swap_three_nodes(tmp_path):
     lines = [x for x in log.splitlines() if "incident:" in x]
     assert len(lines) == 1, log[-3000:]
     assert f"incident: node lost on slot 1 (node {killed['node_id']}, host " in lines[0], lines
-    assert f"[node_lost: " in lines[0] and f"-> hot swap onto spare {d['replaced_slots']['1']} in " in lines[0], lines
+    assert "[node_lost: " in lines[0] and f"-> hot swap onto spare {d['replaced_slots']['1']} in " in lines[0], lines
     assert f"restored step {d['restored_step']}, " in lines[0] and lines[0].endswith("; 0 spares left"), lines
     assert "stopping (exit code 0)" not in log, log[-3000:]
     assert_identical(job.out, ref3)
