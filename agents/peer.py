@@ -8,20 +8,26 @@ keepalive / TCP_USER_TIMEOUT so a dead or hung peer becomes an error in seconds,
 The server checks the secret in a frame's header before it reads (or allocates) the payload the header
 announces: measured on main at 73f19fc, three unauthenticated connections announcing 1 GiB took an agent
 from 41 MB to 3.2 GB. Before a connection has authenticated it may send at most MAX_HEADER bytes, must
-send them within the I/O timeout, and at most MAX_UNAUTHENTICATED such connections are served at once
-(more are closed at accept). Payload sizes are capped per operation (`max_payload`): only `put` carries
-one.
+send them within AUTH_TIMEOUT_S of the accept (in all, however slowly they trickle in), and at most
+MAX_UNAUTHENTICATED such connections are served at once. When that room is full a new connection takes the place
+of the oldest idle one (protocol/admission.py): 64 idle strangers used to close the spare's restore connection at
+accept and fail the job (issue 31 item 3); the job's own peers send their frame at once and always get in.
+Refusals and evictions are logged at most once per interval, with a count (76,115 lines in 45 s before).
+Payload sizes are capped per operation (`max_payload`): only `put` carries one.
 """
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+import select
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
+from phoenixrun.protocol.admission import Throttle, pick_eviction
 from phoenixrun.slot_format import checksum
 from phoenixrun.testing import pause_point
 
@@ -30,6 +36,7 @@ _LEN = struct.Struct("!I")
 CHUNK = 4 << 20
 MAX_HEADER = 64 * 1024          # a frame's JSON header: an op, a rank, a step, a checksum - a few hundred bytes
 MAX_UNAUTHENTICATED = 64        # connections served at once that have not sent an authenticated frame yet
+AUTH_TIMEOUT_S = 3.0            # to send the first frame's header, from the accept (or the I/O timeout, if shorter)
 
 
 class PeerError(Exception):
@@ -110,6 +117,26 @@ Handler = Callable[[dict, bytearray], tuple[dict, bytes]]
 Sink = Callable[[dict, int], "bytearray | None"]
 
 
+class _Waiting:
+    """A connection that has not authenticated yet: when it was accepted, and whether its server thread holds
+    bytes of it that it has not finished checking (then it is not idle, whatever the socket shows)."""
+    __slots__ = ("opened_at", "busy")
+
+    def __init__(self, opened_at: float):
+        self.opened_at = opened_at
+        self.busy = False
+
+
+def _unread(sock: socket.socket) -> bool:
+    """Bytes (or the peer's close) wait in the kernel for this socket. Never blocks."""
+    try:
+        p = select.poll()
+        p.register(sock, select.POLLIN)
+        return bool(p.poll(0))
+    except (OSError, ValueError):   # closed meanwhile: nothing to keep it for
+        return False
+
+
 class PeerServer:
     """Accepts other agents' requests; `handlers` maps op -> fn(header, payload) -> (reply, payload).
     max_payload(op) -> the most payload bytes an authenticated request of that op may carry (None: no limit);
@@ -121,8 +148,13 @@ class PeerServer:
         self.handlers = handlers
         self.sinks = sinks or {}
         self.io_timeout = io_timeout
+        self.auth_timeout = min(io_timeout, AUTH_TIMEOUT_S)
         self.max_payload = max_payload or (lambda op: None if op == "put" else 0)
-        self._unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+        # unauthenticated connections, in the order they were accepted (guarded by _open_lock)
+        self._waiting: dict[socket.socket, _Waiting] = {}
+        self.refused = Throttle()      # new connections closed at accept: the room was full of busy ones
+        self.evicted = Throttle()      # idle unauthenticated connections closed to make room
+        self.rejected = Throttle()     # requests with a wrong or missing secret
         self.sock = socket.create_server((host, 0), backlog=128)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.addr = f"{host}:{self.port}"
@@ -139,12 +171,38 @@ class PeerServer:
                 conn, peer = sock.accept()
             except OSError:
                 return
-            if not self._unauthenticated.acquire(blocking=False):
-                log.warning("refused a connection from %s: %d connections already waiting to authenticate",
-                            peer[0], MAX_UNAUTHENTICATED)
+            if not self._admit(conn, peer):
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+
+    def _admit(self, conn: socket.socket, peer) -> bool:
+        """Make room for a new connection among the unauthenticated ones (closing the oldest idle one if the room
+        is full); False: none could be closed, refuse it."""
+        now = time.monotonic()
+        with self._open_lock:
+            if len(self._waiting) >= MAX_UNAUTHENTICATED:
+                victim = pick_eviction(((c, w.opened_at, w.busy) for c, w in self._waiting.items()), now,
+                                       unread=_unread)
+                if victim is None:
+                    held = self.refused.note(now)
+                    if held is not None:
+                        log.warning("refused a connection from %s: %d connections already waiting to authenticate, "
+                                    "none of them idle (%d more refused since the last such line; one line per %gs)",
+                                    peer[0], MAX_UNAUTHENTICATED, held, self.refused.interval)
+                    return False
+                del self._waiting[victim]
+                try:    # its thread wakes, finds the connection gone and closes it
+                    victim.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                held = self.evicted.note(now)
+                if held is not None:
+                    log.warning("closed an idle unauthenticated connection to make room for one from %s: %d were "
+                                "waiting to authenticate (%d more closed since the last such line; one line per %gs)",
+                                peer[0], MAX_UNAUTHENTICATED, held, self.evicted.interval)
+            self._waiting[conn] = _Waiting(now)
+        return True
 
     def suspend(self) -> None:
         """Partition drill: stop listening (connects fail) and drop every open connection."""
@@ -166,52 +224,89 @@ class PeerServer:
         self._listen(self.sock)
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        _tune(conn, self.io_timeout)   # until it authenticates, the first frame must come within the timeout
+        _tune(conn, self.auth_timeout)
         with self._open_lock:
             self._open.add(conn)
-        unauthenticated = [True]
+            waiting = self._waiting.get(conn)
         try:
-            self._serve_frames(conn, peer, unauthenticated)
+            if waiting is not None:   # (None: closed to make room before this thread started)
+                self._serve_frames(conn, peer, waiting)
         finally:
-            with self._open_lock:
+            with self._open_lock:     # out of the room before the close: the accept thread polls its socket
                 self._open.discard(conn)
-            if unauthenticated[0]:
-                self._unauthenticated.release()
+                self._waiting.pop(conn, None)
+            conn.close()
 
-    def _serve_frames(self, conn: socket.socket, peer, unauthenticated: list[bool]) -> None:
-        with conn:
-            while True:
-                try:
-                    header = recv_header(conn, self.io_timeout)
-                    if not hmac.compare_digest(str(header.get("auth", "")).encode(), self.secret.encode()):
-                        log.warning("rejected unauthenticated peer request from %s", peer[0])
-                        send_frame(conn, {"ok": False, "error": "unauthorized"})
-                        return
-                    if unauthenticated[0]:
-                        unauthenticated[0] = False
-                        self._unauthenticated.release()
-                    op = header.get("op", "")
-                    try:
-                        n = payload_size(header, self.max_payload(op))
-                    except PeerError as e:
-                        send_frame(conn, {"ok": False, "error": str(e)})
-                        return
-                    payload = _recv_exact(conn, n, self._sink(op, header, n)) if n else bytearray()
-                    conn.settimeout(None)   # idle persistent connections of job members are fine
-                except (PeerError, OSError, ValueError):
+    def _first_header(self, conn: socket.socket, waiting: _Waiting) -> dict:
+        """The first frame's header, all of it within the auth timeout of the accept. `waiting.busy` is set while
+        this thread holds bytes it has read but not yet checked (then the connection is not idle)."""
+        deadline = waiting.opened_at + self.auth_timeout
+        buf, need, header_len = bytearray(), _LEN.size, None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(f"no authenticated frame within {self.auth_timeout:g}s")
+            conn.settimeout(left)
+            waiting.busy = False
+            chunk = conn.recv(need - len(buf))
+            waiting.busy = True
+            if not chunk:
+                raise PeerError("peer closed the connection")
+            buf += chunk
+            if len(buf) < need:
+                continue
+            if header_len is None:
+                (header_len,) = _LEN.unpack(buf)
+                if header_len > MAX_HEADER:
+                    raise PeerError(f"frame header too large ({header_len} bytes, at most {MAX_HEADER})")
+                buf, need = bytearray(), header_len
+                if need:
+                    continue
+            header = json.loads(buf)
+            if not isinstance(header, dict):
+                raise PeerError("malformed frame header")
+            return header
+
+    def _serve_frames(self, conn: socket.socket, peer, waiting: _Waiting) -> None:
+        authenticated = False
+        while True:
+            try:
+                header = recv_header(conn, self.io_timeout) if authenticated else self._first_header(conn, waiting)
+                if not hmac.compare_digest(str(header.get("auth", "")).encode(), self.secret.encode()):
+                    held = self.rejected.note(time.monotonic())
+                    if held is not None:
+                        log.warning("rejected unauthenticated peer request from %s (%d more since the last such "
+                                    "line; one line per %gs)", peer[0], held, self.rejected.interval)
+                    send_frame(conn, {"ok": False, "error": "unauthorized"})
                     return
-                fn = self.handlers.get(op)
+                if not authenticated:
+                    authenticated = True
+                    conn.settimeout(self.io_timeout)
+                    with self._open_lock:
+                        if self._waiting.pop(conn, None) is None:
+                            return    # closed to make room meanwhile (it was not idle: not expected)
+                op = header.get("op", "")
                 try:
-                    if fn is None:
-                        raise PeerError(f"unknown op {header.get('op')!r}")
-                    reply, out = fn(header, payload)
-                    reply = {"ok": True, **reply, "nbytes": len(out), "crc32c": checksum(out, "crc32c")}
-                except Exception as e:  # report to the caller, keep serving
-                    reply, out = {"ok": False, "error": str(e), "busy": bool(getattr(e, "retry_later", False))}, b""
-                try:
-                    send_frame(conn, reply, out)
-                except OSError:
+                    n = payload_size(header, self.max_payload(op))
+                except PeerError as e:
+                    send_frame(conn, {"ok": False, "error": str(e)})
                     return
+                payload = _recv_exact(conn, n, self._sink(op, header, n)) if n else bytearray()
+                conn.settimeout(None)   # idle persistent connections of job members are fine
+            except (PeerError, OSError, ValueError):
+                return
+            fn = self.handlers.get(op)
+            try:
+                if fn is None:
+                    raise PeerError(f"unknown op {header.get('op')!r}")
+                reply, out = fn(header, payload)
+                reply = {"ok": True, **reply, "nbytes": len(out), "crc32c": checksum(out, "crc32c")}
+            except Exception as e:  # report to the caller, keep serving
+                reply, out = {"ok": False, "error": str(e), "busy": bool(getattr(e, "retry_later", False))}, b""
+            try:
+                send_frame(conn, reply, out)
+            except OSError:
+                return
 
     def _sink(self, op: str, header: dict, n: int) -> bytearray | None:
         """The buffer the op's sink gives for this payload; None (a new one) if it has none, gives none, gives one
