@@ -1,7 +1,7 @@
 """Idle strangers cannot lock the job's own callers out (issue 31 items 3 and 4): when a server's room for
 unauthenticated connections is full, the oldest idle one is closed for a newcomer (protocol/admission.py), and
 refusals are logged once per interval with a count. The decisions (table tests), then real sockets against a
-real PeerServer."""
+real PeerServer and a real Master."""
 from __future__ import annotations
 
 import logging
@@ -11,9 +11,13 @@ import time
 
 import pytest
 
+from phoenixrun import auth
 from phoenixrun.agents import peer as peer_mod
 from phoenixrun.agents.peer import PeerClient, PeerServer
+from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.protocol.admission import Throttle, pick_eviction
+from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.constants import MAX_UNAUTHENTICATED as MASTER_MAX_UNAUTHENTICATED
 
 
 # ------------------------------------------------------------------ decisions (pure)
@@ -123,3 +127,33 @@ def test_a_trickling_stranger_is_closed_at_the_auth_deadline():
     finally:
         s.close()
         peer.close()
+
+
+# ------------------------------------------------------------------ the master (real sockets)
+@pytest.fixture
+def master(tmp_path):
+    secret = auth.new_secret()
+    m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=2, node_timeout=1e6), secret)
+    m.start()
+    yield m, secret
+    m._finish(0, "test over")
+
+
+def test_idle_strangers_do_not_lock_status_and_drain_out_of_the_master(master, caplog):
+    """Issue 31 item 4: 4,097 idle connections locked `phoenixrun status` and `phoenixrun drain` out. Before the
+    fix the state read here fails (the connection closed at accept: no status)."""
+    caplog.set_level(logging.INFO, logger="phoenixrun.master")
+    m, secret = master
+    idle = _connect_many(m.endpoint, MASTER_MAX_UNAUTHENTICATED + 100)
+    try:
+        time.sleep(1.0)
+        assert ControlClient(m.endpoint, secret).get_json("/v1/state")["phase"]
+        with pytest.raises(ControlError) as e:        # answered (refused: no node in slot 0), not locked out
+            ControlClient(m.endpoint, secret).post("/v1/drain", {"slot": 0, "reason": "test"})
+        assert e.value.status is not None and 400 <= e.value.status < 500, e.value
+        lines = _lines(caplog, "phoenixrun.master", "refused a connection", "closed an idle")
+        assert len(lines) <= 4, lines
+        assert m.state()["rejected_requests"]["by_reason"].get("evicted_idle", 0) >= 1
+    finally:
+        for s in idle:
+            s.close()

@@ -13,7 +13,9 @@ for malformed bodies and 4xx for invalid messages (protocol/messages.py; nothing
 
 What a peer can make the master hold (measured on main at 73f19fc: 60 unauthenticated connections
 sending 16 MiB bodies took it from 233 MB to 1.3 GB): before authentication, at most MAX_HEAD bytes
-per connection and at most MAX_UNAUTHENTICATED such connections (more are closed at once); a request
+per connection and at most MAX_UNAUTHENTICATED such connections; when that room is full, a new connection
+takes the place of the oldest idle one (protocol/admission.py: 4,097 idle connections locked `phoenixrun
+status` and `drain` out, issue 31 item 4), and is closed at once only if none is idle; a request
 head or body that does not complete within READ_TIMEOUT_S is dropped (slow senders); authenticated
 bodies are at most MAX_BODY (the largest real message, a rejoin or a quiesce ack of a node with many
 ranks, is a few KiB). These limits are the protocol's: protocol/constants.py.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import select
 import socket
 import threading
 import time
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
+from phoenixrun.protocol.admission import Throttle, pick_eviction
 from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_BODY, MAX_HEAD, MAX_PARKED_POLL_S,
                                            MAX_UNAUTHENTICATED, READ_TIMEOUT_S)
 from phoenixrun.protocol.messages import MessageError
@@ -133,6 +137,8 @@ class Connection(asyncio.Protocol):
         self.head: Head | None = None  # the current request's head, authenticated, its body still coming
         self.head_len = 0
         self.waiting_since: float | None = None   # an incomplete request (or no request yet) since then
+        self.opened_at = 0.0
+        self.sock = None               # the transport's socket (to ask whether bytes of it wait unread)
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.poll: _Poll | None = None   # its parked directive long-poll
@@ -141,23 +147,39 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if peer else "?"
-        if len(self.server.unauthenticated) >= MAX_UNAUTHENTICATED:
-            self.server.refuse(self.peer, "", "too_many_connections",
-                               f"{MAX_UNAUTHENTICATED} connections already waiting to authenticate")
+        now = time.monotonic()
+        if len(self.server.unauthenticated) >= MAX_UNAUTHENTICATED and not self.server.make_room(self.peer, now):
             self.closed = True
             transport.abort()
             return
-        sock = transport.get_extra_info("socket")
+        self.sock = sock = transport.get_extra_info("socket")
         if sock is not None:   # a crashed host sends no FIN: let the kernel find dead peers
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self.server.connections.add(self)
-        self.server.unauthenticated.add(self)
-        self.waiting_since = time.monotonic()
+        self.server.unauthenticated[self] = None
+        self.opened_at = self.waiting_since = now
+
+    def unread(self) -> bool:
+        """Bytes of this connection (or its close) wait in the kernel, not yet read by the loop. Never blocks."""
+        if self.sock is None:
+            return False
+        try:
+            p = select.poll()
+            p.register(self.sock.fileno(), select.POLLIN)
+            return bool(p.poll(0))
+        except (OSError, ValueError):
+            return False
+
+    def evict(self) -> None:
+        """Close this unauthenticated connection to make room for a new one."""
+        self.closed = True
+        self.server.unauthenticated.pop(self, None)
+        self.transport.abort()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        self.server.unauthenticated.discard(self)
+        self.server.unauthenticated.pop(self, None)
         self.server.forget(self)
         self.buf = bytearray()         # released now, not when the last reference to the protocol goes
         self.head = None
@@ -202,7 +224,7 @@ class Connection(asyncio.Protocol):
                 self.head = head
                 if not self.authenticated:
                     self.authenticated = True
-                    self.server.unauthenticated.discard(self)
+                    self.server.unauthenticated.pop(self, None)
         except RequestError as e:
             self.fail(e.code, str(e))
             return
@@ -253,7 +275,9 @@ class ControlServer:
         self.server_address = self.sock.getsockname()
         self.loop = new_event_loop()
         self.connections: set[Connection] = set()
-        self.unauthenticated: set[Connection] = set()
+        self.unauthenticated: dict[Connection, None] = {}   # in the order they were accepted
+        self.refused = Throttle()     # connections closed at accept: the room was full and none of it idle
+        self.evicted = Throttle()     # idle unauthenticated connections closed to make room
         self._polls: dict[str, list[_Poll]] = {}
         self._to_wake: set[str] = set()
         self._wake_lock = threading.Lock()
@@ -285,6 +309,32 @@ class ControlServer:
                   and (c.buf or not c.authenticated) and now - c.waiting_since > READ_TIMEOUT_S]:
             c.fail(Status.READ_TIMEOUT, f"request not completed within {READ_TIMEOUT_S:g}s", "read_timeout")
         self.loop.call_later(READ_TIMEOUT_S / 4, self._sweep)
+
+    def make_room(self, peer: str, now: float) -> bool:
+        """The room for unauthenticated connections is full: close its oldest idle one for a connection from `peer`
+        (False: none is idle; refuse the new one). Counted as refusals (rejections.py); logged once per interval
+        with a count, whatever the number of sources (a per-source limit lets a spread of addresses flood it)."""
+        victim = pick_eviction(((c, c.opened_at, False) for c in self.unauthenticated), now,
+                               unread=lambda c: c.unread())
+        wall = time.time()
+        if victim is None:
+            self.master.rejections.note(wall, peer, "too_many_connections", "",
+                                        f"{MAX_UNAUTHENTICATED} connections already waiting to authenticate")
+            held = self.refused.note(now)
+            if held is not None:
+                log.warning("refused a connection from %s: %d connections already waiting to authenticate, none "
+                            "of them idle (%d more refused since the last such line; one line per %gs)",
+                            peer, MAX_UNAUTHENTICATED, held, self.refused.interval)
+            return False
+        victim.evict()
+        self.master.rejections.note(wall, victim.peer, "evicted_idle", "",
+                                    "an idle unauthenticated connection closed to make room")
+        held = self.evicted.note(now)
+        if held is not None:
+            log.warning("closed an idle unauthenticated connection from %s to make room for one from %s: %d were "
+                        "waiting to authenticate (%d more closed since the last such line; one line per %gs)",
+                        victim.peer, peer, MAX_UNAUTHENTICATED, held, self.evicted.interval)
+        return True
 
     def refuse(self, peer: str, path: str, reason: str, detail: str) -> None:
         """Count a refused request (one event per peer and reason per interval: control/rejections.py)."""
