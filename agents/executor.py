@@ -114,8 +114,9 @@ class DirectiveExecutor:
         elif step is Step.FENCED:
             self.life.fenced(d)
         elif step is Step.STOP:
-            if d.get("reason"):    # a clean finish is news, not a warning (issue 29 item 3)
-                log.log(logging.WARNING if d.get("exit_code") else logging.INFO,
+            if d.get("reason"):    # the job's clean finish is news, not a warning; a node stopped alone (drained,
+                clean = d.get("job_end") and not d.get("exit_code")   # fenced) is worth a warning (issue 29 item 3)
+                log.log(logging.INFO if clean else logging.WARNING,
                         "stopping (exit code %s): %s", d.get("exit_code", 0), d["reason"])
             self.life.stop(d.get("exit_code", 0))
 

@@ -49,8 +49,9 @@ def test_plan_directive(d, has_workers, in_place, expected):
     assert plan_directive(d, has_workers=has_workers, in_place=in_place) is expected
 
 
-@pytest.mark.parametrize("code, level", [(0, "INFO"), (1, "WARNING"), (75, "WARNING")])
-def test_a_clean_finish_is_not_a_warning(caplog, code, level):
+@pytest.mark.parametrize("code, job_end, level", [(0, True, "INFO"), (1, True, "WARNING"), (75, True, "WARNING"),
+                                                   (0, False, "WARNING")])   # a node drained or fenced alone
+def test_a_clean_finish_is_not_a_warning(caplog, code, job_end, level):
     """Every agent logged a finished job as `WARNING stopping (exit code 0)` (issue 29 item 3)."""
     import threading
     from types import SimpleNamespace
@@ -61,7 +62,7 @@ def test_a_clean_finish_is_not_a_warning(caplog, code, level):
     ex = DirectiveExecutor(node, SimpleNamespace(stop=stopped.append), None, None,
                            SimpleNamespace(workers={}, warm_workers=lambda: False), None, None, None)
     caplog.set_level("DEBUG", logger="phoenixrun.agent")
-    ex.apply({"command": "stop", "exit_code": code, "reason": "all workers finished"})
+    ex.apply({"command": "stop", "exit_code": code, "reason": "all workers finished", "job_end": job_end})
     assert stopped == [code]
     assert [(r.levelname, r.getMessage()) for r in caplog.records if "stopping" in r.getMessage()] == \
         [(level, f"stopping (exit code {code}): all workers finished")]

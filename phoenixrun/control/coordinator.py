@@ -342,7 +342,7 @@ class Coordinator:
                                    committed_step=min(newest.values()) if complete else None,
                                    newest_snapshot=max(newest.values(), default=None))
             self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command=Command.STOP,
-                               exit_code=exit_code, reason=reason)
+                               exit_code=exit_code, reason=reason, job_end=True)
             if job.roster is not None:     # nobody rejoins a finished job (control/roster.py)
                 job.roster.append(job.master_epoch, finished=True)
         # a fault ended it: one line, as for every incident (control/incident.py); else the plain reason
