@@ -9,6 +9,7 @@ from phoenixrun import auth
 from phoenixrun.control.events import read_events
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.recovery import Cascade
+from phoenixrun.faults import Action
 
 
 def _master(tmp_path, nnodes: int) -> Master:
@@ -151,3 +152,31 @@ def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_sur
         "restart 1, ordered "), lines
     assert lines[0].endswith("; 0 spares left")
     m.events.close()
+
+
+# ---------------------------------------------------------------- a recovery that keeps failing (issue 31 item 3)
+@pytest.mark.parametrize("attempts, pause", [(1, 0.0), (2, 0.25), (3, 0.5), (4, 1.0), (5, 2.0), (6, None), (60, None)])
+def test_after_cascade_backs_off_then_gives_in_memory_recovery_up(attempts, pause):
+    from phoenixrun.control.decide import after_cascade
+    assert after_cascade(attempts) == pause
+
+
+def test_a_hot_swap_that_keeps_failing_falls_back_to_the_checkpoint_after_backing_off(tmp_path):
+    """Every cycle of a hot swap fails (six restore_refused in the issue: a peer port full of strangers). It used to
+    stop the job (exit 1, 'recovery kept failing') 0.75 s after the fault with a checkpoint on disk never tried;
+    now the cycles are spaced out, then the persistent checkpoint is tried (else torchrun's restart)."""
+    m = _waiting(tmp_path, 2, spares=1)
+    cycles, tried = [], []
+
+    def failing_cycle(lost, fresh, waiting):     # what a refused restore does to a cycle (pump -> Cascade)
+        cycles.append(time.time())
+        raise Cascade("s0: no source of its private state could be used")
+    m.recovery._recovery_cycle = failing_cycle
+    m.recovery.fallback = lambda lost, reason, counted=True: tried.append(reason) or True
+    m.recovery.hot_swap({1}, m.nodes["b"], {"kind": "node_lost", "detail": "gone", "t": time.time()},
+                        Action.NODE_REPLACE, None)
+    assert len(cycles) == 6 and len(tried) == 1 and "recovery kept failing (6 tries)" in tried[0]
+    gaps = [b - a for a, b in zip(cycles, cycles[1:])]
+    assert gaps[0] < 0.2 and all(g >= p for g, p in zip(gaps[1:], (0.25, 0.5, 1.0, 2.0)))
+    m.events.close()
+    assert len([e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "recovery_failed"]) == 1

@@ -246,7 +246,7 @@ class Coordinator:
             e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.max_local_resets))
             job.attempts = [*job.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:
-                self.recovery.open_incident(self.events.emit(
+                self.recovery.incidents.open(self.events.emit(
                     Event.FAULT_DETECTED, job.generation, node=ev.get("node_id"), signal=ev.get("kind"),
                     rank=ev.get("rank"), detail=detail_of(ev), **{"class": c.fault_class.value}, action="stop",
                     step=step, repeats=e.repeats))
@@ -259,7 +259,7 @@ class Coordinator:
         with job.cv:
             job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
             before, node.last_fault = node.last_fault, fault_text(verdict, ev)
-            self.recovery.open_incident(self.events.emit(
+            self.recovery.incidents.open(self.events.emit(
                 Event.FAULT_DETECTED, job.generation, node=node.node_id, slot=node.slot, signal=ev.get("kind"),
                 rank=ev.get("rank"), returncode=ev.get("returncode"), detail=detail_of(ev),
                 **{"class": verdict.fault_class.value}, action=verdict.action.value, kind=verdict.fault_class.value,
@@ -315,8 +315,8 @@ class Coordinator:
                                            action=c.action.value, **{"class": c.fault_class.value},
                                            kind=c.fault_class.value, symptom_of_loss=True)
                     if n is gone[0] and not reporter_lost:    # the incident is the loss (what the console says)
-                        first = self.recovery.incident or rec
-                        self.recovery.open_incident({**rec, "detail": loss.get("detail") or rec["detail"],
+                        first = self.recovery.incidents.current or rec
+                        self.recovery.incidents.open({**rec, "detail": loss.get("detail") or rec["detail"],
                                                      "t": first.get("t", rec["t"])})
                 if not reporter_lost:      # its report was a symptom of the loss: not its fault
                     node.last_fault = before
@@ -346,6 +346,6 @@ class Coordinator:
             if job.roster is not None:     # nobody rejoins a finished job (control/roster.py)
                 job.roster.append(job.master_epoch, finished=True)
         # a fault ended it: one line, as for every incident (control/incident.py); else the plain reason
-        if exit_code and not self.recovery.close_incident(end, level=logging.ERROR):
+        if exit_code and not self.recovery.incidents.close(end, level=logging.ERROR):
             log.error("job failed (exit %d): %s", exit_code, reason)
         job.stopped.set()

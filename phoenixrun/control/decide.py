@@ -146,6 +146,20 @@ def loss_verdict(ev: dict, slot: int, max_local_resets: int) -> Classification:
     return classify(signal_of(ev, slot), max_local_resets=max_local_resets)
 
 
+CASCADE_LIMIT = 5   # hot-swap cycles one recovery starts over before it gives in-memory recovery up
+
+
+def after_cascade(attempts: int) -> float | None:
+    """A hot swap's cycle `attempts` failed (a fault or a refused restore during it): how long to let the job
+    settle before the next cycle - none after the first failure, then 0.25 s doubling up to 4 s, so a condition
+    that clears by itself (a peer port full for a moment) is waited out instead of retried into the limit - or
+    None past CASCADE_LIMIT: give in-memory recovery up for the persistent checkpoint, else a restart. Before, the
+    job stopped there (exit 1) with a checkpoint on disk it never tried (issue 31)."""
+    if attempts > CASCADE_LIMIT:
+        return None
+    return 0.0 if attempts <= 1 else min(4.0, 0.25 * 2 ** (attempts - 2))
+
+
 def fallback_attempts(used: int, limit: int, counted: bool) -> int:
     """How many checkpoint restarts one fallback may try. Every try counts against --max-fallbacks, an
     interrupted or rejected one too (a loop of 5 tries whatever the limit said used to run past it); a job

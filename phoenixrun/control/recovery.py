@@ -17,10 +17,10 @@ import time
 from typing import Callable, Iterable
 
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
-from phoenixrun.control.decide import (NODE_LOSSES, attempt_ranks, attempt_verdict, detail_of, drain_step,
-                                       fallback_attempts, fault_text, loss_verdict, plan_drain, signal_of)
+from phoenixrun.control.decide import (NODE_LOSSES, after_cascade, attempt_ranks, attempt_verdict, detail_of,
+                                       drain_step, fallback_attempts, fault_text, loss_verdict, plan_drain, signal_of)
 from phoenixrun.control.events import EventLog
-from phoenixrun.control.incident import incident_line
+from phoenixrun.control.incidents import Incidents
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
@@ -99,23 +99,7 @@ class Recoveries:
     def __init__(self, job: JobState, orders: Orders, events: EventLog, inbox: Inbox, probe: Probe = unreachable):
         self.cfg, self.job, self.orders, self.events, self.inbox, self.probe = job.cfg, job, orders, events, inbox, probe
         self._attempt_stores: dict = {}     # generation -> the TCPStore of that restart attempt
-        self.incident: dict | None = None   # the fault_detected record of the incident being handled
-
-    def open_incident(self, fault: dict) -> None:
-        """The incident being handled is this fault (its fault_detected record); the next outcome closes it."""
-        self.incident = fault
-
-    def close_incident(self, outcome: dict, level: int = logging.WARNING) -> bool:
-        """Say on the console, in one line, how the open incident ended (control/incident.py); False if none
-        was open."""
-        fault, self.incident = self.incident, None
-        if fault is None:
-            return False
-        with self.job.cv:
-            node = self.job.nodes.get(fault.get("node") or "")
-            spares = sum(1 for n in self.job.nodes.values() if n.role == Role.SPARE)
-        log.log(level, "%s", incident_line(fault, outcome, host=node.host if node else None, spares_left=spares))
-        return True
+        self.incidents = Incidents(job)     # the incident being handled: one console line closes it
 
     def absorb(self, ev: dict) -> None:
         self.job.absorb(ev, self.events.emit)
@@ -144,7 +128,7 @@ class Recoveries:
                                     reason=why, store_port=port)
             self.orders.direct_slots(Command.RESTART, restart_count=self.job.restart_count, restore_step=None, store_port=port)
             self.job.phase = Phase.RUNNING
-        self.close_incident(done)
+        self.incidents.close(done)
         self.drain_stale()
         self._arm_attempt_check(self.job.generation, None)
 
@@ -272,7 +256,7 @@ class Recoveries:
                 self.job.phase = Phase.RUNNING
                 done = self.events.emit(Event.FALLBACK_DONE, g, restore_step=step,
                                         duration_s=round(time.time() - t0, 4))
-            self.close_incident(done)
+            self.incidents.close(done)
             self.drain_stale()
             return True
         raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason}); "
@@ -284,8 +268,8 @@ class Recoveries:
         """fresh: slots a spare was promoted into before (an interrupted drain's), which hold no state yet."""
         t0 = time.time()
         cause = ev.get("detail") or ev.get("text") or ev.get("kind")
-        if self.incident is None:    # not opened by the coordinator (an interrupted drain): this is the incident
-            self.open_incident({"t": ev.get("t", t0), "node": node.node_id, "slot": node.slot,
+        if self.incidents.current is None:   # not opened by the coordinator (an interrupted drain): this is it
+            self.incidents.open({"t": ev.get("t", t0), "node": node.node_id, "slot": node.slot,
                                 "signal": ev.get("kind"), "detail": cause})
         with self.job.cv:
             self.events.emit(Event.RECOVERY_STARTED, self.job.generation + 1, failed_node=node.node_id,
@@ -303,8 +287,14 @@ class Recoveries:
                 return
             except Cascade as c:
                 log.warning("fault during recovery, restarting at quiesce: %s", c)
-                if attempts > 5:
-                    raise Stop(1, f"recovery kept failing: {c}")
+                pause = after_cascade(attempts)
+                if pause is None:   # the persistent checkpoint, else torchrun's restart, before giving up
+                    why = f"recovery kept failing ({attempts} tries): {c}"
+                    self.events.emit(Event.RECOVERY_FAILED, self.job.generation, reason=why)
+                    if not self.fallback(lost, why):
+                        self.restart(lost, failing_code, why)
+                    return
+                self._settle(pause, lost)
             except PlanError as e:
                 self.inbox.take(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
                 self.events.emit(Event.RECOVERY_FAILED, self.job.generation, reason=str(e))
@@ -323,8 +313,18 @@ class Recoveries:
                                     replaced_slots=plan.replaced_slots, attempts=attempts, phases=phases)
             # one directive for every node: each got its slot and world with the restore order
             self.orders.direct(self.job.slots.values(), command=Command.RUN, restart_count=self.job.restart_count, resume=True)
-        self.close_incident(done)
+        self.incidents.close(done)
         self.drain_stale()
+
+    def _settle(self, seconds: float, lost: set[int]) -> None:
+        """Handle reports for `seconds` before a hot swap's next cycle: a node lost meanwhile joins `lost` (the
+        next cycle's quiesce finds every other fault itself)."""
+        deadline = time.time() + seconds
+        while (left := deadline - time.time()) > 0:
+            try:
+                self.pump(left, lost)
+            except (Cascade, PlanError) as c:
+                log.info("while settling before the next recovery cycle: %s", c)
 
     # ---------------------------------------------------------------- shrink and grow
     def shrink(self, lost: set[int], node: NodeRecord, t0: float, reached: int) -> None:
@@ -417,7 +417,7 @@ class Recoveries:
                                     slot_map=dict(plan.slot_map), duration_s=round(time.time() - t0, 4), **what)
             self.orders.direct(job.slots.values(), command=Command.RUN, restart_count=job.restart_count, resume=True)
         if plan.kind == "shrink":
-            self.close_incident(done)
+            self.incidents.close(done)
         self.drain_stale()
 
     # ---------------------------------------------------------------- planned drain
