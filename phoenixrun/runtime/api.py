@@ -47,6 +47,7 @@ from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, S
 from phoenixrun.runtime.reshard import reshard
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
                                               install_default_group)
+from phoenixrun.runtime.state_codec import SizeWatch, encode_state
 from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding,
                                          local_optimizer, read_slot, restore_into)
 from phoenixrun.topology import Coords, Layout
@@ -654,7 +655,13 @@ class Job:
         self.binding.refresh_volatile()
         writer, slots, link, every = self.writer, self.slots, self.link, self.every
         # on this thread: the script mutates its state dict next step
-        meta = writer.encode_meta(step, json.dumps(self.state), self.binding.param_groups(), every,
+        state_json, encode_s = encode_state(self.state)
+        if getattr(self, "_state_watch", None) is None:   # says when `state` grows with the run (state_codec.py)
+            self._state_watch = SizeWatch()
+        warning = self._state_watch.check(len(state_json), encode_s, step)
+        if warning is not None:
+            log.warning("rank %d: %s", self.rt.rank, warning)
+        meta = writer.encode_meta(step, state_json, self.binding.param_groups(), every,
                                   objects_json=json.dumps(self._objects()))
         if writer.fit(len(meta)):
             log.info("rank %d: snapshot %d outgrew its layout (metadata %d bytes): re-laid out for %d bytes of "
