@@ -5,6 +5,13 @@ Runs unmodified under torchrun and under phoenixrun:
     phoenixrun --standalone --nnodes 2 --nproc-per-node 2 examples/train_gpt.py --steps 20 --out B
 Every rank writes OUT/rank{R}.json: losses, step times and digests of its parameters and of its
 own optimizer shard, so runs can be compared bit for bit.
+
+The per-step losses and times are not kept in the state dict given to protect(): it is encoded with every
+snapshot, and a history that grows a line a step made each step slower than the last (docs/api.md, `state`).
+Each process appends them to a log of its own under OUT/steps/ (OUT must be shared by the nodes, as it is in
+the tests); the state dict holds only the list of the logs its history is in - the logs of the processes it
+was restored from, then its own - so a restored or replacement process reads the steps before its restore
+from its predecessors' logs, exactly what it would have restored from the state dict.
 """
 from __future__ import annotations
 
@@ -99,6 +106,37 @@ def load_checkpoint(args, rank: int, model, opt, progress: dict) -> int:
     return step
 
 
+class StepLog:
+    """This process's per-step losses and times, appended to OUT/steps/rank{R}.{pid}.jsonl, one write() a line
+    (a process killed mid-step leaves whole lines). `logs`: the chain in the state dict, oldest first."""
+
+    def __init__(self, out: str, rank: int, logs: list):
+        os.makedirs(os.path.join(out, "steps"), exist_ok=True)
+        self.path = os.path.join(out, "steps", f"rank{rank}.{os.getpid()}.jsonl")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.logs = logs
+        self.joined()
+
+    def joined(self) -> None:
+        """At the start and after every restore (the state dict, and with it the chain, came from a snapshot)."""
+        if self.path not in self.logs:
+            self.logs.append(self.path)
+
+    def write(self, step: int, key: str, value: float) -> None:
+        os.write(self.fd, (json.dumps({"step": step, key: value}) + "\n").encode())
+
+    def read(self, key: str) -> dict[int, float]:
+        """step -> the last value written for it along the chain (a replayed step's is the later)."""
+        out: dict[int, float] = {}
+        for path in self.logs:
+            with open(path) as f:
+                for line in f:
+                    rec = json.loads(line)
+                    if key in rec:
+                        out[rec["step"]] = rec[key]
+        return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=50)
@@ -131,19 +169,22 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = DDP(GPT(args.vocab, args.d_model, args.layers, args.heads, args.seq), find_unused_parameters=True)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
-    progress: dict = {"losses": {}, "step_seconds": {}, **({"pad": {}} if args.state_growth else {})}
+    progress: dict = {"logs": [], **({"pad": {}} if args.state_growth else {})}
     job = phoenixrun.protect(model, opt, state=progress)
+    start = load_checkpoint(args, rank, model, opt, progress) if args.ckpt_dir else 0
+    steps_log = StepLog(args.out, rank, progress["logs"])
 
     @job.on_restore   # after a recovery (never under plain torchrun, which reruns the script instead)
     def restored(step: int, generation: int) -> None:
+        steps_log.logs = progress["logs"]   # the restored chain (the state dict was refilled)
+        steps_log.joined()
         print(f"rank {rank}: restored step {step} in generation {generation}", flush=True)
-    start = load_checkpoint(args, rank, model, opt, progress) if args.ckpt_dir else 0
     log = open(os.path.join(args.progress_dir, f"rank{rank}.log"), "a", buffering=1) if args.progress_dir else None
 
     for step in job.steps(args.steps):
         if step < start:
             continue
-        t0 = time.perf_counter()
+        t0, done = time.perf_counter(), -1
         with job.step(step):
             if step == args.crash_at and rank == 0:   # a fault that comes back however often it is recovered
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -157,23 +198,28 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            progress["losses"][str(step)] = loss.item()
+            steps_log.write(step, "loss", loss.item())
+            done = step
             if args.state_growth:
                 progress["pad"][str(step)] = (f"{step:08d}" * (args.state_growth // 8 + 1))[:args.state_growth]
         if args.step_seconds:
             time.sleep(max(0.0, args.step_seconds - (time.perf_counter() - t0)))
         # the whole iteration, including phoenixrun's end-of-step work
-        progress["step_seconds"][str(step)] = time.perf_counter() - t0
-        if log and str(step) in progress["losses"]:   # not a step abandoned for a recovery (it is replayed)
+        if done == step:   # not a step abandoned for a recovery (it is replayed)
+            steps_log.write(step, "step_seconds", time.perf_counter() - t0)
+        if log and done == step:
             log.write(f"{step} {time.time():.6f}\n")
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(args, rank, step + 1, model, opt, progress)
 
     shard = opt.optim.state_dict()["state"]
+    losses, step_seconds = steps_log.read("loss"), steps_log.read("step_seconds")
     result = {
         "rank": rank, "world_size": world, "steps": args.steps,
-        "losses": [progress["losses"][str(s)] for s in range(args.steps)],
-        "step_seconds": [progress["step_seconds"].get(str(s)) for s in range(args.steps)],
+        "losses": [losses[s] for s in range(args.steps)],
+        "step_seconds": [step_seconds.get(s) for s in range(args.steps)],
+        # the JSON of the state dict at the end: the same size at any step count, whatever the run's length
+        "state_bytes": len(json.dumps({k: v for k, v in progress.items() if k != "pad"})),
         "param_sha256": digest(model.module.state_dict().values()),
         "optim_sha256": digest(v for i in sorted(shard) for k, v in sorted(shard[i].items()) if torch.is_tensor(v)),
         # this rank's ZeRO shard: how many parameters' worth of Adam moments it holds, and their step counts (a
@@ -183,7 +229,7 @@ def main() -> None:
         "param_numel": sum(p.numel() for p in model.module.parameters()),
     }
     if args.state_growth:   # what was restored of the state dict (timings aside) must match an unprotected run
-        kept = {k: v for k, v in progress.items() if k != "step_seconds"}
+        kept = {"pad": progress["pad"]}
         result["state_sha256"] = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
