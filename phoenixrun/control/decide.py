@@ -254,16 +254,50 @@ def plan_drain(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mapping[i
 
 
 # ---------------------------------------------------------------- stragglers
-def stragglers(samples: Mapping[int, Sequence[float]], ratio: float, window: int) -> dict[int, float]:
-    """slot -> how many times slower than its peers, for each node persistently slower: the median of its last
-    `window` samples (a step's compute time, newest last) at least `ratio` times the median of the other nodes'
-    medians. A node with fewer than `window` samples is not judged and is nobody's peer yet; a node without a
-    judged peer (or whose peers measure 0) is never a straggler. Pure."""
-    med = {s: statistics.median(v[-window:]) for s, v in samples.items() if len(v) >= window}
-    out: dict[int, float] = {}
-    for s, m in med.items():
-        peers = [x for t, x in med.items() if t != s]
-        base = statistics.median(peers) if peers else 0.0
-        if base > 0 and m / base >= ratio:
-            out[s] = round(m / base, 2)
-    return out
+STRAGGLER_WINDOWS = 3      # consecutive windows a node must be slow in (persistence)
+STRAGGLER_MARGIN = 3.0     # and slower than its peers by more than this many median absolute deviations (spread)
+
+
+def _mad(xs: Sequence[float], med: float) -> float:
+    return statistics.median(abs(x - med) for x in xs)
+
+
+def stragglers(samples: Mapping[int, Sequence[float]], ratio: float, window: int, *,
+               windows: int = STRAGGLER_WINDOWS, margin: float = STRAGGLER_MARGIN) -> dict[int, float]:
+    """slot -> how many times slower than its peers (in the newest window), for each node persistently slower.
+
+    The newest `windows` x `window` samples of each node (a step's compute time, newest last) are cut into
+    `windows` disjoint windows of `window` samples. A node is slow in a window when its median there is
+    - at least `ratio` times the base, the median of the other nodes' medians in that window, and
+    - above the base by more than `margin` times the spread: the larger of its own median absolute deviation
+      there and the median of the other nodes' (noise on a loaded machine scatters the samples; a node that is
+      really slower is slower steadily);
+    it is a straggler when it is slow in every one of the `windows` windows. One node loaded after another
+    (measured: on a loaded machine, both nodes of a fault-free run flagged in turn, ratio 2.0-2.5) is slow in
+    fewer consecutive windows and never flagged. A node with fewer than `windows` x `window` samples is not
+    judged and is nobody's peer yet; a node without a judged peer (or whose peers measure 0) is never a
+    straggler. Pure."""
+    need = window * windows
+    judged = {s: list(v[-need:]) for s, v in samples.items() if len(v) >= need}
+    slow_in: dict[int, int] = {s: 0 for s in judged}
+    newest: dict[int, float] = {}
+    for w in range(windows):            # the newest window first
+        lo = need - (w + 1) * window
+        med, mad = {}, {}
+        for s, v in judged.items():
+            part = v[lo:lo + window]
+            med[s] = statistics.median(part)
+            mad[s] = _mad(part, med[s])
+        for s in judged:
+            if slow_in[s] != w:          # already fast in a newer window
+                continue
+            peers = [t for t in judged if t != s]
+            if not peers:
+                continue
+            base = statistics.median(med[t] for t in peers)
+            spread = max(mad[s], statistics.median(mad[t] for t in peers))
+            if base > 0 and med[s] / base >= ratio and med[s] - base > margin * spread:
+                slow_in[s] += 1
+                if w == 0:
+                    newest[s] = round(med[s] / base, 2)
+    return {s: newest[s] for s, n in slow_in.items() if n == windows}

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Callable
 
-from phoenixrun.control.decide import drain_refusal, stragglers
+from phoenixrun.control.decide import STRAGGLER_WINDOWS, drain_refusal, stragglers
 from phoenixrun.control.roster import Roster, TrackedSlots
 from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role
 from phoenixrun.faults import Signal
@@ -175,7 +175,8 @@ class JobState:
         self.compute_step[node.node_id] = step
         if first:
             return        # the first step seen: warming up, or measured across the recovery
-        self.compute.setdefault(node.node_id, deque(maxlen=self.cfg.straggler_window)).append(max(vals))
+        self.compute.setdefault(node.node_id, deque(maxlen=self.cfg.straggler_window * STRAGGLER_WINDOWS)).append(
+            max(vals))
 
     def new_stragglers(self) -> list[NodeRecord]:
         """The active nodes that just became stragglers (decide.stragglers; each node's `straggler` kept up to
