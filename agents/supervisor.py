@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 
 from phoenixrun.config import AgentConfig
+from phoenixrun.faults.mismatch import state_mismatch
 from phoenixrun.protocol import ReportKind, WorkerOp
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
@@ -282,6 +283,17 @@ class WorkerSupervisor:
                 w.kill_tree(grace=0.1)
                 self.reporter.report({"kind": ReportKind.WORKER_HANG, "rank": w.rank, "detail": detail, "t": now})
 
+    def _refused_state(self, w: Worker, rc: int) -> None:
+        """A worker that failed while its node restored a snapshot or checkpoint: if its error says the state's
+        layout is not its model's, tell the master first - no retry can succeed (faults/mismatch.py)."""
+        if self.node.restore_step is None or rc < 0:    # killed: no error of its own to read
+            return
+        mismatch = state_mismatch(w.err_tail(wait=0.5))
+        if mismatch is not None:
+            log.error("rank %s refused the restored state of step %s: %s", w.rank, self.node.restore_step, mismatch)
+            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "rank": w.rank, "reason": mismatch,
+                                  "mismatch": True, "persist_step": self.node.restore_step})
+
     def _reap(self) -> None:
         for lr, w in list(self.workers.items()):
             rc = w.poll()
@@ -300,5 +312,6 @@ class WorkerSupervisor:
             else:
                 detail = exit_detail(w.rank, rc)
                 log.warning("%s", detail)
+                self._refused_state(w, rc)
                 self.reporter.report({"kind": ReportKind.WORKER_EXIT, "rank": w.rank, "returncode": rc, "detail": detail,
                                       "text": self.error_text.pop(lr, ""), "t": time.time()})

@@ -103,6 +103,7 @@ class Prefixer:
         return bytes(out)
 
 
+ERR_TAIL = 64 * 1024      # bytes of each worker's stderr its agent keeps (a state_dict refusal lists every tensor)
 _console_lock = threading.Lock()   # one chunk of one worker at a time on the agent's stdout/stderr
 
 
@@ -126,20 +127,34 @@ class Worker:
         self.started = time.time()
         console = show and (tee or files is None)
         streams = ((self.proc.stdout, out or sys.stdout), (self.proc.stderr, err or sys.stderr))
+        self._err_tail = bytearray()     # the end of its stderr: what its last error said (faults/mismatch.py)
+        self._pumps = []
         for i, (pipe, dest) in enumerate(streams):
-            threading.Thread(target=self._pump, args=(pipe, dest if console else None, files[i] if files else None),
-                             daemon=True).start()
+            t = threading.Thread(target=self._pump, args=(pipe, dest if console else None, files[i] if files else None,
+                                                          i == 1), daemon=True)
+            t.start()
+            self._pumps.append(t)
 
     def _prefix(self) -> str:
         return f"[rank{self.rank}]:" if self.rank is not None else f"[spare{self.local_rank}]:"
 
-    def _pump(self, pipe, dest: IO[str] | None, log_file) -> None:
+    def err_tail(self, wait: float = 0.0) -> str:
+        """The last ERR_TAIL bytes of the worker's stderr; `wait`: seconds to let an exited worker's last output
+        in first."""
+        if wait:
+            self._pumps[1].join(timeout=wait)
+        return bytes(self._err_tail).decode(errors="replace")
+
+    def _pump(self, pipe, dest: IO[str] | None, log_file, is_err: bool = False) -> None:
         prefixer = Prefixer(self._prefix().encode())
         fd = pipe.fileno()
         while True:
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
+            if is_err:
+                self._err_tail += chunk
+                del self._err_tail[:-ERR_TAIL]
             if log_file:
                 log_file.write(chunk)
             if dest is not None:

@@ -48,6 +48,26 @@ class Cascade(Exception):
         self.event = event or {}
 
 
+EXIT_MISMATCH = 2    # a checkpoint of another model or optimizer: the user's mistake, as a usage error
+
+
+def mismatch_reason(ev: dict, step: int | None, persist_dir) -> str:
+    """The job's end reason when a rank refused the restored state's layout. Pure."""
+    where = f"checkpoint step {step} in {persist_dir}" if step is not None and persist_dir else "the restored state"
+    return (f"{where} does not match the script (rank {ev.get('rank')}: {ev.get('reason')}): it was written by "
+            "another model or optimizer; start a new run (without --resume, another --rdzv-id or --run-dir), or "
+            "point --persist-dir at this script's checkpoints")
+
+
+def stop_if_mismatch(ev: dict, step: int | None, persist_dir) -> bool:
+    """A restore_failed report of a state whose layout is not the script's ends the job (Stop): no retry and no
+    older checkpoint can help. False for any other restore failure (of which an `integrity` one - the plan's source
+    holds other bytes - fails the plan: the same plan again cannot succeed)."""
+    if ev.get("mismatch"):
+        raise Stop(EXIT_MISMATCH, mismatch_reason(ev, step, persist_dir))
+    return False
+
+
 class Stop(Exception):
     """The job fails: exit_code and the reason the master gives (raised where a recovery cannot go on)."""
 
@@ -640,7 +660,7 @@ class Recoveries:
         with self.job.cv:
             node = self.job.nodes.get(ev.get("node_id", ""))
         if kind == ReportKind.RESTORE_FAILED:
-            if ev.get("integrity"):   # the plan's source holds other bytes: the same plan again cannot succeed
+            if stop_if_mismatch(ev, self.job.restored_step, self.cfg.persist_dir) or ev.get("integrity"):
                 raise PlanError(f"{ev.get('node_id')}: {ev.get('reason')}")
             raise Cascade(f"{ev.get('node_id')}: {ev.get('reason')}", ev)
         if node is None or node.role != Role.ACTIVE or node.slot in lost:

@@ -398,6 +398,8 @@ def parse_report(p, job: Job, now: float, max_skew: float = MAX_CLOCK_SKEW_S) ->
             ev["persist_step"] = _int(p["persist_step"], "persist_step", 0, MAX_COUNT, none=True)
         # the fetched state is not the lost rank's (checksum mismatch): the same plan cannot succeed
         ev["integrity"] = _bool(p.get("integrity"), "integrity")
+        # the restored state's layout is not the script's (faults/mismatch.py): no retry can succeed
+        ev["mismatch"] = _bool(p.get("mismatch"), "mismatch")
     elif kind == ReportKind.RESTORE_REFUSED:
         # an option of a restore source the agent refused (protocol/restore.py Refusal); it tries the next one
         part = _get(p, "part")
