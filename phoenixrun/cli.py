@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from phoenixrun import auth, config, netaddr
+from phoenixrun import auth, config, netaddr, runid
 from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConfig
 from phoenixrun.protocol.client import split_endpoints
 from phoenixrun.protocol.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
@@ -133,7 +133,7 @@ def _options(*opts):
 _job_shape = _options(*(_field(MasterConfig, n) for n in ("replicas", "tp", "pp")))
 _recovery_policy = _options(
     _field(MasterConfig, "max_restarts", env="PET_MAX_RESTARTS"),
-    *(_field(MasterConfig, n) for n in ("node_timeout", "spare_wait", "on_no_spare", "recovery_timeout", "max_local_resets",
+    *(_field(MasterConfig, n) for n in ("join_timeout", "node_timeout", "spare_wait", "on_no_spare", "recovery_timeout", "max_local_resets",
                                         "straggler_ratio", "straggler_window", "replace_stragglers")))
 # what the agents watch: `phoenixrun` and `phoenixrun agent`
 _agent_timeouts = _options(_field(AgentConfig, "heartbeat_interval"), _field(AgentConfig, "hang_timeout"))
@@ -184,7 +184,9 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
       help="Warm spare nodes: with --standalone started here; on a cluster, the nodes beyond --nnodes that join "
            "(more are told they are not needed and exit 0).")
 @_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-      help="Events, master.json and the job secret go here [default: .phoenixrun/RUN_ID].")
+      help="Events, master.json and the job secret go here [default: .phoenixrun/RUN_ID]; naming it names the "
+           "run (its id is the directory's name unless --rdzv-id is given): the same directory again resumes it.")
+@_field(LaunchConfig, "resume")
 @_field(AgentConfig, "fault_domain")
 @_field(AgentConfig, "collective_timeout")
 @_job_shape
@@ -221,8 +223,12 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
     if o["replicas"] > n - 1 and n > 1:
         raise click.BadParameter(f"{o['replicas']} replicas need at least {o['replicas'] + 1} nodes (have {n})",
                                  param_hint="--replicas")
-    run_id = o["rdzv_id"] or ("standalone-" + uuid.uuid4().hex[:8] if standalone else "phoenixrun")
-    run_dir = o["run_dir"] or Path(".phoenixrun") / run_id
+    try:
+        ident = runid.identity(o["rdzv_id"], o["run_dir"], o["resume"], standalone, os.environ.get("SLURM_JOB_ID"),
+                               runid.runs_under(runid.RUNS), uuid.uuid4().hex[:8])
+    except runid.RunIdError as e:
+        raise click.UsageError(str(e)) from None
+    run_id, run_dir = ident.run_id, ident.run_dir
     endpoint = o["rdzv_endpoint"] or f"{o['master_addr']}:{o['master_port']}"
     host, _, port = ("127.0.0.1:0" if standalone else endpoint).rpartition(":")
     if not port.isdigit():
@@ -233,6 +239,12 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
         host_master = o["node_rank"] == 0
     else:   # every node runs the same command: the rendezvous host runs the master (the first there, if several)
         host_master = netaddr.is_this_host(host) and netaddr.port_free(host, int(port))
+    if host_master:
+        try:
+            runid.resume_note(run_id, run_dir, o["resume"], runid.has_state(
+                run_dir, _persist_dir(o["persist_dir"], o["persist_every"], run_dir)))
+        except runid.RunIdError as e:
+            raise click.UsageError(str(e)) from None
     master = MasterConfig.from_options(
         o, run_dir=run_dir, nnodes=n, nproc_per_node=nproc, run_id=run_id,
         replicas=min(o["replicas"], max(0, n - 1)), host=host, port=int(port),
@@ -244,7 +256,7 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
         host="127.0.0.1" if standalone else netaddr.node_addr(o["local_addr"], endpoint),
         node_rank=None if standalone else o["node_rank"], tee=_tee(o["tee"], o["redirects"]))
     return LaunchConfig(master=master, agent=agent, standalone=standalone, spares=spares,
-                        endpoint=None if standalone else endpoint, host_master=host_master)
+                        endpoint=None if standalone else endpoint, host_master=host_master, resume=o["resume"])
 
 
 @click.group("phoenixrun")

@@ -305,6 +305,11 @@ class MasterConfig(_Settings):
     replace_stragglers: bool = setting(
         False, flag="--replace-stragglers",
         doc="Drain a straggler to a spare (a planned drain: nothing replayed) when one is registered.")
+    join_timeout: float = setting(
+        600.0, flag="--join-timeout", min=0,
+        doc="Seconds to wait for every active node to join before the job gives up, naming the slots still missing "
+            "(torchrun's rdzv join_timeout; spares do not count; 0: wait forever). Joining progress is logged every "
+            "10 s meanwhile.")
     lease_ttl: float = setting(
         0.0, flag="--lease-ttl", min=0,
         doc="Seconds a master's lease in RUN_DIR/master-lease lives (renewed every third of it); with it, a second "
@@ -390,6 +395,11 @@ class LaunchConfig(_Settings):
     host_master: bool = setting(
         False, doc="Run the master here (standalone, node rank 0, or the rendezvous host).")
     extra_env: dict[str, str] = setting(factory=dict, doc="Added to the environment of every process started.")
+    resume: bool = setting(
+        False, flag="--resume",
+        doc="Resume an earlier run: the one --rdzv-id or --run-dir names, else the newest under .phoenixrun/ "
+            "(an error if it holds no events or checkpoints). Without it, a launch that names no run "
+            "(--rdzv-id, --run-dir, $SLURM_JOB_ID) starts a new one in a new run directory.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

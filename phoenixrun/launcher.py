@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from phoenixrun import auth
+from phoenixrun import auth, preflight, runid
 from phoenixrun.config import AgentConfig, LaunchConfig, MasterConfig
 
 
@@ -85,6 +85,23 @@ def _listening(endpoint: str | None) -> bool:
         return False
 
 
+def preflight_problem(c: LaunchConfig) -> str | None:
+    """Why this launch cannot start (a one-line error), or None; says what the user should know before it does
+    (a run that continues in its directory, a standalone job too large for this machine)."""
+    if c.host_master:
+        note = runid.resume_note(c.master.run_id, c.master.run_dir, c.resume,
+                                 runid.has_state(c.master.run_dir, c.master.persist_dir))
+        if note:
+            print(f"phoenixrun: {note}", file=sys.stderr, flush=True)
+    if c.standalone:
+        warning = preflight.oversubscribed(c.master.nnodes + c.spares, c.master.nproc_per_node, os.cpu_count() or 1)
+        if warning:
+            print(f"phoenixrun: warning: {warning}", file=sys.stderr, flush=True)
+        return None
+    host, _, port = (c.endpoint or "").rpartition(":")
+    return preflight.port_problem(host, int(port), preflight.probe(host, int(port)), c.host_master)
+
+
 class ProcessSet:
     """Children of the launcher; all are torn down on any exit path."""
 
@@ -117,6 +134,15 @@ class ProcessSet:
 
 def run(c: LaunchConfig) -> int:
     """Run a job: master (standalone or node rank 0) and this node's agent(s). Returns the exit code."""
+    problem = preflight_problem(c)
+    if problem:
+        print(f"phoenixrun: error: {problem}", file=sys.stderr, flush=True)
+        return 1
+    return _run(c)
+
+
+def _run(c: LaunchConfig) -> int:
+    """run(), once the preflight found nothing in the way."""
     run_dir = c.master.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     if c.standalone:     # a job of its own: $PHOENIXRUN_SECRET or a new one, whatever the directory held

@@ -46,10 +46,12 @@ TORCHRUN_NOTES = {
     "--rdzv-endpoint": "`host:port` of the phoenixrun master (its own control plane, not a c10d store). "
                        "Without it, `--master-addr:--master-port` is used.",
     "--rdzv-id": "Job id: exported to workers as `TORCHELASTIC_RUN_ID` and naming the run directory "
-                 "`.phoenixrun/RUN_ID` (default id `phoenixrun`, or `standalone-XXXXXXXX`).",
+                 "`.phoenixrun/RUN_ID`. The same id again resumes that run; without it a launch is a new run "
+                 "(`run-XXXXXXXX`, `standalone-XXXXXXXX`; `slurm-JOBID` under Slurm; the directory's name with "
+                 "`--run-dir`): [operations.md](operations.md#which-run-a-launch-is-and-resuming-one).",
     "--rdzv-backend": "`c10d` or `static`, both meaning phoenixrun's own master; any other backend "
                       "(`etcd`, `etcd-v2`, ...) is refused with a clear error.",
-    "--rdzv-conf": "Accepted for compatibility; ignored.",
+    "--rdzv-conf": "Accepted for compatibility; ignored (torchrun's `join_timeout=` is `--join-timeout` here).",
     "--max-restarts": "Full torchrun-style restarts (every worker restarted) allowed when in-memory recovery "
                       "is impossible, and on any failure of a script that does not use the phoenixrun API. "
                       "Exported as `TORCHELASTIC_MAX_RESTARTS`.",

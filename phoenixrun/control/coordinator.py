@@ -16,6 +16,7 @@ from phoenixrun.control.decide import (FAULT_REPORTS, NODE_LOSSES, JobEnd, Remed
                                        respond, signal_of)
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
+from phoenixrun.control.joining import EXIT_JOIN_TIMEOUT, PROGRESS_EVERY_S, Joining, gave_up, progress_line
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.recovery import Probe, Recoveries, Stop, unreachable_nodes
 from phoenixrun.control.state import NodeRecord, Phase, Role
@@ -61,6 +62,7 @@ class Coordinator:
     def _wait_for_start(self) -> JobEnd | None:
         job = self.job
         held: list[dict] = []     # reports a restarted master gets before it runs: handled once it does
+        t0 = said = time.monotonic()
         while True:
             try:
                 ev = self.inbox.get(timeout=0.2)
@@ -75,6 +77,17 @@ class Coordinator:
                     break
                 if job.resumed_at is not None and time.time() > job.resumed_at + self.cfg.node_timeout:
                     break             # whoever has not rejoined by now is lost
+                if job.resumed_at is None:
+                    now = time.monotonic()
+                    joining = Joining(self.cfg.nnodes, tuple(job.slots), sum(
+                        n.role == Role.SPARE for n in job.nodes.values()), self.cfg.spares, now - t0,
+                        self.cfg.join_timeout)
+                    reason = gave_up(joining)
+                    if reason is not None:
+                        return JobEnd(EXIT_JOIN_TIMEOUT, reason)
+                    if now - said >= PROGRESS_EVERY_S:
+                        said = now
+                        log.info("%s", progress_line(joining))
         # The membership is complete: what exists now (a record per node, a connection per agent) lives as
         # long as the job. Out of the collector's sight: a full collection walked all of it, 0.3 s at 16K
         # nodes with the heartbeats stalled meanwhile, about once a second under 1 Hz heartbeats.
