@@ -116,7 +116,8 @@ def torchrun(tmp: Path, name: str, nproc: int, steps: int, script_args: list[str
     out = tmp / f"{name}-out"
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script),
            "--steps", str(steps), "--out", str(out), *model_args, *(script_args or [])]
-    subprocess.run(cmd, check=True, env=env(), cwd=tmp, capture_output=True, timeout=2 * WAIT_S)
+    r = subprocess.run(cmd, env=env(), cwd=tmp, capture_output=True, text=True, timeout=2 * WAIT_S)
+    assert r.returncode == 0, f"the torchrun reference failed (exit {r.returncode}):\n{r.stderr[-4000:]}"
     _REFERENCES[key] = out
     return out
 

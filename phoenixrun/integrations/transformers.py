@@ -125,7 +125,7 @@ class _Steps:
             return
         # a survivor back in the loop: the Trainer made a new scheduler (and stepped it once, setting the
         # optimizer's learning rates); the snapshot's values go back in and the job snapshots the new object
-        self.job.objects.objects["lr_scheduler"] = t.lr_scheduler
+        self.job.position.objects.objects["lr_scheduler"] = t.lr_scheduler
         t.lr_scheduler.load_state_dict(self._restored_sched)
         for group, saved in zip(self.job.optimizer.param_groups, self._restored_groups):
             group.update(saved)

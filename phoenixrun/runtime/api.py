@@ -43,7 +43,7 @@ from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check, process_group
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
-from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, StatefulObjects
+from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, RunPosition, StatefulObjects
 from phoenixrun.runtime.reshard import reshard
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
                                               install_default_group)
@@ -185,11 +185,11 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
     skip: skip(loader, n) -> the loader's current epoch from its batch n (an adapter's; see runtime/data.py).
     """
     optimizer = _unwrap_optimizer(optimizer)
-    objects = StatefulObjects(stateful)
-    stream = BatchStream(data, skip) if data is not None else None
+    position = RunPosition(BatchStream(data, skip) if data is not None else None, StatefulObjects(stateful),
+                           InputWatch() if check_data else None)
     ctx = init()
     if not ctx.managed:
-        return PassThroughJob(stream)
+        return PassThroughJob(position)
     _refuse_rebucketing(model)
     fresh = _runtime.restore_step is None
     decided = _check_layout(ctx, model, optimizer, fresh_start=fresh)
@@ -198,8 +198,7 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
         ps = decided.dtensor_peers
         _runtime.link.send({"op": WorkerOp.LAYOUT, "peers": ps.to_wire() if ps is not None else None})
     return Job(_runtime, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared,
-               dtensor_shared=decided.dtensor_peers is not None, stream=stream, objects=objects,
-               watch=InputWatch() if check_data else None)
+               dtensor_shared=decided.dtensor_peers is not None, position=position)
 
 
 def _unwrap_optimizer(optimizer):
@@ -287,13 +286,13 @@ def _check_layout(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.O
 class PassThroughJob:
     """Under plain torchrun: a restart reruns the script from its start, so restore callbacks never run."""
 
-    def __init__(self, stream: BatchStream | None = None):
-        self._stream = stream
+    def __init__(self, position: RunPosition):
+        self.position = position
 
     @property
     def batches(self) -> BatchStream:
         """The batches of protect(data=...), epoch after epoch: the same stream a protected run takes."""
-        return _stream_or_refuse(self._stream)
+        return self.position.batches
 
     @property
     def generation(self) -> int:
@@ -312,13 +311,6 @@ class PassThroughJob:
 
     def observe_loss(self, loss) -> None:
         check_loss(loss)
-
-
-def _stream_or_refuse(stream: BatchStream | None) -> BatchStream:
-    if stream is None:
-        raise AttributeError("job.batches: protect() was given no loader; call phoenixrun.protect(model, opt, "
-                             "data=loader) to have phoenixrun own the loader's position")
-    return stream
 
 
 class _Runtime:
@@ -422,12 +414,13 @@ class Job:
     """A protected training loop (see the module doc)."""
 
     def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-                 every: int, peer_shared: bool = True, dtensor_shared: bool = False, stream: BatchStream | None = None,
-                 objects: StatefulObjects | None = None, watch: InputWatch | None = None):
+                 every: int, peer_shared: bool = True, dtensor_shared: bool = False,
+                 position: RunPosition | None = None):
         self.rt, self.link = rt, rt.link
         self.model, self.optimizer, self.state = model, optimizer, state
-        self._stream, self.objects, self.watch = stream, objects or StatefulObjects(None), watch
+        self.position = position or RunPosition(None, StatefulObjects(None), None)
         self._in_step = False
+        self._state_watch = SizeWatch()   # says when `state` grows with the run (state_codec.py)
         # plain state taken from DP peers on recovery (layout_check.verdict); a replacement takes its snapshot's
         self.peer_shared = peer_shared
         # DTensor local shards in the shared region, taken from a mesh peer (layout_check.dtensor_verdict); likewise
@@ -484,7 +477,7 @@ class Job:
     @property
     def batches(self) -> BatchStream:
         """The batches of protect(data=...), epoch after epoch, put back at the restored step on every recovery."""
-        return _stream_or_refuse(self._stream)
+        return self.position.batches
 
     @property
     def generation(self) -> int:
@@ -583,8 +576,8 @@ class Job:
             raise Quiesced(f"quiesced at {where} of step {self.current}")
 
     def _before_forward(self, module, args, kwargs) -> None:
-        if self.watch is not None and self._in_step:
-            self.watch.record(self.current, args, kwargs)
+        if self._in_step:
+            self.position.forward(self.current, args, kwargs)
         self._check_quiesce("a forward")
 
     # ---------------------------------------------------------------- snapshot path
@@ -656,13 +649,11 @@ class Job:
         writer, slots, link, every = self.writer, self.slots, self.link, self.every
         # on this thread: the script mutates its state dict next step
         state_json, encode_s = encode_state(self.state)
-        if getattr(self, "_state_watch", None) is None:   # says when `state` grows with the run (state_codec.py)
-            self._state_watch = SizeWatch()
         warning = self._state_watch.check(len(state_json), encode_s, step)
         if warning is not None:
             log.warning("rank %d: %s", self.rt.rank, warning)
         meta = writer.encode_meta(step, state_json, self.binding.param_groups(), every,
-                                  objects_json=json.dumps(self._objects()))
+                                  objects_json=json.dumps(self.position.capture()))
         if writer.fit(len(meta)):
             log.info("rank %d: snapshot %d outgrew its layout (metadata %d bytes): re-laid out for %d bytes of "
                      "metadata, %d bytes a slot", self.rt.rank, step, len(meta), writer.meta_cap, writer.total_len)
@@ -785,7 +776,7 @@ class Job:
         extra = reshard(self.model, self.optimizer, images, info.get("predecessor"), int(info["old_world"]))
         self.state.clear()
         self.state.update(extra)
-        if self._stream is not None and self.rt.rank == 0:   # another world partitions the data otherwise
+        if self.position.stream is not None and self.rt.rank == 0:   # another world partitions the data otherwise
             log.warning("phoenixrun: the world was re-shaped at step %d: the data stream starts its epoch over on "
                         "the new partition of the data (docs/porting.md)", step)
         self.next_step = step
@@ -796,24 +787,6 @@ class Job:
         self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
             "rebuild_s": round(t1 - t0, 4), "optimizer_s": round(time.time() - t1, 4),
             "worker_recovery_s": round(time.time() - t0, 4)}})
-
-    def _objects(self) -> dict:
-        """What the snapshot holds besides model, optimizer and `state`: the data position, the stateful objects."""
-        out: dict = {"stateful": self.objects.capture()}
-        if self._stream is not None:
-            out["data"] = self._stream.position()
-        return out
-
-    def _restore_objects(self, saved: dict, step: int) -> None:
-        self.objects.restore(saved.get("stateful", {}))
-        if self._stream is not None:
-            if "data" in saved:
-                self._stream.restore(saved["data"])
-            else:
-                raise RuntimeError(f"the snapshot of step {step} holds no data position (taken by a script that "
-                                   "gave protect() no loader?): refusing to guess it")
-        if self.watch is not None:
-            self.watch.rollback(step)
 
     def _restore(self, step: int) -> None:
         paths = self.link.request({"op": WorkerOp.SLOTS})["paths"]
@@ -827,7 +800,7 @@ class Job:
             self._restored_meta_cap = h.meta_cap   # a fresh process starts with the layout the state needed
             self.state.clear()
             self.state.update(meta["extra"])
-            self._restore_objects(meta.get("objects") or {}, step)
+            self.position.restore(meta.get("objects") or {}, step)
             self.every = meta.get("every", self.every)   # a replacement takes the job's interval
             self.peer_shared = meta.get("peer_shared", True)   # and the job's sharing decisions (all ranks agree)
             self.dtensor_shared = meta.get("dtensor_shared", False)

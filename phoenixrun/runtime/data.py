@@ -341,3 +341,41 @@ class InputWatch:
         for s in shared:
             self._expect.pop(s, None)
         self._seen = {}
+
+
+# ---------------------------------------------------------------------------------------------- together
+class RunPosition:
+    """What a snapshot holds besides model, optimizer and `state` (the data stream's position, the stateful
+    objects), and the survivors' input check that a restore rolls back with them."""
+
+    def __init__(self, stream: BatchStream | None, objects: StatefulObjects, watch: InputWatch | None):
+        self.stream, self.objects, self.watch = stream, objects, watch
+
+    def capture(self) -> dict:
+        out: dict = {"stateful": self.objects.capture()}
+        if self.stream is not None:
+            out["data"] = self.stream.position()
+        return out
+
+    def restore(self, saved: Mapping, step: int) -> None:
+        """Put everything back at the snapshot of `step` (`saved`: what `capture()` gave at that step)."""
+        self.objects.restore(saved.get("stateful", {}))
+        if self.stream is not None:
+            if "data" not in saved:
+                raise RuntimeError(f"the snapshot of step {step} holds no data position (taken by a script that "
+                                   "gave protect() no loader?): refusing to guess it")
+            self.stream.restore(saved["data"])
+        if self.watch is not None:
+            self.watch.rollback(step)
+
+    def forward(self, step: int, args, kwargs) -> None:
+        """A forward inside step `step` (the input check; see InputWatch)."""
+        if self.watch is not None:
+            self.watch.record(step, args, kwargs)
+
+    @property
+    def batches(self) -> BatchStream:
+        if self.stream is None:
+            raise AttributeError("job.batches: protect() was given no loader; call phoenixrun.protect(model, opt, "
+                                 "data=loader) to have phoenixrun own the loader's position")
+        return self.stream
