@@ -141,12 +141,37 @@ def test_a_replay_on_other_inputs_is_caught_and_the_same_inputs_pass():
     watch.rollback(3)
     watch.record(3, (inputs[3].clone(),), {})            # the same batch again: fine
     watch.record(4, (inputs[4],), {})
+    watch.step_end(3)
     watch.rollback(4)
+    watch.record(4, (), {"input_ids": inputs[5]})        # the iterator ran ahead: step 5's batch
     with pytest.raises(DataPositionLost, match="step 4.*protect\\(model, opt, data=loader\\)"):
-        watch.record(4, (), {"input_ids": inputs[5]})   # the iterator ran ahead: step 5's batch
+        watch.step_end(4)                                # caught when the replayed step is over
 
 
-def test_a_refilled_buffer_is_never_compared():
+def test_a_missed_replay_is_caught_at_the_next_step_if_its_end_was_not_seen():
+    watch = InputWatch()
+    for s in range(3):
+        watch.record(s, (torch.full((2,), float(s)),), {})
+    watch.rollback(2)
+    watch.record(2, (torch.full((2,), 9.0),), {})
+    with pytest.raises(DataPositionLost, match="step 2"):
+        watch.record(3, (torch.full((2,), 3.0),), {})
+
+
+def test_a_dry_run_forward_before_the_data_is_not_a_mismatch():
+    """A rebuilt pipeline stage runs a shape-inference forward on empty buffers first (a 3D job was stopped)."""
+    watch = InputWatch()
+    data = {s: torch.full((2, 4), float(s)) for s in range(3)}
+    for s in range(3):
+        watch.record(s, (data[s],), {})
+    watch.rollback(1)
+    watch.record(1, (torch.full((2, 4), float("nan")),), {})   # the dry run
+    watch.record(1, (data[1].clone(),), {})                    # the data's forward
+    watch.step_end(1)
+    watch.record(2, (data[2],), {})
+
+
+def test_a_refilled_buffer_is_compared_by_what_it_held():
     watch = InputWatch()
     buf = torch.zeros(4)
     for s in range(3):
@@ -154,7 +179,16 @@ def test_a_refilled_buffer_is_never_compared():
         watch.record(s, (buf,), {})
     watch.rollback(1)
     buf.fill_(1)
-    watch.record(1, (buf,), {})                          # nothing to compare against: no false alarm
+    watch.record(1, (buf,), {})                          # step 1's data again: no false alarm
+    watch.step_end(1)
+
+
+def test_large_inputs_are_not_kept():
+    watch = InputWatch()
+    watch.record(0, (torch.zeros(InputWatch.LIMIT_BYTES // 4 + 1),), {})
+    watch.rollback(0)
+    watch.record(0, (torch.ones(3),), {})
+    watch.step_end(0)                                    # nothing was kept of step 0: nothing to compare
 
 
 def test_a_loader_that_is_not_iterable_is_refused():

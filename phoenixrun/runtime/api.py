@@ -840,8 +840,17 @@ class _StepScope:
     def __exit__(self, exc_type, exc, tb) -> bool:
         job = self.job
         job._in_step = False
+        if exc is None and not job.rt.quiesce_pending:
+            try:   # a replayed step that ran on other inputs: stopped before its result is snapshotted
+                job.position.step_end(self.k)
+            except DataPositionLost as lost:
+                exc = lost
         if isinstance(exc, DataPositionLost):
             log.error("rank %d: %s", job.rt.rank, exc)
+            job.link.send({"op": WorkerOp.ERROR, "text": f"DataPositionLost: {exc}"[:2000], "step": self.k})
+            if exc_type is None:
+                raise exc
+            return False
         if exc is None and not job.rt.quiesce_pending:
             if job._first_collective is not None:
                 job.compute_s = job._first_collective - job._step_t0

@@ -282,64 +282,67 @@ def _tensors(obj, out: list, depth: int = 0) -> list:
     return out
 
 
-def fingerprint(tensors: list) -> tuple | None:
-    """What identifies a step's inputs: shapes, dtypes and contents (None: no tensor to compare)."""
-    if not tensors:
-        return None
-    parts = []
-    for t in tensors:
-        t = t.detach()
-        parts.append((tuple(t.shape), str(t.dtype), hash(t.cpu().contiguous().view(-1).view(torch.uint8)
-                                                            .numpy().tobytes()) if t.numel() else 0))
-    return tuple(parts)
+def _same(kept: list, now: list) -> bool:
+    return len(kept) == len(now) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.detach().to(a.device)) for a, b in zip(kept, now))
 
 
 class InputWatch:
-    """Remembers the first forward's inputs of the last few steps (references, no copy: nothing per step but a
-    list append) and, on the step a recovery replays, compares them with the replay's."""
+    """Keeps a copy of the first forward's inputs of the last few steps and, when a recovery replays one of them,
+    looks for those inputs among the replayed step's forwards.
+
+    A copy, not a reference: a pipeline stage receives into buffers it reuses, and a script may refill one input
+    buffer, so a reference shows a later step's data by the time of a recovery. Among the forwards, not only the
+    first: a rebuilt pipeline stage runs a shape-inference forward on empty buffers before the data's (both seen
+    stopping a correct 3D job). Inputs over LIMIT_BYTES are not kept, nor checked: the copy is an asynchronous
+    device-to-device (or host) copy of a token batch in the common case, a few KB a step."""
 
     KEEP = 3
+    LIMIT_BYTES = 4 << 20
 
     def __init__(self):
-        self._seen: dict[int, list] = {}       # step -> its first forward's input tensors
-        self._expect: dict[int, tuple] = {}    # step being replayed -> the inputs it ran with before the fault
-        self._storages: dict[int, set] = {}
+        self._seen: dict[int, list | None] = {}   # step -> copies of its first forward's input tensors
+        self._expect: tuple[int, list] | None = None   # the replayed step, and the inputs it ran with before
+        self._missed = False                       # a forward of the replayed step ran on other inputs
 
     def record(self, step: int, args, kwargs) -> None:
-        """At a forward inside step `step`: the first one of the step is kept; a replayed step is checked."""
+        """At a forward inside step `step`."""
+        if self._expect is not None:
+            self._check(step, args, kwargs)
         if step in self._seen:
             return
         tensors = _tensors((args, kwargs), [])
-        self._seen[step] = tensors
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self._seen[step] = [t.detach().clone() for t in tensors] if 0 < size <= self.LIMIT_BYTES else None
         for old in [s for s in self._seen if s <= step - self.KEEP]:
             del self._seen[old]
-        expected = self._expect.pop(step, None)
-        if expected is None:
+
+    def _check(self, step: int, args, kwargs) -> None:
+        replayed, kept = self._expect
+        if step == replayed:
+            if _same(kept, _tensors((args, kwargs), [])):
+                self._expect, self._missed = None, False   # the replay runs on the fault-free inputs
+            else:
+                self._missed = True
+        elif step > replayed:
+            self.step_end(replayed)
+
+    def step_end(self, step: int) -> None:
+        """Step `step` is over: if it was the replayed one, its inputs must have come back among its forwards."""
+        if self._expect is None or self._expect[0] != step:
             return
-        self._expect.clear()
-        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
-        if ptrs & self._storages.pop(step, set()):   # the script refills one buffer: nothing to compare
-            return
-        if fingerprint(tensors) != expected:
+        if self._missed:
+            replayed = self._expect[0]
             raise DataPositionLost(
-                f"step {step} was replayed on other inputs than this rank ran it with before the recovery: the "
-                f"loop's data iterator was not put back at step {step}, and going on would train on other batches "
-                f"than a fault-free run. Fix: {_POSITION_FIX}.")
+                f"step {replayed} was replayed on other inputs than this rank ran it with before the recovery: the "
+                f"loop's data iterator was not put back at step {replayed}, and going on would train on other "
+                f"batches than a fault-free run. Fix: {_POSITION_FIX}.")
+        self._expect, self._missed = None, False
 
     def rollback(self, step: int) -> None:
-        """A recovery restored step `step`: the steps from it on are run again; remember what they ran with."""
-        self._expect = {}
-        self._storages = {}
-        for s, tensors in self._seen.items():
-            if s >= step:
-                fp = fingerprint(tensors)
-                if fp is not None:
-                    self._expect[s] = fp
-                    self._storages[s] = {t.untyped_storage().data_ptr() for t in tensors}
-        # a buffer the script reuses holds a later step's data by now: never compare what two steps shared
-        shared = [s for s in self._storages for o in self._storages if o != s and self._storages[s] & self._storages[o]]
-        for s in shared:
-            self._expect.pop(s, None)
+        """A recovery restored step `step`, which is run again: look for what it ran with before."""
+        kept = self._seen.get(step)
+        self._expect, self._missed = ((step, kept) if kept is not None else None), False
         self._seen = {}
 
 
@@ -372,6 +375,11 @@ class RunPosition:
         """A forward inside step `step` (the input check; see InputWatch)."""
         if self.watch is not None:
             self.watch.record(step, args, kwargs)
+
+    def step_end(self, step: int) -> None:
+        """Step `step` is over, before its snapshot: a replay on other inputs raises DataPositionLost here."""
+        if self.watch is not None:
+            self.watch.step_end(step)
 
     @property
     def batches(self) -> BatchStream:
