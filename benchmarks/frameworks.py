@@ -1,17 +1,17 @@
 """Lost time per fault for the loops people run: hot swap vs the torchrun-style restart of the same script.
 
-For each framework script (a DataLoader loop, an accelerate loop, the HF Trainer; tests/scripts/), two arms in one
-sitting, each a --standalone job of NODES nodes x 1 rank + 1 warm spare with one node's agent and workers SIGKILLed
-once every rank has finished step KILL (benchmarks/recovery.py's phoenix_trial):
+For each framework script (a DataLoader loop, an accelerate loop, the HF Trainer, Lightning; tests/scripts/), two
+arms in one sitting, each a --standalone job of NODES nodes x 1 rank + 1 warm spare with one node's agent and
+workers SIGKILLed once every rank has finished step KILL (benchmarks/recovery.py's phoenix_trial):
 
-- hot swap: the script opted in (data=/stateful=, the accelerate adapter, PhoenixTrainer);
+- hot swap: the script opted in (data=/stateful=, the accelerate adapter, PhoenixTrainer, PhoenixDDPStrategy);
 - restart: the same script with PHOENIXRUN_PROTECT=0 and --max-restarts 1, i.e. torchrun's semantics: every worker
   restarts with the spare. The scripts keep no checkpoint, so the restart also recomputes the KILL steps before the
   fault (a few ms each here, reported as step_s); the rest is what a restart costs whatever the checkpoint interval.
 
 Lost time: the kill -> every rank has finished the interrupted step again (from the ranks' progress logs).
 
-    python benchmarks/frameworks.py [--frameworks dataloader,accelerate,hf] [--trials 3] [--json out.json]
+    python benchmarks/frameworks.py [--frameworks dataloader,accelerate,hf,lightning] [--trials 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ FRAMEWORKS = {   # name -> (script, its arguments, the library it needs)
     "dataloader": (SCRIPTS / "dataloader_loop.py", ["--mode", "managed"], None),
     "accelerate": (SCRIPTS / "accelerate_loop.py", [], "accelerate"),
     "hf": (SCRIPTS / "hf_trainer.py", [], "transformers"),
+    "lightning": (SCRIPTS / "lightning_loop.py", [], "lightning"),
 }
 
 

@@ -47,3 +47,9 @@ def test_accelerate_loop_hot_swap_matches_torchrun(tmp_path):
 def test_hf_trainer_hot_swap_matches_torchrun(tmp_path):
     pytest.importorskip("transformers")
     _hot_swap_matches_torchrun(tmp_path, ROOT / "tests" / "scripts" / "hf_trainer.py", "hf")
+
+
+@pytest.mark.smoke
+def test_lightning_hot_swap_matches_torchrun(tmp_path):
+    pytest.importorskip("lightning")
+    _hot_swap_matches_torchrun(tmp_path, ROOT / "tests" / "scripts" / "lightning_loop.py", "lightning")

@@ -128,6 +128,29 @@ def skip_batches(loader, n: int) -> Iterator:
     return it
 
 
+def generator_states(loader) -> list[str]:
+    """The states of every generator a new iterator of `loader` may draw from (`_generators`): taken when an epoch's
+    iterator is made, they are what `resume_epoch` needs to draw that epoch again."""
+    return [_generator_state(g) for g in _generators(loader)]
+
+
+def resume_epoch(loader, index: int, rng: list[str], skip: Callable[[Any, int], Iterable] | None = None) -> Iterator:
+    """`loader`'s current epoch from its batch `index`, drawn as the epoch was: the generators are set to `rng`
+    (`generator_states` when the epoch's iterator was made), the sampler's order is drawn and the first remaining batch
+    taken (`skip`, else `skip_batches`); the global generator is then put back as it was. Empty when the epoch had no
+    batch left."""
+    now = torch.default_generator.get_state()
+    for g, state in zip(_generators(loader), rng):
+        _set_generator_state(g, state)
+    it = iter(skip(loader, index)) if skip else skip_batches(loader, index)
+    try:
+        first = next(it)             # the sampler draws its order now, under the epoch's generator state
+    except StopIteration:            # the restored step had used the epoch's last batch
+        first, it = None, iter(())
+    torch.default_generator.set_state(now)
+    return it if first is None else _Prepend(first, it)
+
+
 class BatchStream:
     """The batches of `loader`, epoch after epoch, at a position phoenixrun snapshots and restores.
 
@@ -172,7 +195,7 @@ class BatchStream:
 
     def _begin_epoch(self) -> None:
         _set_epoch(self.loader, self.epoch)
-        self._rng = [_generator_state(g) for g in _generators(self.loader)]
+        self._rng = generator_states(self.loader)
         self._it = iter(self.loader)
 
     def position(self) -> dict:
@@ -183,7 +206,7 @@ class BatchStream:
             pos["loader"] = encode(self.loader.state_dict())
         else:
             pos["rng"] = self._rng if self._it is not None and self._rng is not None else \
-                [_generator_state(g) for g in _generators(self.loader)]
+                generator_states(self.loader)
         return pos
 
     def restore(self, pos: Mapping) -> None:
@@ -203,21 +226,16 @@ class BatchStream:
         # The generators go back to their states at the epoch's start (or, between epochs, at the snapshot), so the
         # sampler draws the same order and the workers the same base seed; the global one then returns to the
         # restored step's state, which the snapshot set.
-        now = torch.default_generator.get_state()
-        for g, state in zip(_generators(self.loader), pos.get("rng", [])):
-            _set_generator_state(g, state)
         if self.index == 0:              # the epoch is begun at the next batch, as a fault-free run begins it
+            now = torch.default_generator.get_state()
+            for g, state in zip(_generators(self.loader), pos.get("rng", [])):
+                _set_generator_state(g, state)
             torch.default_generator.set_state(now)
             return
         _set_epoch(self.loader, self.epoch)
         self._rng = list(pos["rng"])
-        it = iter(self._skip(self.loader, self.index)) if self._skip else skip_batches(self.loader, self.index)
-        try:
-            first = next(it)             # the sampler draws its order now, under the epoch's generator state
-        except StopIteration:            # the restored step had used the epoch's last batch: the next begins one
-            first, it = None, iter(())
-        torch.default_generator.set_state(now)
-        self._it = it if first is None else _Prepend(first, it)
+        # empty when the restored step had used the epoch's last batch: the next batch begins the next epoch
+        self._it = resume_epoch(self.loader, self.index, self._rng, self._skip)
 
 
 class _Prepend:
