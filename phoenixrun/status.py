@@ -40,8 +40,14 @@ def refusal_text(e: ControlError) -> str:
 
 
 def role_text(node: dict) -> str:
-    """A node's role as status shows it: an active node being drained is "draining". Pure."""
-    return "draining" if node.get("draining") and node["role"] == "active" else node["role"]
+    """A node's role as status shows it: an active node being drained is "draining"; a spare is "spare (warm)"
+    once its pre-started workers are up (a drain or a promotion onto it resumes without starting Python),
+    "spare (starting)" before. Pure."""
+    if node.get("draining") and node["role"] == "active":
+        return "draining"
+    if node["role"] == "spare" and "warm_ready" in node:
+        return "spare (warm)" if node["warm_ready"] else "spare (starting)"
+    return node["role"]
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -33,6 +33,10 @@ def _gone(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
+def _warm_spare(state: dict) -> bool:
+    return any(n["role"] == "spare" and n.get("warm_ready") for n in state.get("nodes", []))
+
+
 @pytest.mark.smoke
 @pytest.mark.timeout(900)   # 4-5 minutes at a load average of 25 on 2 cores (the brief's 40 s: an idle machine)
 def test_drain_by_command_then_by_sigterm(tmp_path):
@@ -43,7 +47,7 @@ def test_drain_by_command_then_by_sigterm(tmp_path):
     job = launch(tmp_path, "drain", nnodes=2, nproc=1, spares=2, steps=STEPS, extra_flags=["--hang-timeout", "120"],
                  PHOENIXRUN_TEST_PAUSE="d2h:5+,d2h#2:20+")
     job.wait_file(tmp_path / "paused-d2h", timeout=300)
-    before = job.state()
+    before = job.wait_for(_warm_spare, what="a warm spare (a drain waits for one)")
     first, kept = _node(before, 1), _node(before, 0)
     r = subprocess.run([str(BIN / "phoenixrun"), "drain", "--run-dir", str(job.run_dir), "--node", "1",
                         "--reason", "maintenance"], capture_output=True, text=True, timeout=60)
@@ -58,6 +62,7 @@ def test_drain_by_command_then_by_sigterm(tmp_path):
     assert _gone(first["agent_pid"]), "the drained node's agent did not exit"
     # SIGTERM to the other node's agent (preemption): drained the same way, by the agent's own request
     job.wait_file(tmp_path / "paused-d2h#2", timeout=300)
+    job.wait_for(_warm_spare, what="the second spare warm")
     second, kept = _node(after, 0), _node(after, 1)
     os.kill(second["agent_pid"], signal.SIGTERM)
     job.wait_for(lambda s: s["phase"] == "quiesce", what="the SIGTERM drain's quiesce")

@@ -27,6 +27,9 @@ OK = dict(slot=1, nnodes=2, node=_node("n1", slot=1), spares=1, running=True, ho
     ({"spares": 0}, ["no spare node", "slot 1", "--spares", "then drain again"]),
     ({"committed": None}, ["no step is committed by every rank"]),
     ({"spares": 0, "running": False}, ["not running"]),        # the first problem is named
+    ({"warm_spares": 0}, ["no spare is warm yet", "1 spare(s) still starting", "spare (warm)"]),
+    ({"warm_spares": 1}, None),
+    ({"warm_spares": None}, None),                              # not known (a master that never heard): as before
 ])
 def test_drain_refusal(change, words):
     why = drain_refusal(**{**OK, **change})
@@ -112,8 +115,9 @@ from phoenixrun.control.state import Phase  # noqa: E402
 from phoenixrun.protocol.messages import MessageError  # noqa: E402
 
 
-def _running(tmp_path, spares: int = 0) -> Master:
-    """A master whose 2 nodes (1 rank each) run an API job with a committed step, and `spares` spares."""
+def _running(tmp_path, spares: int = 0, warm: bool = True) -> Master:
+    """A master whose 2 nodes (1 rank each) run an API job with a committed step, and `spares` spares (their
+    pre-started workers up, as their heartbeats say, unless `warm` is False)."""
     m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6), auth.new_secret())
     m.store_port = 0
     for nid in ("a", "b", *(f"s{i}" for i in range(spares))):
@@ -123,9 +127,22 @@ def _running(tmp_path, spares: int = 0) -> Master:
         m.job.api_mode = True
         for r, nid in enumerate(("a", "b")):
             m.nodes[nid].snapshots = {r: [3, 4]}
+        for i in range(spares):
+            m.nodes[f"s{i}"].warm_ready = warm
     while not m._inbox.empty():
         m._inbox.get_nowait()
     return m
+
+
+def test_a_drain_onto_a_spare_still_starting_is_refused_until_it_is_warm(tmp_path):
+    """Drains were accepted onto a spare whose workers were not up yet: the whole job paused 12.8-22.4 s."""
+    m = _running(tmp_path, spares=1, warm=False)
+    with pytest.raises(MessageError) as e:
+        m.drain({"slot": 1})
+    assert e.value.code == 409 and "no spare is warm yet" in str(e.value)
+    m.nodes["s0"].warm_ready = True          # its heartbeat says its workers are up
+    assert m.drain({"slot": 1})["ok"]
+    m.events.close()
 
 
 @pytest.mark.parametrize("payload, code, words", [

@@ -154,9 +154,10 @@ class JobState:
     def drain_refusal(self, slot: int) -> str | None:
         """Why a drain of node slot `slot` cannot start now (decide.drain_refusal on this state); None: it can."""
         node = self.nodes.get(self.slots.get(slot, ""))
-        spares = sum(1 for n in self.nodes.values() if n.role == Role.SPARE)
-        return drain_refusal(slot, self.cfg.nnodes, node, spares, self.phase == Phase.RUNNING,
-                             self.hot_swap_capable(), self.committed_step())
+        spares = [n for n in self.nodes.values() if n.role == Role.SPARE]
+        return drain_refusal(slot, self.cfg.nnodes, node, len(spares), self.phase == Phase.RUNNING,
+                             self.hot_swap_capable(), self.committed_step(),
+                             warm_spares=sum(1 for n in spares if n.warm_ready))
 
     def note_compute(self, node: NodeRecord) -> None:
         """One straggler sample per committed step of a node: its slowest rank's compute (from its heartbeat)."""
