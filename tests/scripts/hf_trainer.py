@@ -13,8 +13,11 @@ import os
 from pathlib import Path
 
 import torch
+# imported before phoenixrun.init(): a warm spare waits in init() with its libraries already loaded
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 import phoenixrun
+from phoenixrun.integrations.transformers import PhoenixTrainer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=40)
@@ -22,13 +25,7 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--progress-dir", default=None, help="append 'step unix_time' per finished step (benchmarks)")
 cli, _ = ap.parse_known_args()
 
-phoenixrun.init()   # first: TrainingArguments sets up torch.distributed when it is built
-
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
-
-from transformers import TrainerCallback  # noqa: E402
-
-from phoenixrun.integrations.transformers import PhoenixTrainer  # noqa: E402
+phoenixrun.init()   # before TrainingArguments, which sets up torch.distributed when it is built
 
 
 class Progress(TrainerCallback):
