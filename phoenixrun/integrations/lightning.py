@@ -203,8 +203,7 @@ class _Steps:
         while len(args) < 5:
             args.append(None)
         args[4] = SNAPSHOT
-        if trainer.fit_loop._data_fetcher is not None:   # a survivor's: its iterator ran ahead
-            trainer.fit_loop._data_fetcher.teardown()
+        trainer.fit_loop.teardown()   # a survivor's data fetcher: its iterator ran ahead (what a finished fit does)
 
     def setup_done(self, trainer) -> None:
         """The end of the strategy's setup: a first fit protects (a replacement restores here and joins)."""
