@@ -10,7 +10,7 @@ Now a new connection, when the room is full, takes the place of the oldest waiti
 open for at least `grace`, whose server is waiting on it (not holding bytes it has read but not yet checked) and
 with no bytes in the kernel its server has not read yet. A caller that holds the secret sends its frame as soon
 as it connects, so it is never idle while it waits: however many strangers connect, it gets in. Strangers that
-connect faster than `grace` lets them age can still fill the room; the new connection is refused then.
+connect faster than `grace` (50 ms) lets them age can still fill the room; the new connection is refused then.
 """
 from __future__ import annotations
 
@@ -19,7 +19,12 @@ from typing import Callable, Hashable, Iterable, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
-GRACE_S = 0.5        # a connection this new is never closed to make room: its caller may not have sent yet
+# A connection this new is never closed to make room: its caller may not have sent yet. Short, because the rule
+# that protects a job's peer is "bytes unread", not age: at 0.5 s, strangers reconnecting as fast as they were
+# closed (~530 a second in tests/test_e2e_idle_strangers.py on a loaded machine) kept every waiting connection
+# younger than the grace, and the spare's restore connection was refused until the job stopped. A peer closed in
+# the instant between its connect and its send is refused once and retried by the next recovery cycle.
+GRACE_S = 0.05
 LOG_INTERVAL_S = 10.0
 
 
