@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 def test_a_slow_node_is_reported_and_drained(tmp_path):
     ref = torchrun(tmp_path, "ref", nproc=2, steps=STEPS)
     job = launch(tmp_path, "slow", nnodes=2, nproc=1, spares=1, steps=STEPS,
-                 extra_flags=["--replace-stragglers", "--straggler-window", "5", "--straggler-ratio", "2"],
+                 extra_flags=["--replace-stragglers", "--straggler-window", "4", "--straggler-ratio", "2"],
                  PHOENIXRUN_TEST_PAUSE="d2h:2+")
     # held at step 2 until the spare is warm: a straggler is drained only onto a warm spare (a cold one paused the
     # job while its workers started), and on a loaded machine 40 steps ended before the spare's workers were up
@@ -24,7 +24,7 @@ def test_a_slow_node_is_reported_and_drained(tmp_path):
     slow = next(n for n in state["nodes"] if n["slot"] == 1)
     # through the authenticated API in-process: on a loaded machine the CLI's start-up alone outlasted the job
     # (the command itself is tested in test_fault_matrix.py)
-    reply = client_for(job.run_dir, None, None).post("/v1/inject", {"slot": 1, "fault": "slow:5"})
+    reply = client_for(job.run_dir, None, None).post("/v1/inject", {"slot": 1, "fault": "slow:8"})
     assert reply["node"] == slow["node_id"]
     (tmp_path / "release-d2h").touch()
     assert job.finish(timeout=600) == 0, job.log()[-3000:]

@@ -163,9 +163,10 @@ def test_cluster_command_with_spares_on_every_node(tmp_path):
     logs = "\n".join((tmp_path / f"n{i}.log").read_text() for i in range(3))
     assert codes == [0, 0, 0], logs[-4000:]
     assert sorted(ranks(out)) == [0]
-    masters = [i for i in range(3) if (tmp_path / f"n{i}" / ".phoenixrun" / "phoenixrun" / "master.json").exists()]
+    # each node's run directory under .phoenixrun/ (without --rdzv-id a launch names its own: phoenixrun/runid.py)
+    masters = [i for i in range(3) if list((tmp_path / f"n{i}" / ".phoenixrun").glob("*/master.json"))]
     assert len(masters) == 1, masters
-    ev = [json.loads(x) for x in (tmp_path / f"n{masters[0]}" / ".phoenixrun" / "phoenixrun" / "events.jsonl")
+    ev = [json.loads(x) for x in next((tmp_path / f"n{masters[0]}" / ".phoenixrun").glob("*/events.jsonl"))
           .read_text().splitlines()]
     roles = sorted(e["role"] for e in by_event(ev, "node_joined"))
     assert roles == ["active", "spare"], roles
