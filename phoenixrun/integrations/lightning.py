@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from phoenixrun.integrations import rng_states, set_rng_states
 from phoenixrun.runtime.api import init, joining_step, protect
 from phoenixrun.runtime.data import generator_states, resume_epoch
 
@@ -168,16 +169,6 @@ class _Protected:
         self.saved = state
 
 
-def _rng() -> list[torch.Tensor]:
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])]
-
-
-def _set_rng(states: list[torch.Tensor]) -> None:
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.cuda.set_rng_state_all(states[1:])
-
-
 class _Steps:
     """The protected job inside Lightning's loop, and the state of a resume from its snapshot."""
 
@@ -217,7 +208,7 @@ class _Steps:
             stateful[f"lr_scheduler{i}"] = config.scheduler
         self.job = protect(self.strategy.model, self.strategy.optimizers[0], stateful=stateful)
         if self.resuming:
-            self.rng = _rng()
+            self.rng = rng_states()
 
     def checkpoint(self) -> dict[str, Any]:
         """What Lightning's resume reads, from the snapshot (model, optimizer and the rest are already in place)."""
@@ -237,23 +228,23 @@ class _Steps:
             scope = self.job.step(self.job.next_step)
         if not scope.__exit__(type(exc), exc, exc.__traceback__):
             return False
-        self.rng = _rng()
+        self.rng = rng_states()
         return True
 
     def epoch_start_rng(self) -> None:
         """A resumed epoch begins afresh: its iterator draws from the restored RNG, as the fault-free run's did."""
         if self.rng is not None:
-            _set_rng(self.rng)
+            set_rng_states(self.rng)
 
     def epoch_started(self) -> None:
         if self.rng is not None:
-            self.rng = _rng()
+            self.rng = rng_states()
 
     def step_begin(self, step: int) -> None:
         if self.resuming:                # the first step of a resume: the RNG the snapshot restored
             self.resuming = False
             if self.rng is not None:
-                _set_rng(self.rng)
+                set_rng_states(self.rng)
             self.rng = None
         self.scope = self.job.step(step)
         self.scope.__enter__()

@@ -29,6 +29,7 @@ import tempfile
 import torch
 from transformers import Trainer, TrainerCallback
 
+from phoenixrun.integrations import rng_states, set_rng_states
 from phoenixrun.runtime.api import init, joining_step, protect
 
 
@@ -94,16 +95,6 @@ class PhoenixTrainer(Trainer):
         return None
 
 
-def _rng() -> list[torch.Tensor]:
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])]
-
-
-def _set_rng(states: list[torch.Tensor]) -> None:
-    torch.set_rng_state(states[0])
-    if len(states) > 1:
-        torch.cuda.set_rng_state_all(states[1:])
-
-
 class _Steps:
     """The protected job inside the Trainer's loop: a step scope from on_step_begin to on_step_end, and what a
     re-entered loop must find again (RNG, the scheduler's state, the optimizer's hyperparameters) after a restore."""
@@ -132,7 +123,7 @@ class _Steps:
 
     def _remember_restored(self) -> None:
         t = self.trainer
-        self._restored_rng = _rng()
+        self._restored_rng = rng_states()
         self._restored_sched = t.lr_scheduler.state_dict()
         self._restored_groups = [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.job.optimizer.param_groups]
@@ -151,7 +142,7 @@ class _Steps:
 
     def put_back_restored_rng(self) -> None:
         if self._restored_rng is not None:
-            _set_rng(self._restored_rng)
+            set_rng_states(self._restored_rng)
 
     def step_begin(self, step: int) -> None:
         self.scope = self.job.step(step)
