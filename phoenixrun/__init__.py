@@ -23,4 +23,7 @@ def __getattr__(name):
     if name == "ProtectionRefused":   # raised by protect() for state it cannot restore correctly (docs/api.md)
         from phoenixrun.runtime.layout_check import ProtectionRefused
         return ProtectionRefused
+    if name == "CollectiveMismatch":   # ranks issued different collectives in the first step after a recovery
+        from phoenixrun.runtime.collective_check import CollectiveMismatch
+        return CollectiveMismatch
     raise AttributeError(f"module 'phoenixrun' has no attribute {name!r}")

@@ -59,3 +59,39 @@ def test_a_loop_that_keeps_its_own_iterator_is_stopped_not_silently_wrong(tmp_pa
     assert "was replayed on other inputs" in log and "data=loader" in log, log[-3000:]
     assert not list(job.out.glob("rank*.json"))          # nothing finished as if it were right
     assert by_event(job.events(), "job_finished")[-1]["exit_code"] != 0
+
+
+def test_a_collective_only_the_replacement_issues_fails_at_once_naming_it(tmp_path):
+    """A restored process that broadcasts once at its first batch (what accelerate's loader does on its first
+    `next()`) while the survivor goes on to its gradient all-reduce: the job stops with the op and the script's line
+    named on both ranks, not after the collective timeout (set far beyond the test's own limit here)."""
+    job = launch(tmp_path, "rogue", nnodes=2, nproc=1, spares=1, steps=STEPS, script=SCRIPT, model_args=[],
+                 script_args=["--mode", "rogue"], extra_flags=["--collective-timeout", "900"],
+                 PHOENIXRUN_TEST_PAUSE="d2h:12+")
+    _kill_held(job, tmp_path, slot=1)
+    code = job.finish()
+    log = job.log()
+    assert code != 0, log[-3000:]
+    assert "collective mismatch in the first step after a recovery" in log, log[-3000:]
+    assert "broadcast at" in log and "dataloader_loop.py" in log and "allreduce at" in log, log[-3000:]
+    assert not list(job.out.glob("rank*.json"))
+
+
+@pytest.mark.parametrize("order", ["--compile", "--compile-ddp"])
+def test_a_compiled_module_is_hot_swapped_bit_identical(tmp_path, order):
+    """torch.compile'd before DDP wraps it (nanoGPT's order) or after (the aot_eager backend: dynamo's graphs and
+    AOTAutograd without a C++ toolchain's minutes): the survivor's compiled graphs keep running on the restored
+    parameters, the replacement compiles its own, and every step matches a fault-free torchrun run of the same
+    compiled loop."""
+    args = ["--mode", "managed", order, "aot_eager"]
+    want = results(torchrun(tmp_path, "ref-compiled", nproc=2, steps=STEPS, script=SCRIPT, model_args=[],
+                            script_args=args))
+    job = launch(tmp_path, "compiled", nnodes=2, nproc=1, spares=1, steps=STEPS, script=SCRIPT, model_args=[],
+                 script_args=args, PHOENIXRUN_TEST_PAUSE="d2h:12+")
+    _kill_held(job, tmp_path, slot=1)
+    assert job.finish() == 0, job.log()[-3000:]
+    assert len(by_event(job.events(), "recovery_done")) == 1, job.log()[-3000:]
+    got = results(job.out)
+    for r in want:
+        assert {k: v for k, v in got[r].items() if k not in ("pid", "generation")} == \
+               {k: v for k, v in want[r].items() if k not in ("pid", "generation")}, f"rank {r} differs"

@@ -43,6 +43,7 @@ from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check, process_group
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
+from phoenixrun.runtime.collective_check import CHECKS
 from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, RunPosition, StatefulObjects
 from phoenixrun.runtime.reshard import reshard
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
@@ -840,6 +841,7 @@ class _StepScope:
     def __exit__(self, exc_type, exc, tb) -> bool:
         job = self.job
         job._in_step = False
+        CHECKS.disarm()
         if exc is None and not job.rt.quiesce_pending:
             try:   # a replayed step that ran on other inputs: stopped before its result is snapshotted
                 job.position.step_end(self.k)

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, _create_work_from_future
 
+from phoenixrun.runtime.collective_check import CHECKS
+
 BACKEND_NAME = "phoenixrun"
 log = logging.getLogger("phoenixrun.runtime")
 
@@ -480,6 +482,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
                 ON_COLLECTIVE()
             if self.inner is None:
                 return self._local_op(name, args)
+            CHECKS.before(self.inner, target, self.size(), self.global_ranks)
             fn = getattr(self.inner, target, None)
             if fn is None:
                 raise RuntimeError(f"phoenixrun: {name} is not available on a gloo group (torch 2.13 exposes no "
@@ -498,6 +501,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
         def method(self, outputs, inputs, opts=None):
             if self.inner is None:
                 return self._local_op(name, (outputs, inputs))
+            CHECKS.before(self.inner, single, self.size(), self.global_ranks)
             for out, inp in zip(outputs, inputs):
                 fn = getattr(self.inner, single)
                 (fn(out, inp) if opts is None else fn(out, inp, opts)).wait()
@@ -592,6 +596,8 @@ class GroupRegistry:
         for pg in self.subgroups:
             pg.set_backend(gen.subgroup_backend(pg.getGroupName(), pg.rank(), pg.size()))
         self.generation = gen
+        if gen.generation > 0:   # a recovery: until the next step ends, collectives are compared (collective_check.py)
+            CHECKS.arm()
 
 
 class NoBuiltinBackendStore(dist.Store):
