@@ -15,7 +15,6 @@ GRANDFATHERED = {
     ("phoenixrun/control/recovery.py", "Recoveries"): 587,
     ("phoenixrun/control/recovery.py", "Recoveries.drain"): 85,
     ("phoenixrun/control/handlers.py", "Handlers"): 359,
-    ("phoenixrun/runtime/api.py", "Job"): 401,
     ("phoenixrun/sim/master_load.py", "_drive"): 100,
 }
 

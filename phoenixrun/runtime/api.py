@@ -23,34 +23,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Reducer
 
 from phoenixrun.config import WorkerSettings
-from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.runtime import layout_check, process_group
-from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.collective_check import CHECKS
 from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, RunPosition, StatefulObjects
-from phoenixrun.runtime.reshard import reshard
+from phoenixrun.runtime.protection import Protection, Quiesced
+from phoenixrun.runtime.recovery_client import RecoveryClient, recoverable_cause
 from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
                                               install_default_group)
-from phoenixrun.runtime.state_codec import SizeWatch, encode_state
-from phoenixrun.runtime.snapshot import (BackgroundCopier, CudaCopier, SlotMap, SnapshotWriter, StateBinding,
-                                         local_optimizer, read_slot, restore_into)
 from phoenixrun.topology import Coords, Layout
 
 log = logging.getLogger("phoenixrun.runtime")
@@ -59,13 +52,6 @@ if not log.handlers:  # the training script may not configure logging; recovery 
     _h.setFormatter(logging.Formatter("[phoenixrun %(levelname)s] %(message)s"))
     log.addHandler(_h)
     log.propagate = False
-
-
-ADAPT_PERIOD = 20   # steps between protection-interval decisions
-
-
-class Quiesced(RuntimeError):
-    """Raised inside a step when the master ordered this generation to stop."""
 
 
 class QuiescedBackend:
@@ -80,11 +66,6 @@ class QuiescedBackend:
 
     def __getattr__(self, op: str):
         raise Quiesced(f"generation {self.generation} is quiesced: {op} refused")
-
-
-def _ddp_modules(model: torch.nn.Module) -> list:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    return [m for m in model.modules() if isinstance(m, DDP)]
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -412,7 +393,8 @@ class _Runtime:
 
 
 class Job:
-    """A protected training loop (see the module doc)."""
+    """A protected training loop (see the module doc): the script's facade over the protection pipeline
+    (runtime/protection.py) and this rank's side of recoveries (runtime/recovery_client.py)."""
 
     def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
                  every: int, peer_shared: bool = True, dtensor_shared: bool = False,
@@ -420,29 +402,15 @@ class Job:
         self.rt, self.link = rt, rt.link
         self.model, self.optimizer, self.state = model, optimizer, state
         self.position = position or RunPosition(None, StatefulObjects(None), None)
+        self.protection = Protection(self.link, rt.rank, model, optimizer, state, self.position, every, peer_shared,
+                                     dtensor_shared, lambda: rt.quiesce_pending)
+        self.recovery = RecoveryClient(rt, self.protection, lambda: self.next_step, self._restored)
         self._in_step = False
-        self._state_watch = SizeWatch()   # says when `state` grows with the run (state_codec.py)
-        # plain state taken from DP peers on recovery (layout_check.verdict); a replacement takes its snapshot's
-        self.peer_shared = peer_shared
-        # DTensor local shards in the shared region, taken from a mesh peer (layout_check.dtensor_verdict); likewise
-        self.dtensor_shared = dtensor_shared
-        settings = WorkerSettings.from_env()
-        self.every = max(1, settings.protect_every or every)
-        self.adaptive = settings.adaptive
-        self._samples: deque[Sample] = deque(maxlen=20)
-        self._iteration_t = 0.0
         self._last_ping = 0.0
-        self._last_iteration_s = 0.0
         self._enter_t = 0.0             # when the current step began (0: none since the start or a recovery)
         self._longest_step_s = 0.0      # longest step since the last progress message (the agent's quiesce grace)
         self.next_step = 0
         self.current = -1
-        self.binding: StateBinding | None = None
-        self.writer: SnapshotWriter | None = None
-        self.slots: list[SlotMap] = []
-        self._restored_meta_cap = 0     # metadata capacity of the snapshot last restored (a floor for the layout)
-        self.copier = BackgroundCopier()
-        self.awaited_step = -1          # step of the last snapshot submitted: opt.step waits for its commit
         # straggler measure: a step's time until it issues its first collective - this rank's own compute, before
         # it can wait for anyone (the step's wall time is every rank's alike: DP ranks wait for the slowest)
         self.compute_s: float | None = None
@@ -450,17 +418,9 @@ class Job:
         self._step_t0 = self._compute_t0 = 0.0
         self._first_collective: float | None = None
         process_group.ON_COLLECTIVE = self._on_collective
-        self.stall_s = 0.0
-        self._submit_t = 0.0
         self._restore_callbacks: list[Callable[[int, int], None]] = []
         self._joined_at: int | None = None   # a replacement process: the step protect() restored
         self._protected = False               # protect() has returned this job
-        stats_dir = settings.stats_dir   # per-step protection figures (benchmarks)
-        self._stats = open(os.path.join(stats_dir, f"rank{rt.rank}.jsonl"), "a", buffering=1) if stats_dir else None
-        # ZeRO's optimizer step broadcasts parameters after this pre-hook: no rank ends a step before every rank
-        # committed its snapshot. Other optimizer steps are local: a one-element all-reduce there does it.
-        self._commit_barrier = local_optimizer(optimizer) is optimizer
-        self._barrier_t = torch.zeros(1)
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         # a quiesce boundary at every forward (each micro-batch); first, before a wrapper's own hooks communicate
         model.register_forward_pre_hook(self._before_forward, prepend=True, with_kwargs=True)
@@ -470,9 +430,9 @@ class Job:
         from torch.distributed.fsdp import FSDPModule
         rt.refuse_on_quiesce = not any(isinstance(m, FSDPModule) for m in model.modules())
         if rt.restore_step is not None and rt.reshard is not None:
-            self._reshape(rt.generation, rt.restore_step, rt.reshard)
+            self.recovery.reshape(rt.generation, rt.restore_step, rt.reshard)
         elif rt.restore_step is not None:
-            self._join(rt.generation, rt.restore_step)
+            self.recovery.join(rt.generation, rt.restore_step)
         self._protected = True
 
     @property
@@ -485,6 +445,11 @@ class Job:
         """The job's process-group generation: 0 at a fresh start, one more for every recovery. Groups the
         script created are rebuilt in place and stay valid across generations."""
         return self.rt.generation
+
+    @property
+    def every(self) -> int:
+        """The protection interval in steps (1: every step; longer where the copy does not hide behind compute)."""
+        return self.protection.every
 
     def on_restore(self, fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
         """Register `fn(step, generation)`, called after every recovery this process takes part in - on the
@@ -499,6 +464,7 @@ class Job:
         return fn
 
     def _restored(self, step: int) -> None:
+        self.next_step = step
         if not self._protected:   # restored inside protect(): nothing can be registered yet
             self._joined_at = step
         for fn in self._restore_callbacks:
@@ -510,18 +476,22 @@ class Job:
         while True:
             while self.next_step < total:
                 if self._drain_due(total):
-                    self._stop_for_drain()
+                    self.recovery.stop_for_drain()
                     continue
                 yield self.next_step
             if self._drain_due(total):     # a drain whose boundary is past the end stops at the end
-                self._stop_for_drain()
+                self.recovery.stop_for_drain()
                 continue
             try:  # nobody leaves while a peer might still need to replay a step with them
                 dist.barrier()
-                self.copier.wait()
+                self.protection.copier.wait()
                 return
             except Exception as e:  # noqa: BLE001 - any failure here is a recovery
                 self._recover(e)
+
+    def _recover(self, exc: BaseException | None) -> None:
+        self._enter_t = 0.0                 # the time to the next step is the recovery's, not a step's
+        self.recovery.recover(exc, self.current)
 
     def _on_collective(self) -> None:
         if self._first_collective is None:
@@ -538,22 +508,6 @@ class Job:
                 return True
             rt.running_step = self.next_step
             return False
-
-    def _stop_for_drain(self) -> None:
-        """The drain's step boundary: wait until this step's snapshot is committed, then report quiesced and wait
-        for the rebuild, as a quiesce would - without shutting any socket down: every rank stops here, none is
-        inside a step with this one, so nothing is abandoned and nothing replays."""
-        t0 = time.time()
-        generation = self.rt.drain_at[0]
-        self.copier.wait()
-        with self.link.cv:
-            while (self.link.committed_step < self.awaited_step and self.link.commit_error is None
-                   and not self.link.closed and self.link.quiesce_generation < generation):
-                self.link.cv.wait(0.5)
-            self.link.commit_error = None
-            self.link.quiesce_generation = max(self.link.quiesce_generation, generation)
-        self.copier.error = None
-        self._await_rebuild(t0)
 
     def step(self, k: int) -> "_StepScope":
         return _StepScope(self, k)
@@ -581,237 +535,9 @@ class Job:
             self.position.forward(self.current, args, kwargs)
         self._check_quiesce("a forward")
 
-    # ---------------------------------------------------------------- snapshot path
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._check_quiesce("the optimizer step")   # an abandoned step applies nothing
-        if self.adaptive and self.current > 0 and self.current % ADAPT_PERIOD == 0:
-            self._adapt()
-        if self.awaited_step < 0:
-            return
-        t0 = time.perf_counter()
-        self.copier.wait()                 # the copy reads live tensors: done before they change
-        if self.copier.error is not None:
-            err, self.copier.error = self.copier.error, None
-            raise Quiesced(f"snapshot of step {self.awaited_step} failed: {err}")
-        if self.current < self.awaited_step + self.every - 1:
-            return                         # replication may run on until the step before the next snapshot
-        with self.link.cv:
-            while (self.link.committed_step < self.awaited_step and not self.rt.quiesce_pending
-                   and self.link.commit_error is None and not self.link.closed):
-                self.link.cv.wait(0.5)
-            ok = self.link.committed_step >= self.awaited_step
-            err, self.link.commit_error = self.link.commit_error, None
-        if not ok:
-            self.stall_s = time.perf_counter() - t0
-            raise Quiesced(f"snapshot of step {self.awaited_step} not committed: {err or 'recovery in progress'}")
-        if self._commit_barrier:
-            # No rank ends this step - and drops its older snapshot by beginning the next - before every rank's
-            # S_awaited is committed. Without it, where the optimizer step holds no collective (DDP with a plain
-            # optimizer, FSDP2), a rank lost while its replicas were still landing left the survivors no step in
-            # common with its holders, and the job fell back to disk (docs/design.md, "Why two slots are
-            # enough"). On a CPU tensor: gloo, also beside NCCL, so the training thread waits for the other ranks'
-            # commits, never for the device.
-            dist.all_reduce(self._barrier_t)
-        self.stall_s = time.perf_counter() - t0
-        c = self.link.last_commit
-        if c.get("step") == self.awaited_step and c.get("h2h_s") is not None:
-            self._samples.append(Sample(self.copier.last_seconds, c["h2h_s"], t0 - self._submit_t,
-                                        self._last_iteration_s))
-        if self._stats is not None:
-            self._stats.write(json.dumps({
-                "step": self.awaited_step, "d2h_s": self.copier.last_seconds, "h2h_s": c.get("h2h_s"),
-                "stall_s": self.stall_s, "window_s": t0 - self._submit_t,
-                "replicated_bytes": c.get("replicated_bytes"), "slot_bytes": self.writer.total_len if self.writer else None,
-                "private_bytes": self.binding.nbytes()[0] if self.binding else None,
-                "shared_bytes": self.binding.nbytes()[1] if self.binding else None}) + "\n")
-
-    def _adapt(self) -> None:
-        """Every rank proposes an interval from its own figures; all take the largest (one tiny allreduce)."""
-        proposal = torch.tensor([choose_interval(list(self._samples)) if len(self._samples) >= 5 else self.every])
-        dist.all_reduce(proposal, op=dist.ReduceOp.MAX)
-        every = int(proposal.item())
-        if every != self.every:
-            log.warning("rank %d: protecting every %d step(s) from step %d (transfer does not hide behind compute)"
-                        if every > 1 else "rank %d: protecting every %d step(s) again from step %d",
-                        self.rt.rank, every, self.current)
-            self.every = every
-            self._samples.clear()
-            self.link.send({"op": WorkerOp.PROTECTION_MODE, "every": every, "step": self.current})
-
-    def _snapshot(self, step: int) -> None:
-        now = time.perf_counter()
-        self._last_iteration_s = now - self._iteration_t if self._iteration_t else 0.0
-        self._iteration_t = now
-        if step % self.every:
-            return
-        if self.binding is None or self.binding.stale():
-            self._bind()                   # first snapshot, after a restore, or the optimizer state changed
-        self.binding.refresh_volatile()
-        writer, slots, link, every = self.writer, self.slots, self.link, self.every
-        # on this thread: the script mutates its state dict next step
-        state_json, encode_s = encode_state(self.state)
-        warning = self._state_watch.check(len(state_json), encode_s, step)
-        if warning is not None:
-            log.warning("rank %d: %s", self.rt.rank, warning)
-        meta = writer.encode_meta(step, state_json, self.binding.param_groups(), every,
-                                  objects_json=json.dumps(self.position.capture()))
-        if writer.fit(len(meta)):
-            log.info("rank %d: snapshot %d outgrew its layout (metadata %d bytes): re-laid out for %d bytes of "
-                     "metadata, %d bytes a slot", self.rt.rank, step, len(meta), writer.meta_cap, writer.total_len)
-        meta_cap, nbytes = writer.meta_cap, writer.total_len
-        ready = None
-        if isinstance(writer.copier, CudaCopier):   # order the D2H copy after this step's optimizer update
-            ready = torch.cuda.Event()
-            ready.record()
-        compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
-        stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
-                 "step_s": round(compute_t, 5), "every": self.every, "slot_bytes": writer.total_len}
-        if self.compute_s is not None:
-            stats["compute_s"] = round(self.compute_s, 5)
-        self._submit_t = time.perf_counter()
-
-        def copy() -> None:
-            # the agent hands out the non-committed slot, grown first if this layout needs more room
-            reply = link.request({"op": WorkerOp.WRITE, "nbytes": nbytes})
-            idx = reply["slot"]
-            if slots[idx].path != reply["path"] or slots[idx].nbytes < nbytes:   # grown: a new file
-                writer.copier.release(slots[idx])
-                slots[idx] = SlotMap(reply["path"], reply["nbytes"])
-            writer.write_encoded(slots[idx], step, meta, meta_cap, ready)
-            link.send({"op": WorkerOp.WRITTEN, "slot": idx, "step": step, "stats": stats})
-        self.awaited_step = step
-        self.copier.submit(copy)
-
-    def _bind(self) -> None:
-        old = self.writer
-        self.binding = StateBinding(self.model, self.optimizer, peer_shared=self.peer_shared,
-                                    dtensor_shared=self.dtensor_shared)
-        # The metadata capacity only grows: what the last layout (or the restored snapshot) needed, else a
-        # first guess. The slots themselves grow when a snapshot needs more (the `write` request).
-        meta_cap = max(64 * 1024 + 256 * (len(self.binding.private) + len(self.binding.shared)),
-                       old.meta_cap if old is not None else 0, self._restored_meta_cap)
-        self.writer = SnapshotWriter(self.binding, meta_cap)
-        if old is not None and (old.private_len, old.shared_len) != (self.writer.private_len, self.writer.shared_len):
-            log.info("rank %d: optimizer state changed: snapshot tensors now %d + %d bytes", self.rt.rank,
-                     self.writer.private_len, self.writer.shared_len)
-        if not self.slots:
-            paths = self.link.request({"op": WorkerOp.ALLOC, "nbytes": self.writer.total_len})["paths"]
-            self.slots = [SlotMap(p) for p in paths]   # each as large as its file (slots grow one at a time)
-
-    # ---------------------------------------------------------------- recovery
-    def _recover(self, exc: BaseException | None) -> None:
-        t0 = time.time()
-        if not self.rt.quiesce_pending:
-            cause = _collective_cause(exc) or exc
-            self.link.send({"op": WorkerOp.COMM_ERROR, "text": f"{type(cause).__name__}: {cause}"[:2000], "step": self.current})
-            self.rt.abort()   # let peers blocked on us fail now instead of at their timeout
-        self.copier.wait()
-        self.copier.error = None
-        self._enter_t = 0.0                 # the time to the next step is the recovery's, not a step's
-        for ddp in _ddp_modules(self.model):
-            try:   # a backward abandoned at a bucket boundary leaves DDP's reducer expecting the rest of it
-                Reducer._check_reducer_finalized(ddp.reducer)
-            except RuntimeError:   # "Expected to have finished reduction in the prior iteration" at the replay
-                Reducer._reset_state(ddp.reducer)   # (what DDP's own _update_process_group does first)
-        self.model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        self._await_rebuild(t0)
-
-    def _await_rebuild(self, t0: float) -> None:
-        """Report quiesced, wait for the master's rebuild order, rejoin, restore. Repeats on cascades."""
-        reported = -1
-        while True:
-            g = self.link.quiesce_generation
-            if g > self.rt.generation and g > reported:
-                self.link.send({"op": WorkerOp.QUIESCED, "generation": g, "next_step": self.next_step})
-                reported = g
-            order = self.rt.next_order({WorkerOp.REBUILD, WorkerOp.QUIESCE})
-            if order["op"] == WorkerOp.QUIESCE or order["generation"] < self.link.quiesce_generation:
-                continue
-            log.warning("rank %d: rejoining as generation %d, restoring step %d", self.rt.rank,
-                        order["generation"], order["restore_step"])
-            try:
-                t1 = time.time()
-                self.rt.connect(order["generation"], order.get("store_prefix"), order.get("master_addr"),
-                                order.get("master_port"))
-                t2 = time.time()
-                self._restore(order["restore_step"])
-                t3 = time.time()
-            except (RuntimeError, ValueError) as e:
-                log.warning("rejoin of generation %s failed (%s); waiting for the next", order["generation"], e)
-                continue
-            self._restored(order["restore_step"])
-            self.link.send({"op": WorkerOp.RESUMED, "generation": order["generation"], "timings": {
-                "rebuild_s": round(t2 - t1, 4), "optimizer_s": round(t3 - t2, 4), "params_s": round(t3 - t2, 4),
-                "worker_recovery_s": round(t3 - t0, 4)}})
-            return
-
-    def _join(self, generation: int, restore_step: int) -> None:
-        """A replacement process (spare or local reset): restore from the agent's slot, then rendezvous."""
-        t0 = time.time()
-        self._restore(restore_step)
-        t1 = time.time()
-        if self.link.quiesce_generation >= generation:
-            self._await_rebuild(t0)
-            return
-        try:
-            self.rt.connect(generation)
-        except (RuntimeError, ValueError):
-            self._await_rebuild(t0)
-            return
-        self._restored(restore_step)
-        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
-            "optimizer_s": round(t1 - t0, 4), "params_s": round(t1 - t0, 4), "rebuild_s": round(time.time() - t1, 4),
-            "worker_recovery_s": round(time.time() - t0, 4)}})
-
-    def _reshape(self, generation: int, step: int, info: dict) -> None:
-        """A new worker of a shrunk or grown world (control/reshape.py): join the new world, then re-partition the
-        old ranks' snapshots this worker's agent handed over (runtime/reshard.py) - collectively, every rank."""
-        t0 = time.time()
-        self.rt.connect(generation)
-        t1 = time.time()
-        images = {}
-        for old, path in info["images"].items():
-            with open(path, "rb") as f:
-                images[int(old)] = f.read()
-        extra = reshard(self.model, self.optimizer, images, info.get("predecessor"), int(info["old_world"]))
-        self.state.clear()
-        self.state.update(extra)
-        if self.position.stream is not None and self.rt.rank == 0:   # another world partitions the data otherwise
-            log.warning("phoenixrun: the world was re-shaped at step %d: the data stream starts its epoch over on "
-                        "the new partition of the data (docs/porting.md)", step)
-        self.next_step = step
-        self.binding = None
-        self.awaited_step = step
-        self.link.committed_step = max(self.link.committed_step, step)
-        self._restored(step)
-        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
-            "rebuild_s": round(t1 - t0, 4), "optimizer_s": round(time.time() - t1, 4),
-            "worker_recovery_s": round(time.time() - t0, 4)}})
-
-    def _restore(self, step: int) -> None:
-        paths = self.link.request({"op": WorkerOp.SLOTS})["paths"]
-        for p in paths:
-            slot = SlotMap(p)
-            found = read_slot(slot, step)
-            if found is None:
-                continue
-            h, meta = found
-            restore_into(slot, h, meta, self.model, self.optimizer)
-            self._restored_meta_cap = h.meta_cap   # a fresh process starts with the layout the state needed
-            self.state.clear()
-            self.state.update(meta["extra"])
-            self.position.restore(meta.get("objects") or {}, step)
-            self.every = meta.get("every", self.every)   # a replacement takes the job's interval
-            self.peer_shared = meta.get("peer_shared", True)   # and the job's sharing decisions (all ranks agree)
-            self.dtensor_shared = meta.get("dtensor_shared", False)
-            self.next_step = step
-            self.binding = None             # optimizer state tensors were replaced: bind again
-            self.slots = []
-            self.awaited_step = step        # S_step is committed: nothing to wait for beyond it
-            self.link.committed_step = max(self.link.committed_step, step)
-            return
-        raise RuntimeError(f"no intact snapshot of step {step} in this node's memory")
+        self.protection.before_optimizer_step(self.current)
 
 
 class _StepScope:
@@ -858,20 +584,15 @@ class _StepScope:
                 job.compute_s = job._first_collective - job._step_t0
                 job._base_compute_s = job._first_collective - job._compute_t0
             job.next_step = self.k + 1
-            job._snapshot(self.k + 1)
+            job.protection.snapshot(self.k + 1, job.compute_s)
             return False
         if isinstance(exc, NonFiniteLoss):   # never snapshotted; the job must stop, not hot-swap
             job.link.send({"op": WorkerOp.NAN_LOSS, "text": str(exc), "step": self.k})
             return False
-        if exc is not None and not job.rt.quiesce_pending and _collective_cause(exc) is None:
+        if exc is not None and not job.rt.quiesce_pending and recoverable_cause(exc) is None:
             # the script's own error: not ours to hide; tell the agent what it was (classification)
             job.link.send({"op": WorkerOp.ERROR, "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.k})
             return False
         job._recover(exc)
         return True
 
-
-def _collective_cause(exc: BaseException | None) -> BaseException | None:
-    """The collective failure behind `exc`, also one a library wrapped (a pipeline stage that lost its neighbour
-    node must recover like any other survivor, not stop as a user error); None: the script's own error."""
-    return collective_cause(exc, (Quiesced, dist.DistError))
