@@ -79,18 +79,37 @@ class _Ranks(click.ParamType):
 RANKS = _Ranks()
 
 
-def _parse_nnodes(value: str) -> tuple[int, int]:
-    """`N` or torchrun's `MIN:MAX` -> (active nodes, extra nodes admitted as spares)."""
+def nnodes_refusal(lo: int, hi: int) -> str | None:
+    """Why torchrun's elastic `--nnodes MIN:MAX` is refused, with what to type instead; None for N:N. Pure.
+
+    torchrun starts with any MIN..MAX nodes and restarts every worker in a smaller or larger world as nodes come
+    and go. phoenixrun's world is fixed (--nnodes): a lost node's slot is filled from warm spares (--spares) and
+    the job starts only once every slot is filled; the closest it has to shrinking (--on-no-spare shrink) works
+    for scripts that use its API, not for the torchrun scripts MIN:MAX comes from. Reading MIN:MAX as anything
+    else (it used to mean MIN nodes + MAX-MIN spares) would run a different job from the one the user asked for."""
+    if lo == hi:
+        return None
+    return (f"{lo}:{hi} is torchrun's elastic world, which phoenixrun does not run: it keeps a fixed world and "
+            f"fills a lost node's slot from warm spares; type --nnodes {lo} --spares {hi - lo} ({lo} nodes train, "
+            f"{hi - lo} wait as spares), or --nnodes {hi} --on-no-spare shrink ({hi} nodes, going on with fewer "
+            "when one is lost and no spare is left)")
+
+
+def _parse_nnodes(value: str) -> int:
+    """`N` (or `N:N`) -> N; torchrun's elastic `MIN:MAX` is refused (nnodes_refusal)."""
     lo, _, hi = value.partition(":")
     try:
         lo_n, hi_n = int(lo), int(hi or lo)
     except ValueError:
-        raise click.BadParameter(f"{value!r} is not a node count (N or MIN:MAX)", param_hint="--nnodes") from None
+        raise click.BadParameter(f"{value!r} is not a node count (N)", param_hint="--nnodes") from None
     if lo_n < 1:
         raise click.BadParameter("must be >= 1", param_hint="--nnodes")
     if hi_n < lo_n:
         raise click.BadParameter(f"{value!r}: MAX is below MIN", param_hint="--nnodes")
-    return lo_n, hi_n - lo_n
+    refusal = nnodes_refusal(lo_n, hi_n)
+    if refusal:
+        raise click.BadParameter(refusal, param_hint="--nnodes")
+    return lo_n
 
 
 def _parse_nproc(value: str) -> int:
@@ -205,9 +224,9 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
     from phoenixrun.agents.workers import WorkerSpec
     from phoenixrun.topology import Layout
 
-    n, elastic_extra = _parse_nnodes(o["nnodes"])
+    n = _parse_nnodes(o["nnodes"])
     standalone = o["standalone"]
-    spares = o["spares"] or elastic_extra
+    spares = o["spares"]
     nproc = _parse_nproc(o["nproc_per_node"])
     if o["rdzv_backend"] not in ("c10d", "static"):
         raise click.BadParameter(f"{o['rdzv_backend']!r} is not supported: phoenixrun runs its own rendezvous "

@@ -14,6 +14,10 @@ def run(*args, **extra_env):
 @pytest.mark.parametrize("args,needle", [
     (["--nnodes", "4:1", str(EXAMPLE)], "MAX is below MIN"),
     (["--nnodes", "0", str(EXAMPLE)], "--nnodes"),
+    (["--nnodes", "2:4", str(EXAMPLE)], "Invalid value for --nnodes: 2:4 is torchrun's elastic world, which "
+     "phoenixrun does not run: it keeps a fixed world and fills a lost node's slot from warm spares; type "
+     "--nnodes 2 --spares 2 (2 nodes train, 2 wait as spares), or --nnodes 4 --on-no-spare shrink (4 nodes, "
+     "going on with fewer when one is lost and no spare is left)"),
     (["--nproc-per-node", "x", str(EXAMPLE)], "not a number"),
     (["--rdzv-backend", "etcd", str(EXAMPLE)], "not supported"),
     (["--standalone", "no_such_script.py"], "not found"),
@@ -43,6 +47,15 @@ def test_help_lists_both_spellings_and_env():
 def test_pet_env_is_read():
     r = run(str(EXAMPLE), PET_NNODES="two")          # the env var reaches the same validation
     assert r.returncode == 2 and "not a node count" in r.stderr
+
+
+@pytest.mark.parametrize("lo, hi, refused", [(2, 2, False), (1, 2, True), (64, 66, True)])
+def test_only_a_fixed_world_is_accepted(lo, hi, refused):
+    from phoenixrun.cli import nnodes_refusal
+    why = nnodes_refusal(lo, hi)
+    assert (why is not None) == refused
+    if refused:
+        assert f"--nnodes {lo} --spares {hi - lo}" in why and f"--nnodes {hi} --on-no-spare shrink" in why
 
 
 @pytest.mark.parametrize("sub", ["master", "agent", "status", "simulate", "inject", "drain"])

@@ -34,10 +34,11 @@ TORCHRUN_FLAGS = {
 
 # What each torchrun flag means under phoenixrun (falls back to the option's help text when absent).
 TORCHRUN_NOTES = {
-    "--nnodes": "Active (training) nodes: `N`, or torchrun's `MIN:MAX`, which means MIN active nodes and up to "
-                "MAX-MIN warm spares (unless `--spares` is given): phoenixrun keeps the world size fixed and "
-                "replaces a failed node with a spare instead of shrinking the job. The job starts once MIN nodes "
-                "joined; spares may join later.",
+    "--nnodes": "Active (training) nodes: `N` (`N:N` is accepted too). torchrun's elastic `MIN:MAX` is refused "
+                "with a message saying what to type instead: phoenixrun keeps the world size fixed and fills a "
+                "lost node's slot from warm spares (`--nnodes MIN --spares MAX-MIN`), or goes on with fewer nodes "
+                "when none is left (`--on-no-spare shrink`). The job starts once N nodes joined; spares may join "
+                "later.",
     "--nproc-per-node": "Workers per node: a number, `gpu` (visible CUDA devices; an error without one), or "
                         "`auto`/`cpu` (the CPU count; note torchrun's `auto` picks the GPU count when CUDA "
                         "is present).",
