@@ -216,7 +216,33 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 def launch(entry, **o):
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
     from phoenixrun.launcher import run
-    sys.exit(run(launch_config(o, entry)))
+    cfg = launch_config(o, entry)
+    _check_dirs(_launch_dirs(cfg, o["run_dir"] is not None))
+    sys.exit(run(cfg))
+
+
+def _launch_dirs(c: LaunchConfig, run_dir_named: bool) -> list[tuple[str, Path, str]]:
+    """(how the user named it, path, the fix) of each directory this launch writes on this machine. Pure."""
+    dirs = []
+    if c.host_master:
+        dirs.append(("--run-dir", c.master.run_dir, "give --run-dir a directory you can write") if run_dir_named
+                    else ("the run directory", c.master.run_dir, "run from a directory you can write, or give "
+                          "--run-dir DIR"))
+    if c.agent.log_dir is not None:
+        dirs.append(("--log-dir", c.agent.log_dir, "give --log-dir a directory you can write, or leave it out "
+                     "(worker output then goes to the console)"))
+    if c.master.persist_every and c.master.persist_dir is not None:
+        dirs.append(("--persist-dir", c.master.persist_dir, "give --persist-dir a directory every node can write"))
+    return dirs
+
+
+def _check_dirs(dirs: list[tuple[str, Path, str]]) -> None:
+    """UsageError (exit 2) naming the first directory that cannot be written, before anything starts."""
+    from phoenixrun import preflight
+    for what, path, fix in dirs:
+        problem = preflight.dir_problem(what, path, preflight.try_dir(path), fix)
+        if problem:
+            raise click.UsageError(problem)
 
 
 def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
@@ -302,7 +328,7 @@ def master_cmd(**o):
     from phoenixrun.control.master import Master
     _logging()
     cfg = master_config(o)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    _check_dirs([("--run-dir", cfg.run_dir, "give --run-dir a directory you can write")])
     # created exactly once, whoever starts first: a standby started together with the holder serves the same secret
     secret = auth.master_secret(cfg.run_dir)
     try:
@@ -348,6 +374,9 @@ def agent_cmd(secret_file, **o):
         raise click.UsageError(f"no job secret: set ${auth.SECRET_ENV} or pass --secret-file "
                                "(the master writes it to RUN_DIR/secret)")
     cfg = agent_config(o, secret)
+    if cfg.log_dir is not None:
+        _check_dirs([("--log-dir", cfg.log_dir, "give --log-dir a directory you can write, or leave it out "
+                      "(worker output then goes to the console)")])
     os.environ.update(cfg.worker_env())   # the workers' runtime reads its settings from there
     sys.exit(Agent(cfg).run())
 

@@ -1,13 +1,17 @@
 """What the launcher checks before it starts anything, so that a user's mistake costs seconds, not minutes of
-silence (issue 29): a rendezvous port another program holds, a standalone job far larger than this machine.
+silence (issue 29): a rendezvous port another program holds, a standalone job far larger than this machine, a
+run, log or checkpoint directory that cannot be written.
 
-The decisions (`verdict`, `port_problem`, `oversubscribed`) are pure; `probe` is the one side effect: it connects
-to the rendezvous port and asks what answers there.
+The decisions (`verdict`, `port_problem`, `oversubscribed`, `dir_problem`) are pure; `probe` and `try_dir` are
+the side effects: one connects to the rendezvous port and asks what answers there, the other creates a directory
+and a file in it.
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
+from pathlib import Path
 
 # How a phoenixrun master answers a request without the job secret (control/server.py: 401, a JSON error naming
 # the secret); anything else on the port is another program.
@@ -72,3 +76,27 @@ def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str:
     finally:
         s.close()
     return verdict(True, answer)
+
+
+def try_dir(path: Path) -> OSError | None:
+    """Create `path` (with its parents) and a file in it, as the job will; the error that stops it, or None.
+    Creating and writing is the only test that holds for root too (permission bits do not stop root; a path under
+    a regular file, a read-only mount or a full disk do)."""
+    probe_file = Path(path) / f".phoenixrun-write-test-{os.getpid()}"
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe_file.write_bytes(b"")
+        probe_file.unlink()
+    except OSError as e:
+        return e
+    return None
+
+
+def dir_problem(what: str, path: Path, error: OSError | None, fix: str) -> str | None:
+    """The one-line error for a directory the job cannot write, or None. Pure.
+
+    what: how the user named it (`--run-dir`, `the run directory`); fix: what to type instead."""
+    if error is None:
+        return None
+    reason = error.strerror or type(error).__name__
+    return f"{what} {path} cannot be written ({reason}): {fix}"

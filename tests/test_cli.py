@@ -76,3 +76,65 @@ def test_drain_without_job_is_clear(tmp_path):
 def test_agent_without_secret_is_clear():
     r = run("agent", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "1", str(EXAMPLE))
     assert r.returncode == 2 and "secret" in r.stderr
+
+
+# ------------------------------------------------------------------ directories the job cannot write
+@pytest.fixture
+def unwritable(tmp_path):
+    """A directory path the job cannot create or write: under a read-only directory (chmod 500) for a normal user;
+    for root, whom permission bits do not stop, under a regular file (Not a directory)."""
+    import os
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        yield ro / "sub", "Permission denied"
+        ro.chmod(0o700)
+    else:
+        (tmp_path / "file").write_text("")
+        yield tmp_path / "file" / "sub", "Not a directory"
+
+
+@pytest.mark.parametrize("flag, fix", [
+    ("--run-dir", "give --run-dir a directory you can write"),
+    ("--log-dir", "give --log-dir a directory you can write, or leave it out (worker output then goes to the "
+                  "console)"),
+    ("--persist-dir", "give --persist-dir a directory every node can write"),
+])
+def test_an_unwritable_directory_is_one_line_exit_2(unwritable, flag, fix):
+    path, reason = unwritable
+    extra = ["--persist-every", "2"] if flag == "--persist-dir" else []
+    r = run("--standalone", flag, str(path), *extra, str(EXAMPLE))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [f"phoenixrun: error: {flag} {path} cannot be written ({reason}): {fix}"]
+
+
+def test_the_default_run_directory_unwritable_names_the_fix(tmp_path):
+    (tmp_path / ".phoenixrun").write_text("")          # .phoenixrun/RUN_ID cannot be made: for root too
+    r = subprocess.run([str(BIN / "phoenixrun"), "--standalone", str(EXAMPLE)], capture_output=True, text=True,
+                       env=env(), timeout=60, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    line, = r.stderr.strip().splitlines()
+    assert line.startswith("phoenixrun: error: the run directory .phoenixrun/standalone-")
+    assert line.endswith("cannot be written (Not a directory): run from a directory you can write, or give "
+                         "--run-dir DIR")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["master", "--nnodes", "1", "--nproc-per-node", "1", "--run-dir"], "--run-dir"),
+    (["agent", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "1", "--log-dir"], "--log-dir"),
+])
+def test_master_and_agent_check_their_directory(unwritable, argv, flag):
+    path, reason = unwritable
+    r = run(*argv, str(path), *([str(EXAMPLE)] if argv[0] == "agent" else []), PHOENIXRUN_SECRET="x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"phoenixrun: error: {flag} {path} cannot be written ({reason}): ")
+
+
+def test_dir_problem_is_none_for_a_writable_directory(tmp_path):
+    from phoenixrun import preflight
+    assert preflight.try_dir(tmp_path / "a" / "b") is None and (tmp_path / "a" / "b").is_dir()
+    assert list((tmp_path / "a" / "b").iterdir()) == []          # the write test leaves nothing behind
+    assert preflight.dir_problem("--log-dir", tmp_path, None, "fix") is None
+    assert preflight.dir_problem("--log-dir", tmp_path, PermissionError(13, "Permission denied"), "fix") == \
+        f"--log-dir {tmp_path} cannot be written (Permission denied): fix"
