@@ -289,3 +289,39 @@ def test_master_node_failure_is_survived_by_the_standby(slurm, tmp_path):
         if victim:
             slurm.resume(victim)
             slurm.wait_idle(timeout=60)
+
+
+def test_time_limit_warning_persists_a_checkpoint_and_requeues(slurm, tmp_path):
+    """Slurm requeues nothing by itself at the time limit: the template's `#SBATCH --signal=B:USR1@120` makes
+    Slurm send the batch shell SIGUSR1 (here sent by hand, as Slurm would: `scancel --signal=USR1 --batch`); the
+    template stops the masters, then the agents (which persist their snapshots on SIGTERM), and requeues the job
+    with `scontrol requeue`. The requeued job (same id and RUN_DIR) resumes from that checkpoint and completes;
+    both runs' output is in the one file (--open-mode=append)."""
+    job = submit(slurm, tmp_path, "generic.sbatch", ["-N", "2"], {"SPARES": "0", "NPROC_PER_NODE": "1"},
+                 steps=LONG_STEPS)
+    try:
+        deadline, st = time.time() + 120, None
+        while time.time() < deadline and not (st and (st.get("step") or 0) >= 5):
+            if slurm.job_info(job.jid).get("JobState") not in ("PENDING", "RUNNING"):
+                pytest.fail("the job ended before the time limit's warning\n" + job.diagnostics())
+            st = job.status() if (job.run_dir / "master.json").exists() else None
+            time.sleep(0.3)
+        assert st and st["step"] < LONG_STEPS - 20, f"steps did not advance in time: {st}\n" + job.diagnostics()
+        slurm.cmd("scancel", "--signal=USR1", "--batch", job.jid)
+        info = slurm.wait_job(job.jid, timeout=300)
+        assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", job.diagnostics()
+        assert info.get("Restarts") == "1", info
+        ranks = check_completed(job, world=2, steps=LONG_STEPS)
+        log = job.log.read_text()
+        assert "SIGUSR1: the time limit is near; stopping the job so that the agents persist a checkpoint" in log
+        assert f"requeueing job {job.jid} (the time limit is near; requeue 1 of at most 5)" in log, log[-3000:]
+        assert log.count(f"job {job.jid}: 2 active + 0 spare nodes") == 2, log[-3000:]   # both runs, appended
+        events = job.events()
+        assert [e["event"] for e in events].count("master_started") == 2, job.diagnostics()
+        resumed = [e for e in events if e["event"] == "fallback_restart"]
+        assert resumed and resumed[-1]["restore_step"] >= st["step"], job.diagnostics()
+        assert [e["exit_code"] for e in events if e["event"] == "job_finished"][-1:] == [0]
+        if "param_sha256" in _reference:    # resumed from disk, the same parameters as the uninterrupted run
+            assert ranks[0]["param_sha256"] == _reference["param_sha256"]
+    finally:
+        slurm.cmd("scancel", job.jid, check=False)

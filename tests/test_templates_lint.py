@@ -101,3 +101,51 @@ def test_refuses_to_run_outside_slurm(template, tmp_path):
                        timeout=60)
     assert p.returncode == 1 and "submit this with sbatch" in p.stderr, p.stderr
     assert not any(tmp_path.iterdir())   # nothing created
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=IDS)
+def test_requeue_directives(template):
+    """Slurm requeues nothing by itself on a non-zero exit or a time limit: the template asks for the time limit's
+    warning, keeps the output of every run, and binds each agent to its node's cores."""
+    d = directives(template)
+    for needed in ("--signal=B:USR1@120", "--open-mode=append", "--requeue"):
+        assert needed in d, f"{template.name}: no #SBATCH {needed}"
+    assert '--cpu-bind="$CPU_BIND"' in template.read_text() and "CPU_BIND=${CPU_BIND:-cores}" in template.read_text()
+
+
+def shell_function(template: Path, name: str) -> str:
+    m = re.search(rf"^{name}\(\) \{{\n.*?^\}}\n", template.read_text(), re.S | re.M)
+    assert m, f"{template.name}: no {name} function"
+    return m.group(0)
+
+
+@pytest.mark.parametrize("rc, time_up, why", [
+    (0, 0, ""), (0, 1, ""),                                # finished: never again
+    (143, 1, "the time limit is near"),                    # the masters stopped by the USR1 trap
+    (75, 0, "the spares ran out (exit code 75)"),
+    (75, 1, "the time limit is near"),
+    (1, 0, ""), (2, 0, ""), (137, 0, ""),                  # the script failed, or the job was cancelled
+])
+def test_requeue_reason(rc, time_up, why):
+    script = shell_function(TEMPLATES[0], "requeue_reason") + f'requeue_reason {rc} {time_up}\n'
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == why, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("env, count, calls, said", [
+    ({"REQUEUE": "1", "MAX_REQUEUES": "5"}, "0", "requeue 77", "requeue 1 of at most 5"),
+    ({"REQUEUE": "1", "MAX_REQUEUES": "5"}, "5", "", "not requeueing (why): requeued 5 times already (MAX_REQUEUES=5)"),
+    ({"REQUEUE": "0", "MAX_REQUEUES": "5"}, "0", "", "not requeueing (why): REQUEUE=0"),
+])
+def test_requeue_job_policy(tmp_path, env, count, calls, said):
+    """`scontrol requeue` is called (a stub records it) unless REQUEUE=0 or MAX_REQUEUES is reached."""
+    stub = tmp_path / "scontrol"
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n')
+    stub.chmod(0o755)
+    script = ('log() { echo "$*" >&2; }\n' + shell_function(TEMPLATES[0], "requeue_job") + 'requeue_job why\n')
+    e = {**os.environ, **env, "PATH": f"{tmp_path}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+         "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": count, "PERSIST_DIR": "/ckpt"}
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=e, timeout=60)
+    assert said in p.stderr, p.stderr
+    recorded = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+    assert recorded[-1:] == ([calls] if calls else []), recorded
