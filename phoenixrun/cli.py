@@ -218,7 +218,22 @@ def launch(entry, **o):
     from phoenixrun.launcher import run
     cfg = launch_config(o, entry)
     _check_dirs(_launch_dirs(cfg, o["run_dir"] is not None))
+    _announce_backend()
     sys.exit(run(cfg))
+
+
+def _announce_backend() -> None:
+    """Say which backend carries CUDA tensors on this node, once (phoenixrun/backend_choice.py); UsageError for a
+    backend phoenixrun does not rebuild. The agents this process starts inherit that it was said."""
+    from phoenixrun import backend_choice as bc
+    if os.environ.get(bc.ANNOUNCED_ENV):
+        return
+    choice = bc.choose(os.environ.get(bc.ENV), bc.visible_cuda_devices(dict(os.environ)))
+    if choice.error:
+        raise click.UsageError(choice.error)
+    if choice.line:
+        click.echo(f"phoenixrun: {choice.line}", err=True)
+    os.environ[bc.ANNOUNCED_ENV] = "1"
 
 
 def _launch_dirs(c: LaunchConfig, run_dir_named: bool) -> list[tuple[str, Path, str]]:
@@ -377,6 +392,7 @@ def agent_cmd(secret_file, **o):
     if cfg.log_dir is not None:
         _check_dirs([("--log-dir", cfg.log_dir, "give --log-dir a directory you can write, or leave it out "
                       "(worker output then goes to the console)")])
+    _announce_backend()
     os.environ.update(cfg.worker_env())   # the workers' runtime reads its settings from there
     sys.exit(Agent(cfg).run())
 
