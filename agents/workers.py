@@ -18,6 +18,8 @@ from typing import IO
 
 import psutil
 
+from phoenixrun.agents.prefixer import Prefixer
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -83,24 +85,6 @@ def worker_env(base: dict[str, str], p: Placement) -> dict[str, str]:
         env.update({"RANK": str(p.rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(p.slot),
                     "ROLE_RANK": str(p.rank), "ROLE_WORLD_SIZE": str(world), "PHOENIXRUN_SLOT": str(p.slot)})
     return env
-
-
-class Prefixer:
-    """Puts `prefix` at the start of each line of a byte stream that arrives in arbitrary chunks. Partial
-    lines pass through at once (a `\r` progress bar shows as it is drawn); a line that already starts with
-    the prefix (torch's excepthook writes `[rankN]: ` before each traceback line) gets it only once. Pure."""
-
-    def __init__(self, prefix: bytes):
-        self.prefix, self.at_start = prefix, True
-
-    def feed(self, chunk: bytes) -> bytes:
-        out = bytearray()
-        for piece in chunk.splitlines(keepends=True):
-            if self.at_start and not piece.startswith(self.prefix):
-                out += self.prefix
-            out += piece
-            self.at_start = piece.endswith((b"\n", b"\r"))
-        return bytes(out)
 
 
 ERR_TAIL = 64 * 1024      # bytes of each worker's stderr its agent keeps (a state_dict refusal lists every tensor)
