@@ -208,6 +208,7 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_field(LaunchConfig, "resume")
 @_field(AgentConfig, "fault_domain")
 @_field(AgentConfig, "collective_timeout")
+@_field(AgentConfig, "standby_worker")
 @_job_shape
 @_recovery_policy
 @_agent_timeouts
@@ -377,6 +378,7 @@ def master_config(o: dict) -> MasterConfig:
 @_field(AgentConfig, "node_rank")
 @_field(AgentConfig, "local_ranks_filter")
 @_field(AgentConfig, "shutdown_timeout")
+@_field(AgentConfig, "standby_worker")
 @click.option("-m", "--module", is_flag=True)
 @_opt("--no-python", is_flag=True)
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")

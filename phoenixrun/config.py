@@ -367,6 +367,11 @@ class AgentConfig(_Settings):
         COLLECTIVE_TIMEOUT_S, flag="--collective-timeout", min=1,
         doc="Timeout of the workers' process groups, seconds (keep it above --hang-timeout); the workers get it "
             "as $PHOENIXRUN_COLLECTIVE_TIMEOUT.")
+    standby_worker: bool = setting(
+        True, flag="--no-standby-worker", negate=True,
+        doc="Keep no pre-started standby worker on each active node. With one (the default, for scripts that use "
+            "the phoenixrun API), a worker that dies is replaced by a process already waiting in "
+            "phoenixrun.init(), not a new one; it costs one idle process per node.")
 
     def to_argv(self) -> list[str]:
         """`phoenixrun agent` flags, then -m/--no-python and `-- SCRIPT ARGS`. The secret is not among them: it

@@ -44,7 +44,7 @@ agents = st.builds(
     host=words, fault_domain=text, heartbeat_interval=secs(0.01), log_dir=st.none() | abs_paths, tee=st.booleans(),
     hang_timeout=secs(0.1), node_rank=st.none() | st.integers(0, 1 << 20),
     local_ranks_filter=st.none() | st.frozensets(st.integers(0, 1024), min_size=1),
-    shutdown_timeout=secs(0), collective_timeout=secs(1))
+    shutdown_timeout=secs(0), collective_timeout=secs(1), standby_worker=st.booleans())
 
 workers = st.builds(
     WorkerSettings, agent_sock=text, protect=st.booleans(), tp=st.integers(1, 64), pp=st.integers(1, 64),
@@ -180,7 +180,7 @@ def test_launcher_starts_processes_with_its_config(tmp_path):
     argv = ["--standalone", "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1", "--hang-timeout", "3",
             "--collective-timeout", "45", "--local-ranks-filter", "1,0", "--log-dir", str(tmp_path / "logs"),
             "--tee", "0", "--redirects", "3", "--persist-every", "5", "--run-dir", str(tmp_path / "run"),
-            "--node-timeout", "2.5", str(EXAMPLE), "--steps", "3"]
+            "--node-timeout", "2.5", "--no-standby-worker", str(EXAMPLE), "--steps", "3"]
     c = launch_config(launch.make_context("phoenixrun", argv).params, (str(EXAMPLE), "--steps", "3"))
     assert isinstance(c, LaunchConfig) and c.standalone and c.spares == 1 and c.master.spares is None
     assert c.master.persist_dir == (tmp_path / "run" / "checkpoints").resolve() and c.master.node_timeout == 2.5
@@ -189,6 +189,7 @@ def test_launcher_starts_processes_with_its_config(tmp_path):
         a = c.agent_for("127.0.0.1:1234", i)
         assert a.fault_domain == f"local{i}" and a.endpoint == "127.0.0.1:1234" and a.hang_timeout == 3.0
         assert a.collective_timeout == 45.0 and a.local_ranks_filter == {0, 1} and not a.tee
+        assert not a.standby_worker
         assert from_argv("agent", a.to_argv(), secret="") == a
 
 
