@@ -309,7 +309,7 @@ class _Runtime:
         self.link.send({"op": WorkerOp.HELLO, "local_rank": local_rank, "pid": os.getpid(), "api": True})
         assign = self.next_order({WorkerOp.ASSIGN})
         self.rank, self.world_size = assign["rank"], assign["world_size"]
-        self.local_rank = local_rank
+        self.local_rank = int(assign.get("local_rank", local_rank))   # a standby learns it here (agents/standby.py)
         self.master_addr, self.master_port = assign["master_addr"], int(assign["master_port"])
         self.generation = assign["generation"]
         self.store_prefix = assign.get("store_prefix")
@@ -318,8 +318,8 @@ class _Runtime:
         settings = WorkerSettings.from_env()
         self.timeout = timedelta(seconds=settings.collective_timeout)
         # a warm spare learns its identity only now: give the script what torchrun would have
-        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                           "GROUP_RANK": str(assign["slot"]), "ROLE_RANK": str(self.rank),
+        os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank),
+                           "WORLD_SIZE": str(self.world_size), "GROUP_RANK": str(assign["slot"]), "ROLE_RANK": str(self.rank),
                            "ROLE_WORLD_SIZE": str(self.world_size), "PHOENIXRUN_SLOT": str(assign["slot"])})
         # every generation of the groups' backends: created, aborted and destroyed by one lifecycle
         self.gens = Generations(generation_kind(settings.backend), self.master_addr, self.master_port, self.rank,
