@@ -193,8 +193,7 @@ class Agent:
         self.life.stop(128 + signum)
 
     def _cleanup(self) -> None:
-        for w in list(self.supervisor.workers.values()):
-            w.kill_tree(grace=self.cfg.shutdown_timeout)
+        self.supervisor.kill_all()     # the workers and the standby
         self.reporter.close(flush_s=1.0)     # last reports (why we left) get a moment to go out
         persister, exit_code = self.node.persister, self.life.exit_code
         if persister is not None:

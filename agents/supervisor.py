@@ -18,10 +18,11 @@ from phoenixrun.faults.mismatch import state_mismatch
 from phoenixrun.protocol import ReportKind, WorkerOp
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
-from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS, PhaseAcks, StepTimes
+from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS, REPORTED, PhaseAcks, StepTimes
 from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import LocalSlots
-from phoenixrun.agents.workers import Placement, Worker, worker_env
+from phoenixrun.agents.standby import NodeView, StandbyWorker, Tend, tend
+from phoenixrun.agents.workers import Placement, Worker, standby_env, worker_env
 
 log = logging.getLogger("phoenixrun.agent")
 # A live worker's agent-link thread answers a ping within milliseconds on an idle machine, but not on a loaded
@@ -97,9 +98,10 @@ class WorkerSupervisor:
         self.pinged: dict[int, float] = {}
         self.left_loop: dict[int, float] = {}            # when a live worker closed its link (until named)
         self.error_text: dict[int, str] = {}             # a worker's own exception, sent before it exits
+        self.standby = StandbyWorker(cfg.standby_worker)  # the pre-started process a dead worker's rank goes to
 
     # ------------------------------------------------------------------ spawning
-    def placement(self, local_rank: int, rank_known: bool) -> Placement:
+    def placement(self, local_rank: int, rank_known: bool, name: str | None = None) -> Placement:
         node, job = self.node, self.node.job
         return Placement(
             local_rank=local_rank, nproc_per_node=node.nproc_per_node, nnodes=job["nnodes"],
@@ -107,15 +109,24 @@ class WorkerSupervisor:
             master_addr=node.store_host(), master_port=node.job_store_port(),
             run_id=job["run_id"], restart_count=node.restart_count, max_restarts=job["max_restarts"],
             generation=node.generation, agent_sock=self.sock_path, gloo_ifname=self.gloo_ifname,
-            error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{node.node_id}-{local_rank}.json"))
+            error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{node.node_id}-{name or local_rank}.json"))
+
+    def _env(self, p: Placement) -> dict[str, str]:
+        env = worker_env(dict(os.environ), p)
+        env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.node.job["tp"]), str(self.node.job["pp"])
+        return env
+
+    def _shown(self, local_rank: int) -> bool:
+        return self.cfg.local_ranks_filter is None or local_rank in self.cfg.local_ranks_filter
 
     def spawn(self, local_rank: int, rank_known: bool) -> None:
         p = self.placement(local_rank, rank_known)
-        env = worker_env(dict(os.environ), p)
-        env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.node.job["tp"]), str(self.node.job["pp"])
-        show = self.cfg.local_ranks_filter is None or local_rank in self.cfg.local_ranks_filter
-        self.workers[local_rank] = Worker(self.cfg.spec, p, env, sys.stdout, self.cfg.log_dir, self.cfg.tee, show=show,
-                                          err=sys.stderr)
+        self.workers[local_rank] = Worker(self.cfg.spec, p, self._env(p), sys.stdout, self.cfg.log_dir, self.cfg.tee,
+                                          show=self._shown(local_rank), err=sys.stderr)
+        self._fresh(local_rank)
+
+    def _fresh(self, local_rank: int) -> None:
+        """A new process holds `local_rank`: nothing of its predecessor's exit is pending."""
         self.done.discard(local_rank)
         self.reported_exit.discard(local_rank)
         self.left_loop.pop(local_rank, None)
@@ -126,11 +137,14 @@ class WorkerSupervisor:
                 self.spawn(lr, rank_known)
 
     def kill_all(self) -> None:
+        """Every worker, and the standby (a restart's workers get a new environment; the next is started once the
+        node trains again)."""
         for w in list(self.workers.values()):
             w.kill_tree(grace=self.cfg.shutdown_timeout)
         self.workers.clear()
         self.conns.clear()
         self.waiting_hello.clear()
+        self.standby.retire()
 
     def kill(self, local_rank: int) -> None:
         """Kill a worker on purpose (our doing, not a fault to report); the next recovery step respawns it."""
@@ -181,7 +195,12 @@ class WorkerSupervisor:
                 "tp": job["tp"], "pp": job["pp"], "run_id": job["run_id"], "reshard": node.reshard_of(local_rank)}
 
     def hello(self, conn: WorkerConn, local_rank: int) -> None:
-        """A worker connected: a ranked one gets its assignment, a warm spare's waits for its rank."""
+        """A worker connected: a ranked one gets its assignment, a warm spare's waits for its rank, and so does the
+        standby (for whichever local rank needs it first)."""
+        if self.standby.claims(conn.pid):
+            conn.local_rank = None      # none yet: nothing it sends counts as a rank's until it has one
+            self.standby.connected(conn)
+            return
         w = self.workers.get(local_rank)
         if w is not None and w.rank is None:
             self.waiting_hello[local_rank] = conn
@@ -200,7 +219,8 @@ class WorkerSupervisor:
         for lr in self.node.local_ranks():
             w = self.workers.get(lr)
             if w is None or w.poll() is not None:
-                self.spawn(lr, rank_known=True)
+                if not self._hand_to_standby(lr):
+                    self.spawn(lr, rank_known=True)
             elif w.rank is None:
                 w.rank = self.node.rank(lr)
                 conn = self.waiting_hello.pop(lr, None)
@@ -212,6 +232,42 @@ class WorkerSupervisor:
                                      "store_prefix": self.node.store_prefix,
                                      # the store moves with the master (a standby took over on its own host)
                                      "master_addr": self.node.store_host(), "master_port": self.node.job_store_port()})
+
+    # ------------------------------------------------------------------ the standby worker (agents/standby.py)
+    def _hand_to_standby(self, local_rank: int) -> bool:
+        """A dead worker's rank goes to the standby waiting in init(), if there is a usable one: it restores from
+        this node's slot as a new process would, without starting."""
+        if not self.standby.usable(self.node.restart_count):
+            return False
+        w, conn = self.standby.take()
+        w.rank, w.local_rank, w.show = self.node.rank(local_rank), local_rank, self._shown(local_rank)
+        conn.local_rank = local_rank
+        self.workers[local_rank], self.conns[local_rank] = w, conn
+        self._fresh(local_rank)
+        conn.send(self.assignment(local_rank))
+        log.info("rank %d handed to the standby worker (pid %d)", w.rank, w.pid)
+        return True
+
+    def settled(self) -> bool:
+        """No recovery under way, and every local rank runs and made progress since the last one."""
+        ranks = set(self.node.local_ranks())
+        return (not self.slots.frozen and not (self.phases.pending_resume - {REPORTED})
+                and self.live_ranked() == ranks and ranks <= self.last_progress.keys())
+
+    def tend_standby(self, now: float) -> None:
+        """Start the standby (once the node trains: off the critical path), or retire it, as `tend` decides."""
+        self.standby.check(now)
+        node = self.node
+        action = tend(NodeView(enabled=self.standby.off is None, api=node.api, active=node.role == "active",
+                               have=self.standby.alive, current=self.standby.started_for == node.restart_count,
+                               settled=self.settled(), finishing=bool(self.done)))
+        if action is Tend.SPAWN:
+            p = self.placement(0, rank_known=False, name="standby")
+            self.standby.start(Worker(self.cfg.spec, p, standby_env(self._env(p)), sys.stdout, self.cfg.log_dir,
+                                      self.cfg.tee, show=self.cfg.local_ranks_filter is None, err=sys.stderr,
+                                      name="standby"), node.restart_count)
+        elif action is Tend.RETIRE:
+            self.standby.retire()
 
     # ------------------------------------------------------------------ the hang watchdog
     def progressed(self, local_rank: int) -> None:
@@ -256,6 +312,7 @@ class WorkerSupervisor:
                 self._watch_hangs(now)
         with self.node.lock:
             self._reap()
+            self.tend_standby(now)
 
     def _watch_hangs(self, now: float) -> None:
         for lr, left in list(self.left_loop.items()):

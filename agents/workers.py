@@ -87,40 +87,53 @@ def worker_env(base: dict[str, str], p: Placement) -> dict[str, str]:
     return env
 
 
+def standby_env(env: dict[str, str]) -> dict[str, str]:
+    """A node's standby worker (agents/standby.py): a warm worker's environment (no rank) without LOCAL_RANK - it
+    may take any local rank of the node, and learns it, with the rest, at phoenixrun.init(). Pure."""
+    out = {k: v for k, v in env.items() if k != "LOCAL_RANK"}
+    out["PHOENIXRUN_STANDBY"] = "1"
+    return out
+
+
 ERR_TAIL = 64 * 1024      # bytes of each worker's stderr its agent keeps (a state_dict refusal lists every tensor)
 _console_lock = threading.Lock()   # one chunk of one worker at a time on the agent's stdout/stderr
 
 
 class Worker:
     def __init__(self, spec: WorkerSpec, placement: Placement, env: dict[str, str], out: IO[str] | None,
-                 log_dir: Path | None, tee: bool, show: bool = True, err: IO[str] | None = None):
+                 log_dir: Path | None, tee: bool, show: bool = True, err: IO[str] | None = None,
+                 name: str | None = None):
         """out/err: where the worker's stdout/stderr go, prefixed (the agent's own by default); show: False
-        keeps this worker off the console (torchrun's --local-ranks-filter); stdin is inherited, as under
-        torchrun (breakpoint() and input() work)."""
+        keeps this worker off the console (torchrun's --local-ranks-filter; may change while it runs: a standby
+        that takes a local rank); stdin is inherited, as under torchrun (breakpoint() and input() work); name:
+        what its output and log directory are called until it has a rank [default: spare<local rank>]."""
         self.placement = placement
         self.rank = placement.rank
         self.local_rank = placement.local_rank
+        self.name = name or f"spare{placement.local_rank}"
+        self.show = show
         files = None
         if log_dir is not None:
-            d = Path(log_dir) / f"attempt_{placement.restart_count}" / f"gen{placement.generation}" / str(placement.local_rank)
+            d = (Path(log_dir) / f"attempt_{placement.restart_count}" / f"gen{placement.generation}"
+                 / (name or str(placement.local_rank)))
             d.mkdir(parents=True, exist_ok=True)
             files = (open(d / "stdout.log", "ab", buffering=0), open(d / "stderr.log", "ab", buffering=0))
         self.proc = subprocess.Popen(spec.argv(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
         self.pid = self.proc.pid
         self.started = time.time()
-        console = show and (tee or files is None)
+        self._console = tee or files is None
         streams = ((self.proc.stdout, out or sys.stdout), (self.proc.stderr, err or sys.stderr))
         self._err_tail = bytearray()     # the end of its stderr: what its last error said (faults/mismatch.py)
         self._pumps = []
         for i, (pipe, dest) in enumerate(streams):
-            t = threading.Thread(target=self._pump, args=(pipe, dest if console else None, files[i] if files else None,
-                                                          i == 1), daemon=True)
+            t = threading.Thread(target=self._pump, args=(pipe, dest if self._console else None,
+                                                          files[i] if files else None, i == 1), daemon=True)
             t.start()
             self._pumps.append(t)
 
     def _prefix(self) -> str:
-        return f"[rank{self.rank}]:" if self.rank is not None else f"[spare{self.local_rank}]:"
+        return f"[rank{self.rank}]:" if self.rank is not None else f"[{self.name}]:"
 
     def err_tail(self, wait: float = 0.0) -> str:
         """The last ERR_TAIL bytes of the worker's stderr; `wait`: seconds to let an exited worker's last output
@@ -141,9 +154,9 @@ class Worker:
                 del self._err_tail[:-ERR_TAIL]
             if log_file:
                 log_file.write(chunk)
-            if dest is not None:
-                if self.rank is not None and prefixer.prefix.startswith(b"[spare"):
-                    prefixer.prefix = self._prefix().encode()   # a warm spare got its rank
+            if dest is not None and self.show:
+                if self.rank is not None and not prefixer.prefix.startswith(b"[rank"):
+                    prefixer.prefix = self._prefix().encode()   # a warm spare or a standby got its rank
                 data = prefixer.feed(chunk)
                 with _console_lock:
                     target = getattr(dest, "buffer", None)
