@@ -132,6 +132,7 @@ class StandbyWorker:
     def connected(self, conn: WorkerConn) -> None:
         self.conn = conn
         self._look = None
+        log.info("standby worker (pid %s) is ready: waiting in phoenixrun.init()", conn.pid)
 
     def usable(self, restart_count: int) -> bool:
         return usable(alive=self.alive, connected=self.conn is not None and not self.conn.closed,

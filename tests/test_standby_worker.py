@@ -83,7 +83,8 @@ import json, os, sys, time
 from pathlib import Path
 from phoenixrun.runtime.agent_link import AgentLink
 link = AgentLink(os.environ["PHOENIXRUN_AGENT_SOCK"])
-link.send({"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(), "api": True})
+link.send({"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
+           "api": sys.argv[2] == "api"})
 assign = link.orders.get()
 seen = {"assign": assign, "env_local_rank": os.environ.get("LOCAL_RANK"), "standby": os.environ.get("PHOENIXRUN_STANDBY")}
 Path(sys.argv[1], f"{os.getpid()}.json").write_text(json.dumps(seen))
@@ -106,8 +107,8 @@ def node(tmp_path):
     workers; reports stay in its outbox."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret", spec=WorkerSpec(str(script), (str(tmp_path),)),
-                          nproc_per_node=2))
+    a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret",
+                          spec=WorkerSpec(str(script), (str(tmp_path), "api")), nproc_per_node=2))
     a.node.slot, a.node.role = 1, "active"
     a.node.job = {"nnodes": 2, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
     channel = WorkerChannelServer(a.sock_path, a.worker_ops.on_message, a.worker_ops.on_close)
@@ -176,11 +177,15 @@ def test_a_standby_that_dies_before_init_turns_standbys_off_for_the_run(node, tm
         assert sup.standby.worker is None                     # not started again
 
 
-def test_no_standby_without_the_api_or_when_turned_off(tmp_path):
+@pytest.mark.parametrize("api, enabled", [(False, True), (True, False)])
+def test_no_standby_without_the_api_or_when_turned_off(tmp_path, api, enabled):
+    """A script that does not use the phoenixrun API (torchrun's semantics: it never waits in init()) gets no
+    standby, and neither does a job run with --no-standby-worker."""
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret", spec=WorkerSpec(str(script), (str(tmp_path),)),
-                          nproc_per_node=1, standby_worker=False))
+    a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret",
+                          spec=WorkerSpec(str(script), (str(tmp_path), "api" if api else "plain")),
+                          nproc_per_node=1, standby_worker=enabled))
     a.node.slot, a.node.role = 0, "active"
     a.node.job = {"nnodes": 1, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
     channel = WorkerChannelServer(a.sock_path, a.worker_ops.on_message, a.worker_ops.on_close)
@@ -190,7 +195,7 @@ def test_no_standby_without_the_api_or_when_turned_off(tmp_path):
         _watch_until(a, lambda: a.supervisor.settled(), "the rank connected and stepping")
         for _ in range(5):
             a.supervisor.watch()
-        assert a.supervisor.standby.worker is None and a.supervisor.standby.off == "--no-standby-worker"
+        assert a.supervisor.standby.worker is None and a.node.api is api
     finally:
         a.supervisor.kill_all()
         channel.close()
