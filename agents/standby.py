@@ -15,6 +15,7 @@ methods with the node's lock held.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -107,6 +108,9 @@ class StandbyWorker:
         self.started_for = 0                 # the restart attempt it was started in
         self.off: str | None = None if enabled else "--no-standby-worker"
         self.idle_deaths = 0
+        # the last standbys started: one retired or dead may still have a hello on its way (the last few only: a
+        # pid is reused in time)
+        self.former: deque[int] = deque(maxlen=4)
         self.budget = budget
         self._look: tuple[float, float] | None = None    # (time, CPU seconds) at the last budget look
 
@@ -116,6 +120,7 @@ class StandbyWorker:
 
     def start(self, worker: Worker, restart_count: int) -> None:
         self.worker, self.conn, self.started_for, self._look = worker, None, restart_count, None
+        self.former.append(worker.pid)
         log.info("standby worker started (pid %d)", worker.pid)
 
     def claims(self, pid: int | None) -> bool:
@@ -128,6 +133,11 @@ class StandbyWorker:
             return pid in {c.pid for c in psutil.Process(self.worker.pid).children(recursive=True)}
         except psutil.Error:
             return False
+
+    def was_standby(self, pid: int | None) -> bool:
+        """A hello from a standby that is gone (retired, or dead, with its hello still unread): it must not be taken
+        for a rank's worker (with no LOCAL_RANK it would say local rank 0)."""
+        return pid in self.former and (self.worker is None or pid != self.worker.pid)
 
     def connected(self, conn: WorkerConn) -> None:
         self.conn = conn

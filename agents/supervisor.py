@@ -201,6 +201,9 @@ class WorkerSupervisor:
             conn.local_rank = None      # none yet: nothing it sends counts as a rank's until it has one
             self.standby.connected(conn)
             return
+        if self.standby.was_standby(conn.pid):
+            conn.local_rank = None      # a retired standby's late hello: it is dead or dying
+            return
         w = self.workers.get(local_rank)
         if w is not None and w.rank is None:
             self.waiting_hello[local_rank] = conn

@@ -200,3 +200,27 @@ def test_no_standby_without_the_api_or_when_turned_off(tmp_path, api, enabled):
         a.supervisor.kill_all()
         channel.close()
         a.slots.clear()
+
+
+def test_a_late_hello_of_a_retired_standby_is_not_taken_for_local_rank_0(node):
+    """A standby retired (or dead) with its hello still unread says local rank 0 (it has no LOCAL_RANK): that hello
+    must not replace rank 0's channel."""
+    import socket
+    from phoenixrun.agents.ipc import WorkerConn
+    a, sup = node, node.supervisor
+    with a.node.lock:
+        sup.spawn_all(rank_known=True)
+    _watch_until(a, lambda: sup.standby.usable(a.node.restart_count), "the standby's hello")
+    gone = sup.standby.worker.pid
+    with a.node.lock:
+        sup.standby.retire()
+        rank0 = sup.conns[0]
+        mine, theirs = socket.socketpair()
+        try:
+            late = WorkerConn(mine)
+            late.local_rank, late.pid = 0, gone          # as WorkerOps._hello sets them from the message
+            sup.hello(late, 0)
+            assert sup.conns[0] is rank0 and late.local_rank is None
+        finally:
+            mine.close()
+            theirs.close()
