@@ -18,6 +18,14 @@ recovery-time fit (phoenixrun/sim/recovery_fit.py) needs.
 (sleeps between DDP gradient buckets, so the machine's load hardly matters), the kill early in a step. It also
 reports whether the survivors kept their worker processes (the same pids after the recovery) and the quiesce
 phase against the step time.
+
+--worker-death SIGKILLs one worker of slot 1 instead of a node (a local reset, no spare), in two arms per trial, one
+after the other in one sitting: without a standby worker (--no-standby-worker: the dead rank's new process starts,
+imports torch and restores) and with one (the rank goes to the node's standby waiting in phoenixrun.init(); the kill
+waits until it is ready). Per arm: detection, recovery, lost time, whether the standby took the rank and the other
+workers kept their processes; for the standby, its memory (RSS) and CPU while it waits (over IDLE_WINDOW_S).
+
+    python benchmarks/recovery.py --worker-death --nodes 2 --nproc 2 --steps 400 --kill 40 --trials 3
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 LONG_STEPS = ROOT / "tests" / "scripts" / "long_steps.py"
+IDLE_WINDOW_S = 5.0     # --worker-death: the standby's idle CPU is read over this many seconds before the kill
 
 
 def progress(d: Path) -> dict[int, list[tuple[int, float]]]:
@@ -121,6 +130,116 @@ def phoenix_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, mode
             "quiesce_over_step": round(done["phases"]["quiesce_s"] / step_s, 4)}
 
 
+def _standby_of(agent_pid: int) -> psutil.Process | None:
+    for c in psutil.Process(agent_pid).children():
+        try:
+            if c.environ().get("PHOENIXRUN_STANDBY") == "1":
+                return c
+        except psutil.Error:
+            continue
+    return None
+
+
+def _wait(cond, proc: subprocess.Popen, what: str, timeout: float = 600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None:
+            raise RuntimeError(f"job ended (exit {proc.returncode}) before {what}")
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def worker_death_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, model: list[str],
+                       standby: bool) -> dict:
+    """One job with one worker of slot 1 SIGKILLed at step `kill` or later: with the node's standby worker (once it
+    waits in init()), or with --no-standby-worker."""
+    name = "standby" if standby else "fresh"
+    run, prog, log = tmp / f"{name}-run", tmp / f"{name}-progress", tmp / f"{name}.log"
+    prog.mkdir(parents=True)
+    world = nodes * nproc
+    cmd = [str(BIN / "phoenixrun"), "--standalone", "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
+           "--run-dir", str(run), *([] if standby else ["--no-standby-worker"]), str(EXAMPLE), "--steps", str(steps),
+           "--out", str(tmp / f"{name}-out"), "--progress-dir", str(prog), *model]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "INFO"})
+    wait_all_reached(prog, world, 0, 0, proc)
+    node = next(n for n in status(run)["nodes"] if n["slot"] == 1)
+    idle: dict = {}
+    sb = None
+    if standby:
+        sb = _wait(lambda: _standby_of(node["agent_pid"]), proc, "slot 1's standby worker")
+        _wait(lambda: f"standby worker (pid {sb.pid}) is ready" in log.read_text(errors="replace"), proc,
+              "the standby waiting in init()")
+        cpu0, t0 = sum(sb.cpu_times()[:2]), time.time()
+        time.sleep(IDLE_WINDOW_S)      # the measurement window of its idle cost
+        idle = {"standby_idle_cpu_s_per_s": round((sum(sb.cpu_times()[:2]) - cpu0) / (time.time() - t0), 5),
+                "standby_rss_mb": round(sb.memory_info().rss / 2**20, 1)}
+    before = {n["slot"]: sorted(n["worker_pids"]) for n in status(run)["nodes"] if n["role"] == "active"}
+    wait_all_reached(prog, world, max(kill - 1, latest_step(prog)), 0, proc)
+    victim = before[1][0]
+    t_kill = time.time()
+    os.kill(victim, signal.SIGKILL)
+    target = latest_step(prog) + 1
+    if target >= steps:
+        raise RuntimeError(f"the kill landed after the last step ({target} of {steps}): give more --steps")
+    t_back = wait_all_reached(prog, world, target, t_kill, proc)
+    try:
+        after = {n["slot"]: sorted(n["worker_pids"]) for n in status(run)["nodes"] if n["slot"] in before}
+    except (subprocess.CalledProcessError, ValueError):
+        after = None
+    rc = proc.wait(timeout=600)
+    ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    fault = next(e for e in ev if e["event"] == "fault_detected" and not e.get("during_recovery"))
+    done = next(e for e in ev if e["event"] == "recovery_done")
+    others_kept = after is not None and after[0] == before[0] and before[1][1:] == [p for p in after[1]
+                                                                                  if p in before[1]]
+    return {"standby": standby, "exit_code": rc, "action": fault["action"], "lost_s": round(t_back - t_kill, 3),
+            "detect_s": round(fault["t"] - t_kill, 3), "recovery_s": done["duration_s"],
+            "detect_to_done_s": done.get("detect_to_done_s"), "replayed_steps": done["replayed_steps"],
+            "standby_took_rank": bool(sb and after and sb.pid in after[1]), "others_kept": others_kept, **idle}
+
+
+def worker_death(args) -> int:
+    """--worker-death: both arms per trial, medians per arm."""
+    rows: dict[bool, list[dict]] = {False: [], True: []}
+    failed = []
+    model = args.model.split()
+    for i in range(args.trials):
+        for standby in (False, True):
+            with tempfile.TemporaryDirectory(prefix="phoenixrun-worker-death-") as tmp:
+                try:
+                    rows[standby].append(worker_death_trial(Path(tmp), args.nodes, args.nproc, args.steps, args.kill,
+                                                            model, standby))
+                except (RuntimeError, subprocess.CalledProcessError, StopIteration) as e:
+                    failed.append(f"trial {i} ({'standby' if standby else 'fresh'}): {e}")
+                    print(failed[-1], flush=True)
+                    continue
+            print(f"trial {i}: {json.dumps(rows[standby][-1])}", flush=True)
+    summary = {"config": vars(args), "fresh": rows[False], "standby": rows[True], "failed_trials": failed,
+               "load_avg": os.getloadavg()}
+    print(f"{args.nodes} nodes x {args.nproc} ranks, one worker of slot 1 SIGKILLed, medians "
+          f"(load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
+    for standby, label in ((False, "new process (--no-standby-worker)"), (True, "standby worker")):
+        r = rows[standby]
+        if not r:
+            continue
+        med = {k: statistics.median(x[k] for x in r) for k in ("detect_s", "recovery_s", "lost_s")}
+        summary[f"{'standby' if standby else 'fresh'}_median"] = med
+        print(f"  {label:<34}: detection {med['detect_s']:.3f} s, recovery {med['recovery_s']:.3f} s, lost "
+              f"{med['lost_s']:.2f} s over {len(r)} trial(s); recoveries {[x['recovery_s'] for x in r]}")
+    sb = rows[True]
+    if sb:
+        print(f"  the standby took the rank in {sum(x['standby_took_rank'] for x in sb)} of {len(sb)}; idle: "
+              f"RSS {[x['standby_rss_mb'] for x in sb]} MB, CPU {[x['standby_idle_cpu_s_per_s'] for x in sb]} s/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0 if rows[True] and rows[False] else 1
+
+
 def torchrun_trial(tmp: Path, world: int, steps: int, kill: int, every: int, model: list[str]) -> dict:
     prog, ckpt = tmp / "tr-progress", tmp / "tr-ckpt"
     prog.mkdir(parents=True)
@@ -157,10 +276,14 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--model", default="--d-model 128 --layers 2 --heads 4 --vocab 512 --seq 32 --batch 4")
     p.add_argument("--json", default=None)
+    p.add_argument("--worker-death", action="store_true",
+                   help="SIGKILL one worker (a local reset), with and without the node's standby worker")
     p.add_argument("--long-steps", type=float, default=None, metavar="S",
                    help="tests/scripts/long_steps.py with steps of about S s (0.5 s sleeps between gradient buckets); "
                         "phoenixrun only; use with a small --steps/--kill, e.g. --steps 5 --kill 2")
     args = p.parse_args()
+    if args.worker_death:
+        return worker_death(args)
     model, script = args.model.split(), EXAMPLE
     if args.long_steps is not None:
         layers = max(1, round(args.long_steps / 0.5))
