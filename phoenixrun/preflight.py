@@ -81,14 +81,23 @@ def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> str:
 def try_dir(path: Path) -> OSError | None:
     """Create `path` (with its parents) and a file in it, as the job will; the error that stops it, or None.
     Creating and writing is the only test that holds for root too (permission bits do not stop root; a path under
-    a regular file, a read-only mount or a full disk do)."""
-    probe_file = Path(path) / f".phoenixrun-write-test-{os.getpid()}"
+    a regular file, a read-only mount or a full disk do). Leaves nothing behind: what it created it removes (a
+    launch stopped by a later check, a busy port say, has written nothing)."""
+    path = Path(path)
+    created = [p for p in [path, *path.parents] if not p.exists()]
+    probe_file = path / f".phoenixrun-write-test-{os.getpid()}"
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
         probe_file.write_bytes(b"")
         probe_file.unlink()
     except OSError as e:
         return e
+    finally:
+        for p in created:            # innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
     return None
 
 

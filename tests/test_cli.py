@@ -133,8 +133,10 @@ def test_master_and_agent_check_their_directory(unwritable, argv, flag):
 
 def test_dir_problem_is_none_for_a_writable_directory(tmp_path):
     from phoenixrun import preflight
-    assert preflight.try_dir(tmp_path / "a" / "b") is None and (tmp_path / "a" / "b").is_dir()
-    assert list((tmp_path / "a" / "b").iterdir()) == []          # the write test leaves nothing behind
+    assert preflight.try_dir(tmp_path / "a" / "b") is None
+    assert not (tmp_path / "a").exists()          # the write test leaves nothing behind, the directories it made too
+    (tmp_path / "c").mkdir()
+    assert preflight.try_dir(tmp_path / "c") is None and list((tmp_path / "c").iterdir()) == []
     assert preflight.dir_problem("--log-dir", tmp_path, None, "fix") is None
     assert preflight.dir_problem("--log-dir", tmp_path, PermissionError(13, "Permission denied"), "fix") == \
         f"--log-dir {tmp_path} cannot be written (Permission denied): fix"
