@@ -345,6 +345,7 @@ def master_cmd(**o):
     _logging()
     cfg = master_config(o)
     _check_dirs([("--run-dir", cfg.run_dir, "give --run-dir a directory you can write")])
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
     # created exactly once, whoever starts first: a standby started together with the holder serves the same secret
     secret = auth.master_secret(cfg.run_dir)
     try:
