@@ -9,6 +9,7 @@ from phoenixrun import auth
 from phoenixrun.control.events import read_events
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.recovery import Cascade
+from phoenixrun.control.state import Phase
 from phoenixrun.faults import Action
 
 
@@ -107,6 +108,7 @@ def test_a_hot_swap_cascade_keeps_its_promoted_spares_and_its_spare_wait(tmp_pat
     'recovery kept failing' instead of exit code 75)."""
     from phoenixrun.control.recovery import Cascade, Stop
     m = _waiting(tmp_path, 3, spares=1, spare_wait=30.0)
+    m.job.phase = Phase.RUNNING            # the job runs: a hot swap starts from there (state.PHASE_MOVES)
     lost, fresh, waiting = {1, 2}, {}, {}
     g = m.job.generation + 1
     m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g, "next_step": 5})

@@ -306,3 +306,103 @@ def stragglers(samples: Mapping[int, Sequence[float]], ratio: float, window: int
                 if w == 0:
                     newest[s] = round(med[s] / base, 2)
     return {s: newest[s] for s, n in slow_in.items() if n == windows}
+
+
+# ---------------------------------------------------------------- a recovery in flight (control/inflight.py, cycle.py)
+class Midway(str, Enum):
+    """What a report means to a recovery waiting for the acks of one phase."""
+    IGNORE = "ignore"            # expected meanwhile: comm errors, exits of an older generation (the restore
+                                 # respawns those), anything from a node not in play (not active, or lost already)
+    MISMATCH = "mismatch"        # a rank refused the restored state's layout: the job stops (no retry can help)
+    PLAN_FAILED = "plan_failed"  # a source of the plan holds other bytes (integrity): the same plan cannot succeed
+    RETRY = "retry"              # a restore failed otherwise: a new cycle
+    NODE_LOST = "node_lost"      # a node in play is gone: its slot goes to a spare, a new cycle
+    WORKER_LOST = "worker_lost"  # a worker of this generation died or hung: its node will never ack, a new cycle
+
+
+# A worker lost mid-recovery is filed as a local reset: the next cycle's restore respawns it from its own node's
+# snapshot (the node is alive), whatever the classifier would say of the same exit outside a recovery.
+MIDWAY_WORKER_ACTION = Action.LOCAL_RESET
+
+
+def midway(ev: dict, in_play: bool, generation: int) -> Midway:
+    """How a report is handled while a recovery of `generation` waits for acks; `in_play`: it comes from an active
+    node whose slot is not lost already. A refused restore counts from any node. Pure."""
+    kind = ev.get("kind")
+    if kind == K.RESTORE_FAILED:
+        if ev.get("mismatch"):
+            return Midway.MISMATCH
+        return Midway.PLAN_FAILED if ev.get("integrity") else Midway.RETRY
+    if not in_play:
+        return Midway.IGNORE
+    if kind in NODE_LOSSES:
+        return Midway.NODE_LOST
+    if kind in (K.WORKER_EXIT, K.WORKER_HANG) and ev.get("generation") == generation:
+        # dropped as "expected", it cost the whole --recovery-timeout (39.9 s and 127.8 s recoveries in a soak,
+        # two crash-worker 0.5 s apart)
+        return Midway.WORKER_LOST
+    return Midway.IGNORE
+
+
+def mismatch_reason(ev: dict, step: int | None, persist_dir) -> str:
+    """The job's end reason when a rank refused the restored state's layout. Pure."""
+    where = f"checkpoint step {step} in {persist_dir}" if step is not None and persist_dir else "the restored state"
+    return (f"{where} does not match the script (rank {ev.get('rank')}: {ev.get('reason')}): it was written by "
+            "another model or optimizer; start a new run (without --resume, another --rdzv-id or --run-dir), or "
+            "point --persist-dir at this script's checkpoints")
+
+
+class Recovery(str, Enum):
+    """The recovery kinds one cycle executor drives (control/cycle.py)."""
+    HOT_SWAP = "hot_swap"
+    DRAIN = "drain"
+    SHRINK = "shrink"
+    GROW = "grow"
+    FALLBACK = "fallback"
+
+
+class Failure(str, Enum):
+    """How a recovery cycle failed."""
+    CASCADE = "cascade"      # a fault, a refused restore or a phase deadline while it was in flight
+    PLAN = "plan"            # in-memory recovery is impossible (no plan, or a plan whose source holds other bytes)
+    NO_SPARE = "no_spare"    # no spare within --spare-wait, with --on-no-spare shrink
+
+
+class Next(str, Enum):
+    """What follows a failed cycle."""
+    RETRY = "retry"          # another cycle of the same recovery (after `pause`)
+    SHRINK = "shrink"        # go on without the lost slots
+    FALL_BACK = "fall_back"  # the persistent checkpoint, else torchrun's restart
+    HOT_SWAP = "hot_swap"    # an interrupted drain: hot-swap the drained slot
+    STOP = "stop"            # the job fails
+
+
+@dataclass(frozen=True)
+class AfterFailure:
+    next: Next
+    pause: float = 0.0       # seconds the job settles before a retry
+
+
+def after_failure(kind: Recovery, failure: Failure, attempts: int, tries: int = 1) -> AfterFailure:
+    """What follows cycle `attempts` of a `kind` recovery that failed with `failure`. A hot swap retries a cascade,
+    backing off (after_cascade), until it gives in-memory recovery up; a plan that cannot succeed falls back at
+    once; without a spare it shrinks (only raised with --on-no-spare shrink). A drain becomes a hot swap of its
+    slot. A shrink or grow stops the job: the old snapshots left the agents' slots when the workers restarted.
+    A fallback tries the next older checkpoint while `tries` last. Pure."""
+    if kind is Recovery.HOT_SWAP:
+        if failure is Failure.NO_SPARE:
+            return AfterFailure(Next.SHRINK)
+        pause = after_cascade(attempts) if failure is Failure.CASCADE else None
+        return AfterFailure(Next.FALL_BACK) if pause is None else AfterFailure(Next.RETRY, pause)
+    if kind is Recovery.DRAIN:
+        return AfterFailure(Next.HOT_SWAP)
+    if kind is Recovery.FALLBACK and failure is not Failure.NO_SPARE and attempts < tries:
+        return AfterFailure(Next.RETRY)
+    return AfterFailure(Next.STOP)
+
+
+def no_spare(may_shrink: bool, on_no_spare: str, promoted_any: bool) -> Next:
+    """--spare-wait passed with a lost slot still empty: shrink - only a hot swap's cycle that may (`may_shrink`:
+    none of its slots was filled by a spare in an earlier cycle), with --on-no-spare shrink, before it promoted any
+    spare in this cycle - else stop (exit 75). Pure."""
+    return Next.SHRINK if may_shrink and on_no_spare == "shrink" and not promoted_any else Next.STOP

@@ -17,7 +17,7 @@ from typing import Callable
 
 from phoenixrun.control.decide import STRAGGLER_WINDOWS, drain_refusal, stragglers
 from phoenixrun.control.roster import Roster, TrackedSlots
-from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role
+from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role, phase_move
 from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
 from phoenixrun.topology import Layout, place_replicas
@@ -48,7 +48,7 @@ class JobState:
         self.injections: dict[str, list[str]] = {}
         # the job's course
         self.generation = 0
-        self.phase = Phase.WAITING
+        self._phase = Phase.WAITING      # moved only as state.PHASE_MOVES allows (the `phase` property)
         self.restart_count = 0
         self.recoveries = 0
         self.fallbacks = 0
@@ -78,6 +78,14 @@ class JobState:
         self.compute_step: dict[str, int] = {}
         self.compute_generation = 0
         self.stragglers_at = 0.0
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, to: Phase) -> None:
+        self._phase = phase_move(self._phase, to)     # an illegal move raises PhaseError
 
     # everything below: call with cv held
     def save_roster(self, nonces: dict[str, str] | None = None) -> None:

@@ -34,6 +34,33 @@ class Phase(str, Enum):
     FAILED = "failed"
 
 
+class PhaseError(Exception):
+    """An illegal move of the master's phase (PHASE_MOVES): a bug in the master, never a fault of the job."""
+
+
+# Where the master's phase may go from each phase (the way NVRx's rank monitor writes its states down): the job
+# starts (or a restarted master resumes it) from WAITING; a recovery goes RUNNING -> QUIESCE -> RESTORE -> RUNNING,
+# starting over at QUIESCE on a cascade; a fallback (and a shrink, quiesced already) restores without quiescing,
+# and its next checkpoint is RESTORE again; a torchrun-style restart is RUNNING again (from RUNNING, or from a
+# recovery given up). FINISHED and FAILED are the end. `JobState.phase` refuses any other move.
+PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.WAITING: frozenset({Phase.RUNNING, Phase.FINISHED, Phase.FAILED}),
+    Phase.RUNNING: frozenset({Phase.RUNNING, Phase.QUIESCE, Phase.RESTORE, Phase.FINISHED, Phase.FAILED}),
+    Phase.QUIESCE: frozenset({Phase.QUIESCE, Phase.RESTORE, Phase.RUNNING, Phase.FINISHED, Phase.FAILED}),
+    Phase.RESTORE: frozenset({Phase.QUIESCE, Phase.RESTORE, Phase.RUNNING, Phase.FINISHED, Phase.FAILED}),
+    Phase.FINISHED: frozenset(),
+    Phase.FAILED: frozenset(),
+}
+
+
+def phase_move(now: Phase, to: Phase) -> Phase:
+    """`to`, if the master may move there from `now` (PHASE_MOVES); else PhaseError. Pure."""
+    if to not in PHASE_MOVES[now]:
+        raise PhaseError(f"illegal phase move {now.value} -> {to.value}: the master's phases go "
+                         f"{now.value} -> {'/'.join(sorted(p.value for p in PHASE_MOVES[now])) or 'nowhere'}")
+    return to
+
+
 @dataclass
 class NodeRecord:
     node_id: str
