@@ -106,22 +106,24 @@ def test_a_hot_swap_cascade_keeps_its_promoted_spares_and_its_spare_wait(tmp_pat
     cycle keeps the spare in slot 1 (it used to replace it again, failing it) and the wait for slot 2 goes on from
     where it was (each cascade restarted --spare-wait: the job waited longer than it says, or stopped with
     'recovery kept failing' instead of exit code 75)."""
+    from phoenixrun.control.hotswap import HotSwap
     from phoenixrun.control.recovery import Cascade, Stop
     m = _waiting(tmp_path, 3, spares=1, spare_wait=30.0)
     m.job.phase = Phase.RUNNING            # the job runs: a hot swap starts from there (state.PHASE_MOVES)
-    lost, fresh, waiting = {1, 2}, {}, {}
+    lost = {1, 2}
+    swap = HotSwap(m.recovery.cycle, lost, time.time(), time.time())
     g = m.job.generation + 1
     m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g, "next_step": 5})
     m._inbox.put({"kind": "worker_exit", "node_id": "a", "generation": g, "rank": 0, "returncode": 1})
     with pytest.raises(Cascade, match="died during recovery"):
-        m.recovery._recovery_cycle(lost, fresh, waiting)
-    assert fresh == {1: "s0"} and lost == {2} and set(waiting) == {2}
+        m.recovery.cycle.once(swap, 1)
+    assert swap.fresh == {1: "s0"} and lost == {2} and set(swap.waiting) == {2}
     assert m.nodes["s0"].slot == 1 and m.nodes["s0"].role.value == "active"
-    waiting[2] -= 30.0                     # the spare wait has run out meanwhile: no second wait
+    swap.waiting[2] -= 30.0                # the spare wait has run out meanwhile: no second wait
     m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g + 1, "next_step": 5})
     t0 = time.time()
     with pytest.raises(Stop) as e:
-        m.recovery._recovery_cycle(lost, fresh, waiting)
+        m.recovery.cycle.once(swap, 2)
     assert e.value.exit_code == 75 and "slot 2" in e.value.reason and time.time() - t0 < 5
     assert m.nodes["s0"].role.value == "active"
     m.events.close()
@@ -142,7 +144,7 @@ def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_sur
     while not m._inbox.empty():
         m._inbox.get_nowait()
     dead = {m.nodes["b"].peer_addr}
-    m.coordinator.probe = m.recovery.probe = lambda addrs, timeout, silent_is_dead: dead & set(addrs)
+    m.coordinator.probe = m.recovery.flight.probe = lambda addrs, timeout, silent_is_dead: dead & set(addrs)
     m.coordinator._dispatch({"kind": "worker_exit", "node_id": "a", "generation": 0, "rank": 0, "returncode": 1,
                              "detail": "rank 0 exited with code 1", "t": time.time()})
     assert m.job.restart_count == 1 and m.nodes["s0"].slot == 1
@@ -170,10 +172,10 @@ def test_a_hot_swap_that_keeps_failing_falls_back_to_the_checkpoint_after_backin
     m = _waiting(tmp_path, 2, spares=1)
     cycles, tried = [], []
 
-    def failing_cycle(lost, fresh, waiting):     # what a refused restore does to a cycle (pump -> Cascade)
+    def failing_cycle(plan, attempt):     # what a refused restore does to a cycle (pump -> Cascade)
         cycles.append(time.time())
         raise Cascade("s0: no source of its private state could be used")
-    m.recovery._recovery_cycle = failing_cycle
+    m.recovery.cycle.once = failing_cycle
     m.recovery.fallback = lambda lost, reason, counted=True: tried.append(reason) or True
     m.recovery.hot_swap({1}, m.nodes["b"], {"kind": "node_lost", "detail": "gone", "t": time.time()},
                         Action.NODE_REPLACE, None)

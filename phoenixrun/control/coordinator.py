@@ -18,7 +18,8 @@ from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.joining import EXIT_JOIN_TIMEOUT, PROGRESS_EVERY_S, Joining, gave_up, progress_line
 from phoenixrun.control.orders import Inbox, Orders
-from phoenixrun.control.recovery import Probe, Recoveries, Stop, unreachable_nodes
+from phoenixrun.control.inflight import Probe, Stop, unreachable_nodes
+from phoenixrun.control.recovery import Recoveries
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.faults import Classification, correlate
 from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate

@@ -5,8 +5,8 @@ Lock discipline: one `threading.Condition`, `cv`, guards every field. The API ha
 the heartbeat monitor and the recovery coordinator (one controller thread) take it for each change and never
 across a wait for the network. Two exceptions, both measured: a node's `snapshots`/`replicas` are replaced
 whole, never changed in place, so the coordinator stores a quiesced ack's inventory without the lock (see
-Recoveries._quiesced_inventory) and a reader under the lock sees the old inventory or the new one; and
-`stopped` is an Event of its own.
+control/inflight.py's InFlight.quiesced_inventory) and a reader under the lock sees the old inventory or the new
+one; and `stopped` is an Event of its own.
 """
 from __future__ import annotations
 
