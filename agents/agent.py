@@ -41,6 +41,7 @@ from phoenixrun.agents.persister import PersistConfig, Persister
 from phoenixrun.agents.phases import PhaseAcks
 from phoenixrun.agents.replicator import Replicator
 from phoenixrun.agents.reporter import Reporter
+from phoenixrun.agents.roles import AgentRole, DrainStep, drain_move
 from phoenixrun.agents.slots import LocalSlots, ReplicaStore, remove_orphans
 from phoenixrun.agents.supervisor import WorkerSupervisor
 from phoenixrun.agents.worker_ops import WorkerOps
@@ -59,9 +60,9 @@ HEALTH_POLL_S = 0.2     # how often the health sources (NVML, injected) are samp
 DRAIN_WAIT_S = 20.0
 
 
-def watch_interval(role: str | None, warm_only: bool) -> float:
+def watch_interval(role: AgentRole | None, warm_only: bool) -> float:
     """How long the agent's main loop waits for a directive before it looks at its workers again. Pure."""
-    return IDLE_SPARE_WATCH_INTERVAL_S if role == "spare" and warm_only else WATCH_INTERVAL_S
+    return IDLE_SPARE_WATCH_INTERVAL_S if role == AgentRole.SPARE and warm_only else WATCH_INTERVAL_S
 
 
 class Agent:
@@ -70,9 +71,8 @@ class Agent:
         node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.node = NodeState(node_id=node_id, nproc_per_node=cfg.nproc_per_node)
         self.life = Lifecycle()
-        self.drain_deadline: float | None = None   # SIGTERM asked for a drain: leave by then at the latest
-        self.drain_asked = False
-        self.drain_started = False
+        self.drain = DrainStep.NONE                # a drain this agent asked for on SIGTERM (roles.DRAIN_MOVES)
+        self.drain_deadline: float | None = None   # ... leave by then at the latest
         self.cut = NetworkCut()            # partition drill: while active, this node's traffic is dropped
         self.client = GatedControlClient(cfg.endpoint, cfg.secret, self.cut)
         orphans = remove_orphans(socket.gethostname())
@@ -139,11 +139,12 @@ class Agent:
                     self.executor.apply(d)
                 except queue.Empty:
                     pass
-                if self.drain_deadline is not None and not self.drain_asked:
-                    self.drain_asked = True
+                if self.drain is DrainStep.REQUESTED:
+                    self.drain = drain_move(self.drain, DrainStep.ASKED)
                     self._ask_drain()
-                if self.drain_deadline is not None and self.executor.drain_at is not None and not self.drain_started:
-                    self.drain_started = True     # the master took it on: the spare fetches from us from now on
+                if self.drain is DrainStep.ASKED and self.executor.drain_at is not None:
+                    # the master took it on: the spare fetches from us from now on
+                    self.drain = drain_move(self.drain, DrainStep.STARTED)
                     self.drain_deadline = time.time() + DRAIN_WAIT_S
                 if self.drain_deadline is not None and time.time() > self.drain_deadline:
                     log.warning("no drain within %.0fs of SIGTERM: leaving", DRAIN_WAIT_S)
@@ -159,20 +160,23 @@ class Agent:
         node = self.node
         node.job = reg
         node.joined(reg, self.client.host)
-        node.role, node.slot = reg["role"], reg["slot"]
+        node.become(AgentRole(reg["role"]))
+        node.slot = reg["slot"]
         node.token = reg.get("token")
         persist_cfg = PersistConfig.from_json(reg.get("persist"))
         if persist_cfg is not None:
             node.persister = Persister(persist_cfg, self.slots.copy_snapshot, prefix=f"phoenixrun-{node.node_id}",
                                        backlog=2 * self.cfg.nproc_per_node)
-        log.info("agent %s registered as %s%s", node.node_id, node.role,
+        log.info("agent %s registered as %s%s", node.node_id, node.role.value,
                  f" (slot {node.slot})" if node.slot is not None else "")
 
     def _on_signal(self, signum, frame) -> None:
-        if signum == signal.SIGTERM and self.drain_deadline is None and self.node.role == "active" and self.node.api:
+        if (signum == signal.SIGTERM and self.drain is DrainStep.NONE and self.node.role == AgentRole.ACTIVE
+                and self.node.api):
             # preemption or maintenance of this node: its ranks move to a spare at a step boundary, and the master
             # tells this agent to stop once they did (no spare: it is told to stop at once, and leaves as below).
             # Asked from the main loop (_ask_drain), not in the handler.
+            self.drain = drain_move(self.drain, DrainStep.REQUESTED)
             self.drain_deadline = time.time() + DRAIN_WAIT_S
             return
         self._leave(signum)
@@ -197,7 +201,7 @@ class Agent:
         self.reporter.close(flush_s=1.0)     # last reports (why we left) get a moment to go out
         persister, exit_code = self.node.persister, self.life.exit_code
         if persister is not None:
-            if exit_code == 128 + signal.SIGTERM and self.node.role == "active":
+            if exit_code == 128 + signal.SIGTERM and self.node.role == AgentRole.ACTIVE:
                 # preemption: what is committed goes to disk before the memory does
                 persister.write_now([(r, s) for r, steps in self.slots.available().items() for s in steps])
             elif exit_code == 0:
@@ -213,14 +217,14 @@ class Agent:
             state = {"worker_pids": self.supervisor.live_pids(),
                      "snapshots": self.slots.available(), "replicas": self.replicas.available(),
                      "protection": self.node.protection, "api": self.node.api}
-            if self.node.role == "spare":
+            if self.node.role == AgentRole.SPARE:
                 state["warm_ready"] = self.warm_ready()
         return state
 
     def _rejoin_state(self) -> dict:
         node = self.node
         with node.lock:
-            return {"role": node.role, "slot": node.slot, "generation": node.generation,
+            return {"role": node.role.value, "slot": node.slot, "generation": node.generation,
                     "restart_count": node.restart_count, "api": node.api, "world": node.world,
                     "frozen": self.slots.frozen,
                     "snapshots": self.slots.available(), "replicas": self.replicas.available()}

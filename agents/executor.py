@@ -22,6 +22,7 @@ from phoenixrun.agents.persister import PersistError
 from phoenixrun.agents.phases import PhaseAcks
 from phoenixrun.agents.replicator import Replicator
 from phoenixrun.agents.reporter import Reporter
+from phoenixrun.agents.roles import AgentRole
 from phoenixrun.agents.slots import SHM_DIR, IntegrityError, LocalSlots, ReplicaStore, SlotError
 from phoenixrun.agents.supervisor import WorkerSupervisor
 
@@ -94,7 +95,7 @@ class DirectiveExecutor:
             self.supervisor.spawn_all(rank_known=False)
         elif step in (Step.START, Step.RESUME):
             with self.node.lock:
-                self.node.role = "active"
+                self.node.become(AgentRole.ACTIVE)
                 self.replicator.freeze(False)
                 self._drop_reshard()
                 if step is Step.START:
@@ -170,7 +171,7 @@ class DirectiveExecutor:
             pause_point("restore", step)     # tests: a worker that dies while the others rebuild
             timings = self.replicator.fetch(d.get("fetch") or {}, step)
             with self.node.lock:
-                self.node.role = "active"
+                self.node.become(AgentRole.ACTIVE)
                 self.node.restore_step = step
                 self.replicator.restore_point(step)
                 if self.node.persister is not None:
@@ -186,7 +187,7 @@ class DirectiveExecutor:
     # ------------------------------------------------------------------ restart (torchrun's, or from disk)
     def _restart(self, d: dict) -> None:
         with self.node.lock:
-            self.node.role = "active"
+            self.node.become(AgentRole.ACTIVE)
             self.node.store_port = d.get("store_port", self.node.store_port)
             self.supervisor.kill_all()
             self.slots.clear()
@@ -208,7 +209,7 @@ class DirectiveExecutor:
         info = d["reshard"]
         step = info["step"]
         with self.node.lock:
-            self.node.role = "active"
+            self.node.become(AgentRole.ACTIVE)
             self.supervisor.kill_all()
             self._drop_reshard()
         # not under the lock (the heartbeats go on): the slots and replicas are frozen since the quiesce
@@ -257,7 +258,7 @@ class DirectiveExecutor:
         one after the other - I/O process ready, read, then kill, spawn and import torch - a restart took over
         13 s on a loaded 2-core machine, and under a kill every 8-15 s no fallback finished."""
         with self.node.lock:
-            self.node.role = "active"
+            self.node.become(AgentRole.ACTIVE)
             live = self.supervisor.live_ranked()
             if not live and not self.supervisor.warm_workers():
                 self.supervisor.kill_all()

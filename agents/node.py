@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from phoenixrun.agents.persister import Persister
+from phoenixrun.agents.roles import AgentRole, role_move
 
 log = logging.getLogger("phoenixrun.agent")
 
@@ -20,7 +21,7 @@ class NodeState:
     node_id: str
     nproc_per_node: int
     lock: threading.RLock = field(default_factory=threading.RLock)
-    role: str = "unknown"
+    role: AgentRole = AgentRole.UNKNOWN     # changed only through become() (roles.ROLE_MOVES)
     slot: int | None = None
     generation: int = 0
     store_prefix: str | None = None   # the generation's rendezvous prefix, from the master's directives
@@ -37,6 +38,10 @@ class NodeState:
     # a shrink or grow's restart (control/reshape.py): old world, predecessors, and the old ranks' snapshot images
     # this node exported for its new workers (old rank -> (reading local rank, file))
     reshard: dict | None = None
+
+    def become(self, role: AgentRole) -> None:
+        """The node's new role; an illegal move raises RoleError (call with the lock held)."""
+        self.role = role_move(self.role, role)
 
     def rank(self, local_rank: int) -> int:
         return self.slot * self.nproc_per_node + local_rank
