@@ -1,10 +1,12 @@
 """The master's decisions about faults, as pure functions: what a report means (its signal), which decision
 of an incident is carried out, what carries it out (hot swap, persistent fallback, torchrun-style restart; a
-job stops where none of them can), how a node lost mid-recovery is filed, and the bounds of the retries.
+job stops where none of them can), how a node lost mid-recovery is filed, and the bounds of the retries; for a
+recovery in flight, what each report means (`midway`) and what follows a failed cycle (`after_failure`).
 
 Nothing here touches a socket, a clock or the job's state: the recovery coordinator (control/coordinator.py,
-control/recovery.py) gathers the inputs and carries the answers out. The recovery plan itself is
-control/state.py's `plan_recovery`. Table-tested in tests/test_master_decide.py.
+control/recovery.py, the cycle's executor control/cycle.py) gathers the inputs and carries the answers out. The
+recovery plan itself is control/state.py's `plan_recovery`. Table-tested in tests/test_master_decide.py and
+tests/test_recovery_decide.py.
 """
 from __future__ import annotations
 
