@@ -184,3 +184,20 @@ def test_a_hot_swap_that_keeps_failing_falls_back_to_the_checkpoint_after_backin
     assert gaps[0] < 0.2 and all(g >= p for g, p in zip(gaps[1:], (0.25, 0.5, 1.0, 2.0)))
     m.events.close()
     assert len([e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "recovery_failed"]) == 1
+
+
+def test_a_job_ends_once_and_its_controller_then_stops(tmp_path):
+    """state.PHASE_MOVES: finished and failed are the end. A job ended by another thread (as tests end a master)
+    is not ended again by its controller (that was a PhaseError in the controller thread): one job_finished, the
+    first exit code; the controller handles nothing more."""
+    m = _master(tmp_path, 2)
+    m._finish(0, "test over")
+    m._finish(1, "a later failure")
+    assert (m.job.exit_code, m.job.reason, m.phase.value) == (0, "test over", "finished")
+    m._inbox.put({"kind": "node_lost", "node_id": "a", "t": time.time(), "detail": "gone"})
+    controller = threading.Thread(target=m.coordinator.run, daemon=True)
+    controller.start()
+    controller.join(60)
+    assert not controller.is_alive() and m.phase.value == "finished"
+    m.events.close()
+    assert [e["exit_code"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "job_finished"] == [0]

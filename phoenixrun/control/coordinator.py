@@ -39,6 +39,8 @@ class Coordinator:
             end = self._wait_for_start()
             while end is None:
                 ev = self.inbox.get()
+                if self.job.over:     # ended by another thread (as tests end a master): nothing is left to do
+                    return
                 generation = self.job.generation
                 # No cyclic collection while an event is handled, a recovery included: what a recovery
                 # allocates (16K acks, directives, polls) made the collector run full collections of the
@@ -74,6 +76,8 @@ class Coordinator:
             except queue.Empty:
                 pass
             with job.cv:
+                if job.over:          # ended by another thread before it started
+                    return JobEnd(job.exit_code or 0, job.reason)
                 if len(job.slots) == self.cfg.nnodes:
                     break
                 if job.resumed_at is not None and time.time() > job.resumed_at + self.cfg.node_timeout:
@@ -344,6 +348,8 @@ class Coordinator:
     def finish(self, exit_code: int, reason: str) -> None:
         job = self.job
         with job.cv:
+            if job.over:      # a job ends once: one job_finished, one exit code
+                return
             job.exit_code = exit_code
             job.reason = reason
             job.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED

@@ -17,7 +17,7 @@ from typing import Callable
 
 from phoenixrun.control.decide import STRAGGLER_WINDOWS, drain_refusal, stragglers
 from phoenixrun.control.roster import Roster, TrackedSlots
-from phoenixrun.control.state import FreeSlots, NodeRecord, Phase, Role, phase_move
+from phoenixrun.control.state import PHASE_MOVES, FreeSlots, NodeRecord, Phase, Role, phase_move
 from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
 from phoenixrun.topology import Layout, place_replicas
@@ -86,6 +86,11 @@ class JobState:
     @phase.setter
     def phase(self, to: Phase) -> None:
         self._phase = phase_move(self._phase, to)     # an illegal move raises PhaseError
+
+    @property
+    def over(self) -> bool:
+        """The job has ended (finished or failed): no phase follows (state.PHASE_MOVES)."""
+        return not PHASE_MOVES[self._phase]
 
     # everything below: call with cv held
     def save_roster(self, nonces: dict[str, str] | None = None) -> None:
