@@ -2,7 +2,8 @@
 import pytest
 
 from phoenixrun.agents.node import NodeState
-from phoenixrun.agents.roles import (DRAIN_MOVES, ROLE_MOVES, AgentRole, DrainStep, RoleError, drain_move, role_move)
+from phoenixrun.agents.roles import DRAIN_MOVES, ROLE_MOVES, AgentRole, DrainStep, RoleError, drain_move, role_move
+from tests.transitions import check_move
 
 U, A, S, F = AgentRole.UNKNOWN, AgentRole.ACTIVE, AgentRole.SPARE, AgentRole.FAILED
 
@@ -18,11 +19,7 @@ U, A, S, F = AgentRole.UNKNOWN, AgentRole.ACTIVE, AgentRole.SPARE, AgentRole.FAI
     (U, U, False),
 ])
 def test_role_moves(now, to, legal):
-    if legal:
-        assert role_move(now, to) is to
-    else:
-        with pytest.raises(RoleError, match=f"{now.value} -> {to.value}"):
-            role_move(now, to)
+    check_move(role_move, now, to, legal, RoleError)
 
 
 N, RQ, AS, ST = DrainStep.NONE, DrainStep.REQUESTED, DrainStep.ASKED, DrainStep.STARTED
@@ -36,11 +33,7 @@ N, RQ, AS, ST = DrainStep.NONE, DrainStep.REQUESTED, DrainStep.ASKED, DrainStep.
     (AS, N, False),
 ])
 def test_drain_moves(now, to, legal):
-    if legal:
-        assert drain_move(now, to) is to
-    else:
-        with pytest.raises(RoleError):
-            drain_move(now, to)
+    check_move(drain_move, now, to, legal, RoleError)
 
 
 def test_every_role_and_step_has_its_row():
