@@ -1,9 +1,15 @@
 """Sizing advice (phoenixrun/sim/sizing.py): closed forms against values computed by hand, the Monte Carlo
 against the closed forms (within its 95% interval), and correlated faults against a hand-computed value."""
+import itertools
+import json
 import math
+from decimal import Decimal, localcontext
+from fractions import Fraction
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from phoenixrun.sim.cli import simulate
 from phoenixrun.sim.sizing import (Estimate, Fleet, exhaustion_probability_exact, loss_probability_exact, losses,
@@ -88,3 +94,74 @@ def test_cli_recommends_replicas_and_spares():
     j = json.loads(r.output)
     assert j["recommended_replicas"] == 1 and j["recommended_spares"] >= 2
     assert set(j["exact_loss_by_replicas"]) == {"0", "1", "2", "3"}
+
+
+# --- precision (issue 32): the closed form without cancellation -------------------------------------------------
+
+def exact_loss(fleet: Fleet, replicas: int) -> Decimal:
+    """The loss probability by brute force over every failure pattern of one step, in exact rationals, then
+    1 - (1 - x)^steps at 80 significant digits: the groups as `losses` defines them, no cycle algebra."""
+    s, p = fleet.stride(replicas), Fraction(fleet.p_fault)
+    groups = [[(o + i * s) % fleet.nodes for i in range(replicas + 1)] for o in range(fleet.nodes)]
+    x = Fraction(0)
+    for down in itertools.product((False, True), repeat=fleet.nodes):
+        if any(all(down[m] for m in g) for g in groups):
+            k = sum(down)
+            x += p ** k * (1 - p) ** (fleet.nodes - k)
+    with localcontext() as ctx:
+        ctx.prec = 80
+        xd = Decimal(x.numerator) / Decimal(x.denominator)
+        return 1 - (1 - xd) ** fleet.steps
+
+
+def test_the_papers_figures_at_128_nodes():
+    # the paper's bound D * p^(k+1) per step, over 100K steps: 1.28e-11 with 2 replicas, 1.28e-17 with 3
+    # (the old closed form printed 2.22e-11 for both: 1 - (1 - 1e-16)^n in doubles)
+    fleet = Fleet(128, 100_000, 1e-6)
+    assert loss_probability_exact(fleet, 2) == pytest.approx(1.28e-11, rel=1e-5)
+    assert loss_probability_exact(fleet, 3) == pytest.approx(1.28e-17, rel=1e-5)
+    assert loss_probability_exact(fleet, 1) == pytest.approx(1.28e-5, rel=1e-4)
+
+
+def test_cli_prints_the_papers_figures():
+    r = CliRunner().invoke(simulate, ["--sizing", "--nodes", "128", "--p-fault", "1e-6", "--steps", "100000",
+                                      "--trials", "20", "--json"])
+    assert r.exit_code == 0, r.output
+    exact = json.loads(r.output)["exact_loss_by_replicas"]
+    assert f"{exact['2']:.3g}" == "1.28e-11" and f"{exact['3']:.3g}" == "1.28e-17"
+
+
+def test_spare_exhaustion_far_in_the_tail():
+    # 1 - cdf is 0 below ~1e-16; the tail summed itself agrees with the exact binomial tail in rationals
+    fleet = Fleet(4, 20, P)
+    exact = sum(math.comb(80, k) * Fraction(P) ** k * (1 - Fraction(P)) ** (80 - k) for k in range(41, 81))
+    assert exhaustion_probability_exact(fleet, 40) == pytest.approx(float(exact), rel=1e-9)
+    assert 0 < exhaustion_probability_exact(Fleet(128, 100_000, 1e-6), 60) < 1e-20
+
+
+@st.composite
+def fleets(draw):
+    nodes = draw(st.integers(2, 10))
+    domains = draw(st.sampled_from([0] + [d for d in range(2, nodes + 1) if nodes % d == 0]))
+    p = draw(st.sampled_from([1e-9, 1e-6, 3e-4, 0.01, 0.2, 0.5, 0.9]))
+    steps = draw(st.sampled_from([1, 7, 1000, 10 ** 6]))
+    return Fleet(nodes, steps, p, domains=domains), draw(st.integers(0, min(3, nodes - 1)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(fleets())
+def test_closed_form_agrees_with_exact_rationals(case):
+    fleet, replicas = case
+    got, want = loss_probability_exact(fleet, replicas), exact_loss(fleet, replicas)
+    assert got == pytest.approx(float(want), rel=1e-9, abs=1e-300), (fleet, replicas, got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 400), st.sampled_from([1e-9, 1e-6, 1e-3, 0.1, 0.5]), st.sampled_from([1, 100, 10 ** 5]))
+def test_more_replicas_never_lose_more(nodes, p, steps):
+    # every node its own domain: a run of k+2 failed neighbours holds a run of k+1, so P(loss) falls with k
+    fleet = Fleet(nodes, steps, p)
+    losses_by_k = [loss_probability_exact(fleet, k) for k in range(min(4, nodes))]
+    assert all(a >= b for a, b in zip(losses_by_k, losses_by_k[1:])), losses_by_k
+    if p <= 1e-3 and nodes > 4:       # and by about a factor p per replica where losses are rare (not saturated)
+        assert all(b < a * p * 10 for a, b in zip(losses_by_k, losses_by_k[1:]) if 0 < a < 1e-2), losses_by_k

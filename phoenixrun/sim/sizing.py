@@ -77,46 +77,56 @@ class Estimate:
                         1.0 if hits == trials else min(1.0, centre + half))
 
 
-def _no_run_linear(length: int, m: int, p: float) -> float:
-    """P(a string of `length` independent Bernoulli(p) has no run of m ones)."""
-    # f[i] = P(no run in the first i); a run first completes at i when ones fill i-m+1..i after a zero
-    f = [1.0] * (length + 1)
-    q = 1.0 - p
+def _run_probabilities(length: int, m: int, p: float) -> list[float]:
+    """g[i] = P(a string of i independent Bernoulli(p) has a run of m ones), i = 0..length.
+
+    Carried as the probability of a run, not of none: every term is a sum of non-negative parts, so a
+    probability of 1e-20 keeps its digits (1 - P(no run) would be 0 below ~1e-16)."""
+    g = [0.0] * (length + 1)
+    q, pm = 1.0 - p, p ** m
     for i in range(m, length + 1):
-        before = f[i - m - 1] if i > m else 1.0
-        f[i] = f[i - 1] - (q if i > m else 1.0) * p ** m * before
-    return f[length]
+        # a run first completes at i when ones fill i-m+1..i after a zero (or from the start, at i = m)
+        g[i] = g[i - 1] + (q * pm * (1.0 - g[i - m - 1]) if i > m else pm)
+    return g
 
 
-def _no_run_cyclic(length: int, m: int, p: float) -> float:
-    """P(a cyclic string of `length` independent Bernoulli(p) has no run of m ones, around the end too)."""
+def run_probability_cyclic(length: int, m: int, p: float) -> float:
+    """P(a cyclic string of `length` independent Bernoulli(p) has a run of m ones, around the end too).
+
+    Split by the a leading ones before the first zero and the b trailing ones after the last: the run wraps
+    around when a + b >= m, else it lies in the free middle between the two zeros. All ones is a run. Every
+    part is non-negative, so tiny probabilities are exact to rounding (no 1 - x)."""
     if m > length:
-        return 1.0
+        return 0.0
     q = 1.0 - p
-    total = 0.0
-    for a in range(m):                   # a leading ones, then a zero ...
-        for b in range(m - a):           # ... and b trailing ones after the last zero
+    # all ones; a zero at a >= m (a run of a ones before it); a < m leading ones with m - a trailing ones
+    # (one position each, so m * q * p^m, when the string has room for the zero: m <= length - 1)
+    wrap = p ** length + sum(p ** a * q for a in range(m, length)) + (m * q * p ** m if m <= length - 1 else 0.0)
+    g = _run_probabilities(length, m, p)
+    inner = 0.0
+    for a in range(m):
+        for b in range(m - a):
             middle = length - a - b - 2
-            if middle < -1:
-                continue
-            if middle == -1:             # the first zero is the last one
-                total += p ** a * q * p ** b if a + b == length - 1 else 0.0
-            else:
-                total += p ** a * q * _no_run_linear(middle, m, p) * q * p ** b
-    return total
+            if middle >= 0:          # two zeros with `middle` free positions between them
+                inner += p ** a * q * g[middle] * q * p ** b
+    return wrap + inner
 
 
 def loss_probability_exact(fleet: Fleet, replicas: int) -> float:
     """P(some node's private state is lost during the run), independent faults, window 1, no domain faults.
 
     The groups (owner + holders) are `replicas + 1` consecutive nodes of the `stride`-cycles of the ring;
-    within a step a group is lost when all its nodes fail; steps are independent."""
+    within a step a group is lost when all its nodes fail; steps are independent. Computed as
+    1 - (1 - x)^n = -expm1(n log1p(-x)) from the per-cycle loss x, so 1e-17 does not round to 0 or 2.2e-11
+    (issue 32: 128 nodes, p 1e-6, 100K steps gave 2.22e-11 for 2 and 3 replicas)."""
     if fleet.p_domain or fleet.window != 1:
         raise ValueError("the closed form covers independent faults with window 1; use the Monte Carlo")
     s = fleet.stride(replicas)
     cycles = math.gcd(fleet.nodes, s)
-    survive_step = _no_run_cyclic(fleet.nodes // cycles, replicas + 1, fleet.p_fault) ** cycles
-    return 1.0 - survive_step ** fleet.steps
+    per_cycle = run_probability_cyclic(fleet.nodes // cycles, replicas + 1, fleet.p_fault)
+    if per_cycle >= 1.0:
+        return 1.0
+    return -math.expm1(fleet.steps * cycles * math.log1p(-per_cycle))
 
 
 def exhaustion_probability_exact(fleet: Fleet, spares: int) -> float:
@@ -126,11 +136,20 @@ def exhaustion_probability_exact(fleet: Fleet, spares: int) -> float:
     n, p = fleet.nodes * fleet.steps, fleet.p_fault
     if p in (0.0, 1.0):
         return float(n * p > spares)
-    # sum of the pmf up to `spares`, in log space (n is large: 64 nodes x 100K steps)
-    logq, logp = math.log1p(-p), math.log(p)
-    cdf = sum(math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * logp + (n - k) * logq)
-              for k in range(min(spares, n) + 1))
-    return max(0.0, 1.0 - cdf)
+    # the pmf in log space (n is large: 64 nodes x 100K steps)
+    logq, logp, lgn = math.log1p(-p), math.log(p), math.lgamma(n + 1)
+    pmf = lambda k: math.exp(lgn - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * logp + (n - k) * logq)  # noqa: E731
+    if spares < n * p:       # the tail is not small: 1 - cdf loses nothing that matters
+        return max(0.0, 1.0 - sum(pmf(k) for k in range(min(spares, n) + 1)))
+    # past the mean the terms fall faster than geometrically: sum the tail itself (1 - cdf is 0 below 1e-16)
+    tail, k = 0.0, spares + 1
+    while k <= n:
+        term = pmf(k)
+        tail += term
+        if term <= tail * 1e-17:
+            break
+        k += 1
+    return min(1.0, tail)
 
 
 @dataclass(frozen=True)
