@@ -65,7 +65,7 @@ class Coordinator:
     def _wait_for_start(self) -> JobEnd | None:
         job = self.job
         held: list[dict] = []     # reports a restarted master gets before it runs: handled once it does
-        t0 = said = time.monotonic()
+        t0 = said = checked = time.monotonic()
         while True:
             try:
                 ev = self.inbox.get(timeout=0.2)
@@ -82,8 +82,8 @@ class Coordinator:
                     break
                 if job.resumed_at is not None and time.time() > job.resumed_at + self.cfg.node_timeout:
                     break             # whoever has not rejoined by now is lost
-                if job.resumed_at is None:
-                    now = time.monotonic()
+                if job.resumed_at is None and time.monotonic() - checked >= 0.2:   # O(nodes): not per join
+                    now = checked = time.monotonic()
                     joining = Joining(self.cfg.nnodes, tuple(job.slots), sum(
                         n.role == Role.SPARE for n in job.nodes.values()), self.cfg.spares, now - t0,
                         self.cfg.join_timeout)
