@@ -61,8 +61,15 @@ def main() -> int:
           f"{rec['fault_to_all_resumed_s']:.3f} s; master {rec['master_cores_during']:.2f} cores meanwhile")
     if r["errors"]:
         print(f"errors: {r['errors']}")
+    if r["generator_stalls"]:
+        print(f"the load generator itself did not run for > 0.5 s {len(r['generator_stalls'])} times (longest "
+              f"{max(s for _, s in r['generator_stalls']):.1f} s): a contended machine")
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2))
+    wrongly = [n for n in rec["lost_nodes"] if n != rec["failed_node"]]
+    if wrongly:
+        print(f"error: live nodes declared lost: {len(wrongly)} ({', '.join(wrongly[:10])})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -48,6 +48,8 @@ def start_master(cfg: LoadTestConfig) -> tuple[subprocess.Popen, dict, str]:
     cmd = [str(Path(sys.executable).parent / "phoenixrun"), "master", "--nnodes", str(cfg.nodes),
            "--nproc-per-node", str(cfg.nproc_per_node), "--run-dir", str(cfg.run_dir), "--port", "0",
            "--node-timeout", str(cfg.node_timeout_s), "--recovery-timeout", str(cfg.phase_timeout_s)]
+    for stale in ("master.json", "secret", "events.jsonl"):   # a reused --run-dir: never read the last run's
+        (cfg.run_dir / stale).unlink(missing_ok=True)
     log = open(cfg.run_dir / "master.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PHOENIXRUN_LOG_LEVEL": "WARNING"})
@@ -79,6 +81,27 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+async def _reached(cfg: LoadTestConfig, proc: subprocess.Popen, swarm: Swarm, cmd: str, g: int, n: int,
+                   what: str) -> None:
+    """Wait until n agents got `cmd` of generation g; LoadTestError saying what went wrong if they do not within
+    the phase timeout, or as soon as the master exits."""
+    deadline = time.time() + cfg.phase_timeout_s
+    while not await swarm.wait_reached(cmd, g, n, 1.0) and time.time() < deadline:
+        if proc.poll() is not None:
+            break      # the master stopped the job: say so now, not after the phase timeout
+    if swarm.arrivals[(cmd, g)] < n:
+        said = [ln for ln in (cfg.run_dir / "master.log").read_text().splitlines() if " WARNING " in ln
+                or " ERROR " in ln]
+        raise LoadTestError(f"{what}: {swarm.arrivals[(cmd, g)]} of {n} agents got `{cmd}` (generation {g}) "
+                            + (f"before the master exited ({proc.returncode})" if proc.poll() is not None
+                               else f"within {cfg.phase_timeout_s:g}s")
+                            + f"; errors: {swarm.errors[:3]}; the load generator stalled {len(swarm.stalls)} "
+                            f"times (longest {max((s for _, s in swarm.stalls), default=0):.1f}s); the master said: "
+                            + (" | ".join(said[-5:]) or "nothing"))
+    if proc.poll() is not None:
+        raise LoadTestError(f"master exited with {proc.returncode}")
+
+
 async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret: str) -> dict:
     master = psutil.Process(proc.pid)
     me = psutil.Process()
@@ -91,14 +114,7 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
                  "agents": len(swarm.agents)}
 
     async def reached(cmd: str, g: int, n: int, what: str) -> None:
-        if not await swarm.wait_reached(cmd, g, n, cfg.phase_timeout_s):
-            said = [ln for ln in (cfg.run_dir / "master.log").read_text().splitlines() if " WARNING " in ln
-                    or " ERROR " in ln]
-            raise LoadTestError(f"{what}: {swarm.arrivals[(cmd, g)]} of {n} agents got `{cmd}` (generation {g}) "
-                                f"within {cfg.phase_timeout_s:g}s; errors: {swarm.errors[:3]}; the master said: "
-                                + (" | ".join(said[-5:]) or "nothing"))
-        if proc.poll() is not None:
-            raise LoadTestError(f"master exited with {proc.returncode}")
+        await _reached(cfg, proc, swarm, cmd, g, n, what)
 
     try:
         await swarm.start()
@@ -159,6 +175,8 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
         "fault_to_all_resumed_s": round(latest("run") - fault["t"], 4),
         "master_cores_during": round((m1.user + m1.system - m0.user - m0.system) / (t_end - t_fail), 3),
         "replaced_slots": done["replaced_slots"],
+        # every node the master declared lost until the last agent resumed: the victim alone, or live ones too
+        "lost_nodes": sorted({e["node"] for e in ev if e["event"] == "fault_detected" and e["t"] <= t_end}),
     }
     # Each broadcast two ways. *_sent_s: until the master had handed it to the last agent's connection
     # (its `directive_sent` event; on loopback the bytes are then in that agent's socket). *_broadcast_s
@@ -176,6 +194,7 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
                                                   + rec["resume_sent_s"], 4)
     out["recovery"] = rec
     out["errors"] = swarm.errors[:10]
+    out["generator_stalls"] = swarm.stalls[:20]
     out["heartbeat_latency_median_ms"] = round(1e3 * statistics.median(swarm.heartbeat_latency), 2) \
         if swarm.heartbeat_latency else None
     return out

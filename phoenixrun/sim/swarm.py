@@ -65,7 +65,10 @@ class SimAgent:
 
 class HttpConnection(asyncio.Protocol):
     """A keep-alive HTTP/1.1 client connection; requests may be pipelined (answered in order, as the
-    master's server does). Minimal response parsing."""
+    master's server does). Minimal response parsing. Requests sent before it is connected are written
+    when it is: like the real agent's client (http.client), it sends its first request as soon as it
+    connects, never holding an idle, unauthenticated connection open (the master drops those after
+    READ_TIMEOUT_S: a pool opened ahead of use lost its connections that way, issue 32)."""
 
     def __init__(self):
         self.buf = bytearray()
@@ -73,16 +76,21 @@ class HttpConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.answered_at = 0.0     # when the last response was read off the socket (before any task runs)
+        self._ahead: list[bytes] = []   # written once connected
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self._ahead:
+            transport.write(b"".join(self._ahead))
+            self._ahead = []
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc, why: str = "master closed the connection") -> None:
         self.lost = True
+        why = f"{why} ({exc!r})" if exc is not None else why
         while self.waiters:
             w = self.waiters.popleft()
             if not w.done():
-                w.set_exception(ConnectionError("master closed the connection"))
+                w.set_exception(ConnectionError(why))
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -103,21 +111,69 @@ class HttpConnection(asyncio.Protocol):
                 w.set_result((status, body))
 
     def send(self, raw: bytes) -> asyncio.Future:
-        """Write a request now; the future gets (status, body) when its response arrives."""
+        """Write a request now (or once connected); the future gets (status, body) when its response arrives."""
         fut = asyncio.get_running_loop().create_future()
         if self.lost:
             fut.set_exception(ConnectionError("connection lost"))
             return fut
         self.waiters.append(fut)
-        self.transport.write(raw)
+        if self.transport is None:
+            self._ahead.append(raw)
+        else:
+            self.transport.write(raw)
         return fut
 
     async def request(self, raw: bytes) -> tuple[int, bytes]:
         return await self.send(raw)
 
     def close(self) -> None:
+        """Closed on purpose: what waits on it is cancelled (nobody needs to hear of it)."""
+        self.lost = True
+        while self.waiters:
+            self.waiters.popleft().cancel()
         if self.transport:
             self.transport.close()
+
+
+class Lane:
+    """A connection to the master that is dialled when a request needs it and dialled again when the master
+    closed it, as the real agent's client redials (protocol/client.py). Requests in flight when it closes fail
+    (their callers retry, like the agent's heartbeat and poll threads); later ones go out on a new connection."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.conn: HttpConnection | None = None
+        self.dials = 0
+        self._closed = False
+
+    def send(self, raw: bytes) -> asyncio.Future:
+        if self._closed:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(ConnectionError("connection closed"))
+            return fut
+        if self.conn is None or self.conn.lost:
+            conn = self.conn = HttpConnection()
+            self.dials += 1
+            dial = asyncio.ensure_future(asyncio.get_running_loop().create_connection(lambda: conn, self.host,
+                                                                                      self.port))
+
+            def dialled(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None:   # refused: fail what waits on it
+                    conn.connection_lost(None, f"cannot connect: {'cancelled' if f.cancelled() else f.exception()}")
+            dial.add_done_callback(dialled)
+        return self.conn.send(raw)
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        return await self.send(raw)
+
+    @property
+    def answered_at(self) -> float:
+        return self.conn.answered_at if self.conn else 0.0
+
+    def close(self) -> None:
+        self._closed = True
+        if self.conn is not None:
+            self.conn.close()
 
 
 class Swarm:
@@ -138,11 +194,12 @@ class Swarm:
         self.heartbeats_ok = 0
         self.heartbeat_latency: list[float] = []
         self.errors: list[str] = []
+        self.stalls: list[tuple[float, float]] = []   # (when, seconds): the generator's own loop ran late
         self._stop = asyncio.Event()
-        self._report_conns: list[HttpConnection] = []
+        self._report_conns: list[Lane] = []
         self._tasks: list[asyncio.Task] = []
-        self._polls: dict[int, HttpConnection] = {}
-        self._hb_conns: list[HttpConnection] = []
+        self._polls: dict[int, Lane] = {}
+        self._hb_conns: list[Lane] = []
         self._peer_servers: list[asyncio.AbstractServer] = []
         self._victim_server: dict[int, asyncio.AbstractServer] = {}
         self.arrivals: Counter[tuple[str, int]] = Counter()     # (command, generation) -> agents reached
@@ -154,9 +211,8 @@ class Swarm:
         return (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.cfg.secret}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
-    async def _connect(self) -> HttpConnection:
-        _, proto = await asyncio.get_running_loop().create_connection(HttpConnection, self.host, self.port)
-        return proto
+    def _lane(self) -> Lane:
+        return Lane(self.host, self.port)
 
     # ------------------------------------------------------------------ setup
     async def _peer_listener(self) -> tuple[asyncio.AbstractServer, str]:
@@ -173,28 +229,33 @@ class Swarm:
         self._peer_servers.append(shared)
         for a in self.agents:
             a.peer_addr = a.peer_addr or shared_addr
-        conns = [await self._connect() for _ in range(min(concurrency, len(self.agents)))]
+        conns = [self._lane() for _ in range(min(concurrency, len(self.agents)))]
         todo = list(self.agents)
 
-        async def worker(conn: HttpConnection) -> None:
+        async def worker(conn: Lane) -> None:
             while todo:
                 a = todo.pop(0)
-                status, body = await conn.request(self._raw(Endpoint.REGISTER, {
+                raw = self._raw(Endpoint.REGISTER, {
                     "node_id": a.node_id, "host": self.cfg.peer_host, "agent_pid": 0, "peer_addr": a.peer_addr,
-                    "fault_domain": "", "nproc_per_node": self.cfg.nproc_per_node}))
+                    "fault_domain": "", "nproc_per_node": self.cfg.nproc_per_node})
+                for attempt in range(50):    # like the agent (agents/master_link.py): unreachable, try again
+                    try:
+                        status, body = await conn.request(raw)
+                        break
+                    except ConnectionError as e:
+                        self.errors.append(f"register {a.node_id}: {e}")
+                        if attempt == 49:
+                            raise
+                        await asyncio.sleep(0.2)
                 if status != Status.OK:
                     raise RuntimeError(f"register {a.node_id}: HTTP {status} {body[:200]!r}")
                 reg = json.loads(body)
                 a.role, a.slot, a.token = reg["role"], reg["slot"], reg.get("token")
-                self._polls[a.index] = await self._connect()
+                self._polls[a.index] = self._lane()
                 self._tasks.append(asyncio.create_task(self._poll_loop(a)))
         await asyncio.gather(*(worker(c) for c in conns))
         for c in conns:
             c.close()
-        # The cyclic collector off while the swarm runs: its full collections (0.2-0.3 s at 16K agents,
-        # about once a second) stalled every simulated agent at once, which the master then saw as load
-        # bursts and late heartbeats. Stand-ins for separate machines must not share a stop-the-world.
-        gc.disable()
 
     async def give_own_peer_port(self, a: SimAgent) -> None:
         """The victim gets a port of its own (re-registered inventory not needed: the master only
@@ -204,14 +265,30 @@ class Swarm:
         a.peer_addr = addr
 
     async def start(self) -> None:
-        """Open the heartbeat and report connections; agents heartbeat once registered."""
+        """Set up the heartbeat and report connections; agents heartbeat once registered."""
+        # The cyclic collector off while the swarm runs, its registration included: its full collections (0.2-0.3 s
+        # at 16K agents, about once a second) stalled every simulated agent at once, which the master then saw as
+        # load bursts and late heartbeats. Stand-ins for separate machines must not share a stop-the-world.
+        gc.disable()
         n_hb = max(1, min(self.cfg.hb_connections, len(self.agents)))
-        self._hb_conns = [await self._connect() for _ in range(n_hb)]
+        self._hb_conns = [self._lane() for _ in range(n_hb)]
         loop = asyncio.get_running_loop()
         for a in self.agents:   # spread over the period
             loop.call_later(random.random() * self.cfg.heartbeat_s, self._heartbeat, a, self._hb_conns[a.index % n_hb])
-        self._report_conns = [await self._connect() for _ in range(self.cfg.report_connections)]
+        self._report_conns = [self._lane() for _ in range(self.cfg.report_connections)]
         self._tasks.append(asyncio.create_task(self._advance_steps()))
+        self._tasks.append(asyncio.create_task(self._watch_own_lag()))
+
+    async def _watch_own_lag(self, period: float = 0.05, note: float = 0.5) -> None:
+        """Note when this process itself did not run (a stand-in for thousands of machines on a few cores): a
+        stall of the generator stops every simulated agent's heartbeats at once, which the master must see as
+        silence - the benchmark reports such stalls rather than blame the master for them."""
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            await asyncio.sleep(period)
+            late = time.monotonic() - t0 - period
+            if late > note:
+                self.stalls.append((time.time(), round(late, 3)))
 
     async def stop(self) -> None:
         self._stop.set()
@@ -238,7 +315,7 @@ class Swarm:
             if not self.recovering:
                 self.step += 1
 
-    def _heartbeat(self, a: SimAgent, conn: HttpConnection) -> None:
+    def _heartbeat(self, a: SimAgent, conn: Lane) -> None:
         """One heartbeat; like the real agent's heartbeat thread, the next goes one period after its
         reply. Pipelined on a shared connection, so one agent's slow reply does not delay the others'."""
         if self._stop.is_set() or not a.alive:
@@ -252,17 +329,16 @@ class Swarm:
         t0 = time.monotonic()
 
         def done(f: asyncio.Future) -> None:
-            if f.cancelled() or f.exception() is not None:
-                if not self._stop.is_set():
-                    self.errors.append(f"heartbeat {a.node_id}: {f.exception() if not f.cancelled() else 'cancelled'}")
+            if f.cancelled() or self._stop.is_set():
                 return
-            status, _ = f.result()
-            if status == Status.OK:
+            if f.exception() is not None:     # the next one goes out on a new connection, as the agent's would
+                self.errors.append(f"heartbeat {a.node_id}: {f.exception()}")
+            elif f.result()[0] == Status.OK:
                 a.last_heartbeat = time.time()
                 self.heartbeats_ok += 1
                 self.heartbeat_latency.append(time.monotonic() - t0)
             else:
-                self.errors.append(f"heartbeat {a.node_id}: HTTP {status}")
+                self.errors.append(f"heartbeat {a.node_id}: HTTP {f.result()[0]}")
             loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
         conn.send(self._raw(Endpoint.HEARTBEAT, payload)).add_done_callback(done)
 
@@ -277,12 +353,16 @@ class Swarm:
             try:
                 status, body = await pending
             except ConnectionError as e:
-                if a.alive:
-                    self.errors.append(f"poll {a.node_id}: {e}")
-                return
-            if status != Status.OK:
-                self.errors.append(f"poll {a.node_id}: HTTP {status}")
-                return
+                if not a.alive:
+                    return
+                self.errors.append(f"poll {a.node_id}: {e}")
+                status, body = 0, b""
+            if status != Status.OK:         # like the agent's poll thread: note it, poll again shortly
+                if status:
+                    self.errors.append(f"poll {a.node_id}: HTTP {status}")
+                await asyncio.sleep(0.2)
+                pending = poll()
+                continue
             d = json.loads(body)
             if not a.alive:
                 return
