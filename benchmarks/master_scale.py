@@ -7,7 +7,7 @@ are the control plane's own times) - each broadcast both until the master sent i
 agent and until the load generator read it there. Goal: <= 1 core in steady state, plan +
 broadcast < 1 s.
 
-    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--json out.json]
+    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--fault kill|silent] [--json out.json]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from phoenixrun.sim.master_load import LoadTestConfig, LoadTestError, run_load_test
+from phoenixrun.sim.swarm import FAULTS
 
 
 def main() -> int:
@@ -28,6 +29,9 @@ def main() -> int:
     p.add_argument("--node-timeout", type=float, default=5.0, help="master --node-timeout, s (its default)")
     p.add_argument("--steady", type=float, default=10.0, help="steady-state measurement window, s")
     p.add_argument("--hb-connections", type=int, default=1024, help="shared heartbeat connections")
+    p.add_argument("--fault", choices=FAULTS, default="kill",
+                   help="kill: the failed agent's connections close and its port refuses, as when its process dies; "
+                        "silent: a hung host, connections open, it just stops answering")
     p.add_argument("--json", default=None)
     p.add_argument("--run-dir", default=None, help="keep the master's log and events here (default: a temp dir)")
     args = p.parse_args()
@@ -36,7 +40,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="phoenixrun-scale-") as tmp:
         cfg = LoadTestConfig(run_dir=Path(args.run_dir or tmp), nodes=args.nodes, nproc_per_node=args.nproc,
                              heartbeat_s=args.heartbeat, node_timeout_s=args.node_timeout, steady_s=args.steady,
-                             hb_connections=args.hb_connections)
+                             hb_connections=args.hb_connections, fault=args.fault)
         try:
             r = run_load_test(cfg)
         except LoadTestError as e:
@@ -48,8 +52,9 @@ def main() -> int:
     print(f"steady state ({s['window_s']} s): master {s['master_cores']:.2f} cores, RSS {s['master_rss_mb']} MB, "
           f"{s['master_fds']} fds; {s['heartbeats_per_s']:.0f} heartbeats/s, latency p50 {s['heartbeat_p50_ms']} ms "
           f"p99 {s['heartbeat_p99_ms']} ms; load generator {s['swarm_cores']:.2f} cores")
-    print(f"failure of {rec['failed_node']} (slot {rec['failed_slot']}): detected {rec['detect_s']:.3f} s after its "
-          f"last heartbeat (timeout {args.node_timeout:g} s + {rec['detect_after_timeout_s']:.3f} s)")
+    print(f"failure ({args.fault}) of {rec['failed_node']} (slot {rec['failed_slot']}): detected "
+          f"{rec['detect_after_fault_s']:.3f} s after the fault, {rec['detect_s']:.3f} s after its last heartbeat "
+          f"(--node-timeout {args.node_timeout:g} s); by: {rec['detected_by']}")
     print(f"  quiesce broadcast sent {rec['quiesce_sent_s']:.3f} s (read: half {rec['quiesce_broadcast_p50_s']:.3f} s, "
           f"all {rec['quiesce_broadcast_s']:.3f} s), acks {rec['quiesce_acks_s']:.3f} s, plan {rec['plan_s']:.3f} s, "
           f"restore sent {rec['restore_sent_s']:.3f} s (read: half {rec['restore_broadcast_p50_s']:.3f} s, "

@@ -130,7 +130,7 @@ class Master:
         _raise_fd_limit()   # two connections per agent (heartbeat, directive poll)
         self.http = ControlServer(self, self.cfg.host, self.cfg.port)
         self.orders.wake = self.http.wake
-        self.monitor.horizon = self.http.read_horizon
+        self.monitor.transport = self.http
         self.http.start()
         self.endpoint = f"{self.cfg.host}:{self.http.server_address[1]}"
         for target, name in ((self.monitor.run, "_monitor"), (self.coordinator.run, "_controller")):

@@ -1,27 +1,43 @@
-"""Failure detection by silence: a node not heard from for --node-timeout is reported lost (to the inbox,
-once per timeout period); a master that did not run for a while, or whose transport fell behind reading what
-reached it (`horizon`: control/server.py's read_horizon), does not blame the nodes for it."""
+"""Failure detection (decisions: control/detection.py). By silence: a node not heard from for --node-timeout is
+reported lost (to the inbox, once per timeout period); a master that did not run for a while, or whose transport
+fell behind reading what reached it (the transport's read_horizon), does not blame the nodes for it. By a closed
+link: an agent's directive-poll connection closed by its side and, confirmed, its peer port refusing - a killed
+agent is reported within a monitor tick or two instead of a heartbeat timeout."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable, Protocol
 
-from phoenixrun.control.detection import judged_at
+from phoenixrun.control.detection import PROBE_TIMEOUT_S, Link, Probe, closed_link, judged_at
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox
-from phoenixrun.control.state import Role
+from phoenixrun.control.probe import unreachable
+from phoenixrun.control.state import Phase, Role
 from phoenixrun.protocol.names import Event, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
+GONE = (Role.FAILED, Role.DRAINED)     # gone on purpose or already replaced: nothing to report
+
+
+class Transport(Protocol):
+    """What the monitor asks of the master's transport (control/server.py's ControlServer)."""
+
+    def read_horizon(self) -> float | None: ...
+
+    def closed_links(self) -> list[tuple[str, float]]: ...
+
+    def last_poll(self, node_id: str) -> float: ...
+
 
 class HeartbeatMonitor:
     def __init__(self, job: JobState, events: EventLog, inbox: Inbox,
-                 horizon: Callable[[], float | None] = lambda: None):
-        self.job, self.events, self.inbox = job, events, inbox
-        self.horizon = horizon     # the transport's: every request that reached the master before it was read
+                 probe: Callable[..., set[str]] = unreachable):
+        self.job, self.events, self.inbox, self.probe = job, events, inbox, probe
+        self.transport: Transport | None = None    # set once the transport runs
+        self._links: list[tuple[str, float]] = []  # closed links still to be confirmed
 
     def run(self) -> None:
         job = self.job
@@ -30,9 +46,10 @@ class HeartbeatMonitor:
         while not job.stopped.is_set():
             time.sleep(tick)
             now = time.time()
-            seen = judged_at(now, self.horizon())
+            seen = judged_at(now, self.transport.read_horizon() if self.transport else None)
             t = time.monotonic()
             slept, woke = t - woke, t
+            self._check_links()
             with job.cv:
                 if slept > 4 * tick:
                     self._forgive_stall(slept - tick)
@@ -43,11 +60,54 @@ class HeartbeatMonitor:
                     stale.append(nid)
                 for nid in stale:
                     n = job.nodes[nid]
-                    if n.role not in (Role.FAILED, Role.DRAINED):   # gone on purpose: nothing to report
+                    if n.role not in GONE:
                         self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": now,
                                         "detail": f"no heartbeat for {seen - n.last_heartbeat:.1f}s"})
                     n.last_heartbeat = now  # report once per timeout period
                     job.heard.move_to_end(nid)
+
+    def _check_links(self) -> None:
+        """Confirm the agents' closed links (control/detection.py's closed_link): probe the peer ports of those not
+        heard from since, outside the lock, and report the ones that refuse."""
+        if self.transport is None:
+            return
+        self._links += self.transport.closed_links()
+        if not self._links:
+            return
+        wait, ask = self._judge(self._links, {})
+        self._links = wait
+        if not ask:
+            return
+        refused = self.probe({addr for _, _, addr in ask}, PROBE_TIMEOUT_S, silent_is_dead=False)
+        # not refused: answered, or silent within the timeout - either way no loss now (silence is the timeout's)
+        self._judge([(nid, closed_at) for nid, closed_at, _ in ask],
+                    {nid: Probe.REFUSED if addr in refused else Probe.ANSWERED for nid, _, addr in ask})
+
+    def _judge(self, links: Iterable[tuple[str, float]], probed: dict[str, Probe]
+               ) -> tuple[list[tuple[str, float]], list[tuple[str, float, str]]]:
+        """Decide each closed link; report the lost. Returns (to look at again, to probe: with the address)."""
+        wait, ask = [], []
+        job, now = self.job, time.time()
+        with job.cv:
+            if job.phase in (Phase.FINISHED, Phase.FAILED):
+                return [], []
+            for nid, closed_at in links:
+                n = job.nodes.get(nid)
+                if n is None or n.role in GONE:
+                    continue
+                heard = max(n.last_heartbeat, self.transport.last_poll(nid))
+                verdict = closed_link(closed_at, now, heard, probed.get(nid))
+                if verdict == Link.WAIT:
+                    wait.append((nid, closed_at))
+                elif verdict == Link.PROBE:
+                    ask.append((nid, closed_at, n.peer_addr))
+                elif verdict == Link.LOST:
+                    self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": nid, "t": now,
+                                    "detail": f"its connection to the master closed {now - closed_at:.2f}s ago and "
+                                              f"its agent's port {n.peer_addr} refuses connections"})
+                    n.last_heartbeat = now      # the silence path does not report it again this timeout period
+                    job.heard.move_to_end(nid)
+        return wait, ask
 
     def _forgive_stall(self, seconds: float) -> None:
         """The master itself did not run for `seconds` (stopped, swapped out, starved): the heartbeats it

@@ -144,6 +144,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.poll: _Poll | None = None   # its parked directive long-poll
+        self.node_id: str | None = None  # the node whose directive polls it carries (authenticated by its token)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -179,6 +180,8 @@ class Connection(asyncio.Protocol):
         self.transport.abort()
 
     def connection_lost(self, exc) -> None:
+        if not self.closed and self.node_id is not None:   # closed by the agent's side: evidence (detection.py)
+            self.server.link_closed(self.node_id)
         self.closed = True
         self.server.connections.discard(self)
         self.server.unauthenticated.pop(self, None)
@@ -285,6 +288,9 @@ class ControlServer:
         self._wake_lock = threading.Lock()
         self._wake_scheduled = False
         self._ticks: deque[float] = deque(maxlen=3)   # the loop's latest turns, oldest first (read_horizon)
+        self.stopping = False
+        self._closed_links: deque[tuple[str, float]] = deque()   # (node id, when): its poll link closed by its side
+        self._polled_at: dict[str, float] = {}     # node id -> when its latest directive poll came in
         self._thread = threading.Thread(target=self._run, daemon=True, name="control-server")
         self._started = threading.Event()
         self._routes = {Endpoint.REGISTER: master.register, Endpoint.HEARTBEAT: master.heartbeat,
@@ -374,6 +380,7 @@ class ControlServer:
                         path or "a connection", peer, detail, reason, self.master.rejections.interval)
 
     def shutdown(self) -> None:
+        self.stopping = True           # the connections closed from here on are the master's doing
         if not self._thread.is_alive():
             return
 
@@ -384,6 +391,22 @@ class ControlServer:
             self.loop.stop()
         asyncio.run_coroutine_threadsafe(stop(), self.loop)
         self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ agents' links (control/detection.py)
+    def link_closed(self, node_id: str) -> None:
+        if not self.stopping:
+            self._closed_links.append((node_id, time.time()))
+
+    def closed_links(self) -> list[tuple[str, float]]:
+        """(node id, when) of every agent poll link its side closed since the last call. Any thread."""
+        out = []
+        while self._closed_links:
+            out.append(self._closed_links.popleft())
+        return out
+
+    def last_poll(self, node_id: str) -> float:
+        """When the node's latest directive poll came in (0: never). Any thread."""
+        return self._polled_at.get(node_id, 0.0)
 
     # ------------------------------------------------------------------ directive long-polls
     def parked_polls(self) -> int:
@@ -506,6 +529,8 @@ class ControlServer:
                     return
             if fn is None:
                 poll = self.master.poll_intake(payload)
+                if poll.node_id in self.master.job.nodes:   # a registered node's link (its token checked)
+                    conn.node_id, self._polled_at[poll.node_id] = poll.node_id, time.time()
                 self._answer_or_park([_Poll(conn, {"node_id": poll.node_id, "version": poll.version,
                                                    "timeout": poll.timeout}, poll.version)])
                 return

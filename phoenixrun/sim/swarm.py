@@ -32,6 +32,9 @@ from phoenixrun.protocol.status import Status
 from phoenixrun.topology import Layout, place_replicas
 
 
+FAULTS = ("kill", "silent")       # how Swarm.fail fails a node
+
+
 @dataclass
 class SwarmConfig:
     endpoint: str                 # master host:port
@@ -418,14 +421,24 @@ class Swarm:
         conn.send(self._raw(Endpoint.REPORT, {"node_id": a.node_id, "token": a.token, **ev})).add_done_callback(done)
 
     # ------------------------------------------------------------------ control
-    async def fail(self, a: SimAgent) -> float:
-        """The node dies: no more heartbeats or polls, its peer port refuses. Returns the time."""
+    async def fail(self, a: SimAgent, fault: str = "kill") -> float:
+        """The node fails; no more heartbeats or polls from it. Returns the time.
+        kill: its process died - its connection to the master closes and its peer port refuses (the kernel does
+        both at a process's death); silent: a hung host - its connections stay open and its port still accepts
+        (the kernel completes handshakes), it just never answers again."""
+        if fault not in FAULTS:
+            raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {fault!r}")
         a.alive = False
-        srv = self._victim_server.pop(a.index, None)
-        if srv is not None:
-            srv.close()
-        self._polls[a.index].close()
+        if fault == "kill":
+            srv = self._victim_server.pop(a.index, None)
+            if srv is not None:
+                srv.close()
+            self._polls[a.index].close()
         return time.time()
+
+    def lane_of(self, a: SimAgent) -> Lane:
+        """The agent's own directive-poll connection."""
+        return self._polls[a.index]
 
     async def wait_reached(self, command: str, generation: int, n: int, timeout: float) -> bool:
         """Wait until n agents have received `command` of `generation` (woken by the arrivals)."""
