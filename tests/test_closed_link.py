@@ -81,7 +81,9 @@ def test_a_sigkilled_node_is_replaced_without_waiting_for_the_node_timeout(tmp_p
     assert job.finish() == 0, job.log()[-3000:]
     ev = job.events()
     found = [e for e in by_event(ev, "fault_detected") if not e.get("during_recovery")]
-    assert [e["slot"] for e in found] == [1] and "refuses" in found[0]["detail"], found
-    assert found[0]["t"] - t_kill < NODE_TIMEOUT_S / 2, found     # not the heartbeat timeout
+    # by its closed link, or by the survivors' collective errors and the probe that follows them (whichever the
+    # master sees first) - not by the heartbeat timeout
+    assert [e["slot"] for e in found] == [1] and "no heartbeat" not in found[0]["detail"], found
+    assert found[0]["t"] - t_kill < NODE_TIMEOUT_S / 2, found
     assert len(by_event(ev, "recovery_done")) == 1
     assert_identical(job.out, torchrun(tmp_path, "ref", nproc=4, steps=40))

@@ -353,12 +353,14 @@ class Swarm:
                 "node_id": a.node_id, "token": a.token, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
         pending = poll()
         while a.alive and not self._stop.is_set():
-            try:
-                status, body = await pending
-            except ConnectionError as e:
+            try:   # the agent's client gives a poll its timeout + 5 s, then drops the connection and redials
+                status, body = await asyncio.wait_for(pending, self.cfg.poll_timeout_s + 5)
+            except (ConnectionError, asyncio.TimeoutError) as e:
                 if not a.alive:
                     return
-                self.errors.append(f"poll {a.node_id}: {e}")
+                self.errors.append(f"poll {a.node_id}: {e or 'no answer within the poll timeout'}")
+                if isinstance(e, asyncio.TimeoutError) and conn.conn is not None and conn.conn.transport:
+                    conn.conn.transport.abort()
                 status, body = 0, b""
             if status != Status.OK:         # like the agent's poll thread: note it, poll again shortly
                 if status:
