@@ -11,26 +11,13 @@ import time
 
 import pytest
 
-from phoenixrun.control.events import read_events
 from phoenixrun.sim.master_load import LoadTestConfig, start_master
 from phoenixrun.sim.swarm import Swarm, SwarmConfig
 from tests.harness import assert_identical, by_event, kill_node, launch, torchrun
+from tests.test_master_stall import events_named, until
 
 NODE_TIMEOUT_S = 30.0    # far longer than the test waits: a detection can only be the closed link's
 pytestmark = pytest.mark.e2e
-
-
-def _events(run_dir, name):
-    return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == name]
-
-
-async def _until(pred, timeout: float) -> bool:
-    deadline = time.time() + timeout
-    while not pred():
-        if time.time() > deadline:
-            return False
-        await asyncio.sleep(0.05)    # the events file has no notification to wait on
-    return True
 
 
 def test_a_reset_link_is_not_a_loss_and_a_killed_agent_is_found_by_its_closed_link(tmp_path):
@@ -53,11 +40,11 @@ def test_a_reset_link_is_not_a_loss_and_a_killed_agent_is_found_by_its_closed_li
             # a transient error: the live agent's poll connection is reset under it; it polls again shortly
             swarm.lane_of(live).conn.transport.abort()
             await asyncio.sleep(3.0)                       # many monitor ticks, far inside the node timeout
-            assert _events(tmp_path, "fault_detected") == [], "a live agent whose link reset was declared lost"
+            assert events_named(tmp_path, "fault_detected") == [], "a live agent whose link reset was declared lost"
 
             t_kill = await swarm.fail(victim, "kill")
-            assert await _until(lambda: _events(tmp_path, "fault_detected"), NODE_TIMEOUT_S / 2), "kill not found"
-            found = _events(tmp_path, "fault_detected")
+            assert await until(lambda: events_named(tmp_path, "fault_detected"), NODE_TIMEOUT_S / 2), "kill not found"
+            found = events_named(tmp_path, "fault_detected")
             assert [e["node"] for e in found] == [victim.node_id], found
             assert "refuses" in found[0]["detail"] and found[0]["t"] - t_kill < NODE_TIMEOUT_S / 2, found
             assert await swarm.wait_reached("run", 1, 4, 60.0), "the killed node was not replaced"

@@ -16,11 +16,11 @@ from phoenixrun.sim.swarm import Swarm, SwarmConfig
 NODE_TIMEOUT_S = 1.0
 
 
-def _events(run_dir, name):
+def events_named(run_dir, name):
     return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == name]
 
 
-async def _until(pred, timeout: float) -> bool:
+async def until(pred, timeout: float) -> bool:
     deadline = time.time() + timeout
     while not pred():
         if time.time() > deadline:
@@ -47,19 +47,19 @@ def test_a_stopped_master_does_not_declare_every_node_lost(tmp_path):
             os.kill(proc.pid, signal.SIGSTOP)
             await asyncio.sleep(3 * NODE_TIMEOUT_S)      # the fault itself: the master does not run
             os.kill(proc.pid, signal.SIGCONT)
-            assert await _until(lambda: _events(tmp_path, "master_stalled"), 10.0), "stall not noticed"
-            stalled = _events(tmp_path, "master_stalled")[0]
+            assert await until(lambda: events_named(tmp_path, "master_stalled"), 10.0), "stall not noticed"
+            stalled = events_named(tmp_path, "master_stalled")[0]
             assert stalled["seconds"] >= 2 * NODE_TIMEOUT_S
 
             # two more timeouts of normal running: nobody is lost, no recovery starts
             await asyncio.sleep(2 * NODE_TIMEOUT_S)
-            assert _events(tmp_path, "fault_detected") == []
+            assert events_named(tmp_path, "fault_detected") == []
             assert swarm.arrivals[("quiesce", 1)] == 0 and proc.poll() is None
 
             # the guard hides only the master's own silence: a node that really dies is still replaced
             await swarm.fail(victim)
             assert await swarm.wait_reached("run", 1, 4, 30.0), "the real loss was not recovered"
-            lost = _events(tmp_path, "fault_detected")
+            lost = events_named(tmp_path, "fault_detected")
             assert [e["node"] for e in lost] == [victim.node_id]
         finally:
             await swarm.stop()

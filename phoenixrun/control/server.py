@@ -119,6 +119,17 @@ def parse_head(buf: bytearray) -> tuple[Head, int] | None:
     return Head(parts[0], parts[1], headers, n, keep), end + 4
 
 
+def readable(sock: socket.socket) -> bool:
+    """Something waits in the kernel for `sock` (bytes, a close, or on a listening socket a connection). Never
+    blocks."""
+    try:
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLIN)
+        return bool(p.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def render_response(code: int, body: bytes, ctype: str = JSON, close: bool = False) -> bytes:
     head = (f"HTTP/1.1 {int(code)} {REASON_PHRASES.get(code, 'Error')}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n")
@@ -164,14 +175,7 @@ class Connection(asyncio.Protocol):
 
     def unread(self) -> bool:
         """Bytes of this connection (or its close) wait in the kernel, not yet read by the loop. Never blocks."""
-        if self.sock is None:
-            return False
-        try:
-            p = select.poll()
-            p.register(self.sock.fileno(), select.POLLIN)
-            return bool(p.poll(0))
-        except (OSError, ValueError):
-            return False
+        return self.sock is not None and readable(self.sock)
 
     def evict(self) -> None:
         """Close this unauthenticated connection to make room for a new one."""
@@ -318,12 +322,7 @@ class ControlServer:
     def _accept_pending(self) -> bool:
         """Connections wait in the listen queue, not yet accepted: their first requests (an agent's first heartbeat
         goes out on a new connection) have reached the master but not been read. Never blocks."""
-        try:
-            p = select.poll()
-            p.register(self.sock.fileno(), select.POLLIN)
-            return bool(p.poll(0))
-        except (OSError, ValueError):
-            return False
+        return readable(self.sock)
 
     def read_horizon(self) -> float | None:
         """A time before which every request that reached the master has been read and handled (None: not known
