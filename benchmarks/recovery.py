@@ -174,10 +174,14 @@ def worker_death_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int,
         sb = _wait(lambda: _standby_of(node["agent_pid"]), proc, "slot 1's standby worker")
         _wait(lambda: f"standby worker (pid {sb.pid}) is ready" in log.read_text(errors="replace"), proc,
               "the standby waiting in init()")
-        cpu0, t0 = sum(sb.cpu_times()[:2]), time.time()
-        time.sleep(IDLE_WINDOW_S)      # the measurement window of its idle cost
-        idle = {"standby_idle_cpu_s_per_s": round((sum(sb.cpu_times()[:2]) - cpu0) / (time.time() - t0), 5),
-                "standby_rss_mb": round(sb.memory_info().rss / 2**20, 1)}
+        try:
+            cpu0, t0 = sum(sb.cpu_times()[:2]), time.time()
+            time.sleep(IDLE_WINDOW_S)      # the measurement window of its idle cost
+            idle = {"standby_idle_cpu_s_per_s": round((sum(sb.cpu_times()[:2]) - cpu0) / (time.time() - t0), 5),
+                    "standby_rss_mb": round(sb.memory_info().rss / 2**20, 1)}
+        except psutil.NoSuchProcess:
+            raise RuntimeError(f"the standby (pid {sb.pid}) exited during its idle measurement (job exit "
+                               f"{proc.poll()}): give more --steps or a longer step") from None
     before = {n["slot"]: sorted(n["worker_pids"]) for n in status(run)["nodes"] if n["role"] == "active"}
     wait_all_reached(prog, world, max(kill - 1, latest_step(prog)), 0, proc)
     victim = before[1][0]
