@@ -182,7 +182,15 @@ NONCES = {f"n{i}": f"nonce-of-n{i}-" + "7" * 20 for i in range(2)}    # what onl
 @pytest.fixture
 def running(tmp_path):
     """A started Master with both slots taken by registrations made here (their tokens kept): the job is
-    running, no agents behind the records, and nodes are never timed out."""
+    running, no agents behind the records, and nodes are never timed out. Each record's peer port listens (what
+    the master probes when a node's poll connection closes - a fuzzed poll the client gives up on closes one: a
+    refused port would be a node lost)."""
+    peers = []
+    for i in range(2):
+        try:
+            peers.append(socket.create_server(("127.0.0.1", 2000 + i)))
+        except OSError:      # taken: something listens there already, which is all the probe asks
+            pass
     secret = auth.new_secret()
     master = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=2, node_timeout=1e6), secret)
     master.start()
@@ -200,6 +208,8 @@ def running(tmp_path):
     yield master, secret, tokens
     master._finish(0, "test over")
     master.http.shutdown()
+    for p in peers:
+        p.close()
 
 
 def raw_post(endpoint: str, path: str, body: bytes, secret: str, timeout: float = 10.0) -> tuple[int | None, dict]:
