@@ -24,7 +24,8 @@ demo: install
 # processes: a job costs ~10-60 s here, most of it workers importing torch) the ones marked `smoke`, one per
 # guarantee - torchrun parity, hot swap, local reset, the fault classes, master restart, drain, torchrun-style
 # restart, FSDP2, growing state, hostile input, a corrupt replica refused, shrink and grow, a Slurm template.
-# Measured on an idle machine (2026-12-02): 1040 tests in 439 s of pytest (make test-all: 1088 in 1778 s).
+# Measured on an idle machine (2026-12-02): 1040 tests in 439 s of pytest. make test-all (2026-12-03, main at the
+# standby worker and one recovery cycle, this 2-core machine nearly idle): 1521 passed in 2538 s.
 SMOKE := not gpu and (smoke or not (e2e or slurm))
 test: install lint
 	$(BIN)/python -m pytest -q -m "$(SMOKE)" tests
@@ -33,7 +34,7 @@ test: install lint
 lint: install
 	$(BIN)/ruff check phoenixrun agents tests benchmarks tools examples
 
-# Every test (23-30 min of pytest on 2 cores, idle machine): what CI runs (.ci/run).
+# Every test (~42 min of pytest on 2 cores, nearly idle machine): what CI runs (.ci/run).
 test-all: install lint
 	$(BIN)/python -m pytest -q -m "not gpu" tests
 
