@@ -446,11 +446,6 @@ class Job:
         script created are rebuilt in place and stay valid across generations."""
         return self.rt.generation
 
-    @property
-    def every(self) -> int:
-        """The protection interval in steps (1: every step; longer where the copy does not hide behind compute)."""
-        return self.protection.every
-
     def on_restore(self, fn: Callable[[int, int], None]) -> Callable[[int, int], None]:
         """Register `fn(step, generation)`, called after every recovery this process takes part in - on the
         survivors and in a replacement process alike - once model, optimizer and `state` hold the snapshot
