@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
 import time
 
@@ -16,6 +15,7 @@ from phoenixrun.protocol import messages
 from phoenixrun.control.decide import RUNS_WORKERS
 from phoenixrun.control.directives import Directive
 from phoenixrun.control.events import EventLog
+from phoenixrun.control.job_view import job_view
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.rejections import Rejections
@@ -348,28 +348,7 @@ class Handlers:
 
     def state(self) -> dict:
         with self.job.cv:
-            now = time.time()
-            steps = [max(s) for n in self.job.nodes.values() if n.role == Role.ACTIVE for s in n.snapshots.values() if s]
-            return {
-                "run_id": self.cfg.run_id, "endpoint": self.job.endpoint, "master_pid": os.getpid(),
-                "master_epoch": self.job.master_epoch,
-                "phase": self.job.phase.value, "generation": self.job.generation,
-                "step": min(steps) if len(steps) == self.job.layout.world_size else None,
-                "steps_per_s": self.job.steps_per_s(), "restart_count": self.job.restart_count,
-                "recoveries": self.job.recoveries, "exit_code": self.job.exit_code, "reason": self.job.reason,
-                "protect_every": self.job.protect_every,
-                "nnodes": self.cfg.nnodes, "nproc_per_node": self.cfg.nproc_per_node,
-                "world_size": self.job.layout.world_size, "replicas": self.cfg.replicas,
-                "active_nnodes": self.job.layout.nnodes,    # fewer than nnodes while shrunk (--on-no-spare shrink)
-                "nodes": sorted(({**n.to_json(now), "ranks": self._ranks_json(n.slot)} for n in self.job.nodes.values()),
-                                key=lambda d: (d["slot"] is None, d["slot"] or 0, d["node_id"])),
-                "events": list(self.events.recent)[-15:],
-                "rejected_requests": self.rejections.snapshot(),
-            }
-
-    def _ranks_json(self, slot: int | None) -> list[int]:
-        """The global ranks a node's workers hold (none for a spare): where rank 0 runs, for status."""
-        return [] if slot is None else list(self.job.layout.ranks_of_slot(slot))
+            return job_view(self.job, self.events, self.rejections)
 
     def _fence(self, node_id: str, via: str) -> dict | None:
         """Fencing on rejoin: a node that was replaced gets only a stop order, whatever it asked."""
