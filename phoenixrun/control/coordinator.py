@@ -11,9 +11,9 @@ import logging
 import queue
 import time
 
-from phoenixrun.control.decide import (FAULT_REPORTS, NODE_LOSSES, JobEnd, Remedy, carried_out_first, detail_of,
-                                       escalated, exit_code_of, fallback_reason, fault_text, is_definite, loss_verdict,
-                                       respond, signal_of)
+from phoenixrun.control.decide import (FAULT_REPORTS, NODE_LOSSES, JobEnd, Remedy, carried_out_first, escalated,
+                                       exit_code_of, fallback_reason, fault_detected, fault_text, is_definite,
+                                       loss_verdict, respond, signal_of)
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.joining import EXIT_JOIN_TIMEOUT, PROGRESS_EVERY_S, Joining, gave_up, progress_line
@@ -23,7 +23,8 @@ from phoenixrun.control.recovery import Recoveries
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.faults import Classification, correlate
 from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate
-from phoenixrun.protocol.names import Command, Event, ReportKind
+from phoenixrun.protocol.events import DrainRequested, JobFinished, JobStarted, MasterRecovered
+from phoenixrun.protocol.names import Command, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -102,8 +103,7 @@ class Coordinator:
             return None
         with job.cv:
             job.phase = Phase.RUNNING
-            self.events.emit(Event.JOB_STARTED, job.generation, world_size=job.layout.world_size,
-                             slots={s: n for s, n in job.slots.items()})
+            self.events.emit(JobStarted(world_size=job.layout.world_size, slots=dict(job.slots)), job.generation)
             resume = self.recovery.newest_checkpoint()
             if resume is None:
                 self.orders.direct_slots(Command.RUN, restart_count=0, restore_step=None)
@@ -128,8 +128,8 @@ class Coordinator:
                 if api:
                     job.api_nodes.add(nid)
                 job.slots[s] = nid
-            self.events.emit(Event.MASTER_RECOVERED, job.generation, nodes=len(job.nodes) - len(missing),
-                             missing_slots=missing, restart_count=job.restart_count)
+            self.events.emit(MasterRecovered(nodes=len(job.nodes) - len(missing), missing_slots=missing,
+                                             restart_count=job.restart_count), job.generation)
         for s in missing:
             self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": f"lost-slot{s}", "t": time.time(),
                             "detail": "did not rejoin the restarted master"})
@@ -177,8 +177,8 @@ class Coordinator:
         reason = ev.get("reason") or ev.get("detail") or "drain"
         with job.cv:
             refusal = job.drain_refusal(node.slot)
-            self.events.emit(Event.DRAIN_REQUESTED, job.generation, node=node.node_id, slot=node.slot, reason=reason,
-                             by=by, accepted=refusal is None, **({"refusal": refusal} if refusal else {}))
+            self.events.emit(DrainRequested(node=node.node_id, slot=node.slot, reason=reason, by=by,
+                                            accepted=refusal is None, refusal=refusal or None), job.generation)
             if refusal is not None and by == "agent":
                 self.orders.direct([node.node_id], command=Command.STOP, exit_code=128 + 15,
                                    reason=f"drain refused ({refusal}): leaving as on SIGTERM")
@@ -264,10 +264,10 @@ class Coordinator:
             e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.max_local_resets))
             job.attempts = [*job.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:
-                self.recovery.incidents.open(self.events.emit(
-                    Event.FAULT_DETECTED, job.generation, node=ev.get("node_id"), signal=ev.get("kind"),
-                    rank=ev.get("rank"), detail=detail_of(ev), **{"class": c.fault_class.value}, action="stop",
-                    step=step, repeats=e.repeats))
+                node = job.nodes.get(ev.get("node_id", ""))
+                self.recovery.incidents.open(self.events.emit(fault_detected(
+                    ev, ev.get("node_id"), node and node.slot, c, action="stop", step=step, repeats=e.repeats),
+                    job.generation))
         if e.stop:
             raise Stop(exit_code_of(ev) or 1, e.reason)
         return escalated(c, e)
@@ -278,10 +278,7 @@ class Coordinator:
             job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
             before, node.last_fault = node.last_fault, fault_text(verdict, ev)
             self.recovery.incidents.open(self.events.emit(
-                Event.FAULT_DETECTED, job.generation, node=node.node_id, slot=node.slot, signal=ev.get("kind"),
-                rank=ev.get("rank"), returncode=ev.get("returncode"), detail=detail_of(ev),
-                **{"class": verdict.fault_class.value}, action=verdict.action.value, kind=verdict.fault_class.value,
-                step=ev.get("step"), **(context or {})))
+                fault_detected(ev, node.node_id, node.slot, verdict, **(context or {})), job.generation))
             response = respond(job.hot_swap_capable(), verdict.action, ev.get("kind"))
         failing_code = exit_code_of(ev)
         if response.remedy is Remedy.FALLBACK:
@@ -328,10 +325,9 @@ class Coordinator:
                                                        "detail": "agent unreachable"}
                     c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
                     n.last_fault = fault_text(c, loss)
-                    rec = self.events.emit(Event.FAULT_DETECTED, job.generation, node=n.node_id, slot=n.slot,
-                                           signal=ReportKind.NODE_LOST, detail="node lost with the failure",
-                                           action=c.action.value, **{"class": c.fault_class.value},
-                                           kind=c.fault_class.value, symptom_of_loss=True)
+                    rec = self.events.emit(fault_detected(loss, n.node_id, n.slot, c, signal=ReportKind.NODE_LOST,
+                                                          detail="node lost with the failure", symptom_of_loss=True),
+                                           job.generation)
                     if n is gone[0] and not reporter_lost:    # the incident is the loss (what the console says)
                         first = self.recovery.incidents.current or rec
                         self.recovery.incidents.open({**rec, "detail": loss.get("detail") or rec["detail"],
@@ -357,10 +353,10 @@ class Coordinator:
             # newest any rank has (a non-finite step must never appear here)
             newest = job.newest_snapshots()
             complete = len(newest) == job.layout.world_size
-            end = self.events.emit(Event.JOB_FINISHED, job.generation, exit_code=exit_code, reason=reason,
-                                   restarts=job.restart_count, recoveries=job.recoveries,
-                                   committed_step=min(newest.values()) if complete else None,
-                                   newest_snapshot=max(newest.values(), default=None))
+            end = self.events.emit(JobFinished(exit_code=exit_code, reason=reason, restarts=job.restart_count,
+                                               recoveries=job.recoveries,
+                                               committed_step=min(newest.values()) if complete else None,
+                                               newest_snapshot=max(newest.values(), default=None)), job.generation)
             self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command=Command.STOP,
                                exit_code=exit_code, reason=reason, job_end=True)
             if job.roster is not None:     # nobody rejoins a finished job (control/roster.py)

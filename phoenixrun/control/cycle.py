@@ -26,7 +26,8 @@ from phoenixrun.control.orders import Orders
 from phoenixrun.control.reshape import ReshapePlan
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, pick_spare
 from phoenixrun.faults.escalate import settle
-from phoenixrun.protocol.names import Command, Event, ReportKind
+from phoenixrun.protocol.events import EventRecord, FallbackRestart, RecoveryPlanned, SparePromoted
+from phoenixrun.protocol.names import Command, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -65,7 +66,7 @@ class Quiesced:
 class FromMemory:
     """Restore every rank at plan.restore_step from the agents' memory: its own, or the plan's sources."""
     plan: RecoveryPlan
-    event: dict = field(default_factory=dict)     # more fields of the recovery_plan event
+    cause: str | None = None      # the recovery_plan event's (a drain's)
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,7 @@ class Restored:
 @dataclass(frozen=True)
 class Resume:
     """How the job goes on once every rank resumed: the event that says so, and the orders."""
-    event: Event
-    fields: dict
+    done: EventRecord
     run: bool = True              # every node is told to run on (resume=True)
     count: bool = True            # one more recovery (status)
     close: bool = True            # it closes the incident (one console line)
@@ -217,7 +217,7 @@ class Cycle:
                 job.recoveries += 1
             job.phase = Phase.RUNNING
             job.done_nodes.clear()
-            done = self.events.emit(res.event, job.generation, **res.fields)
+            done = self.events.emit(res.done, job.generation)
             if res.run:   # one directive for every node: each got its slot and world with the restore order
                 self.orders.direct(job.slots.values(), command=Command.RUN, restart_count=job.restart_count,
                                    resume=True)
@@ -233,7 +233,7 @@ class Cycle:
         job.phase = Phase.RESTORE
         job.restored_step = plan.restore_step
         job.attempts = settle(job.attempts, plan.restore_step)
-        self.order_restore(plan, **r.event)
+        self.order_restore(plan, r.cause)
         return list(plan.slots.values())
 
     def _from_checkpoint(self, r: FromCheckpoint) -> list[str]:
@@ -244,8 +244,9 @@ class Cycle:
         job.phase = Phase.RESTORE
         job.done_nodes.clear()
         job.restored_step = r.step
-        self.events.emit(Event.FALLBACK_RESTART, job.generation, restore_step=r.step, reason=r.reason,
-                         fallbacks=job.fallbacks, checkpoint=str(persist.step_dir(self.cfg.persist_dir, r.step)))
+        self.events.emit(FallbackRestart(restore_step=r.step, reason=r.reason, fallbacks=job.fallbacks,
+                                         checkpoint=str(persist.step_dir(self.cfg.persist_dir, r.step))),
+                         job.generation)
         self.orders.direct_slots(Command.RESTART, restart_count=job.restart_count, restore_step=r.step)
         return list(job.slots.values())
 
@@ -272,13 +273,13 @@ class Cycle:
                                  restart_count=job.restart_count, restore_step=plan.restore_step)
         return list(renumbered.values())
 
-    def order_restore(self, plan: RecoveryPlan, **extra) -> None:
+    def order_restore(self, plan: RecoveryPlan, cause: str | None = None) -> None:
         """Publish a plan (`recovery_plan`) and send the restore directive (under the job's lock). The ranks of
         replaced slots fetch their state from the plan's sources; everyone else restores locally."""
         job = self.job
-        self.events.emit(Event.RECOVERY_PLAN, job.generation, restore_step=plan.restore_step,
-                         replaced_slots=dict(plan.replaced_slots),
-                         fetch={r: s.to_wire() for r, s in plan.fetch.items()}, **extra)
+        self.events.emit(RecoveryPlanned(restore_step=plan.restore_step, replaced_slots=dict(plan.replaced_slots),
+                                         fetch={r: s.to_wire() for r, s in plan.fetch.items()}, cause=cause),
+                         job.generation)
         fetch: dict[int, dict] = {}
         for r, src in plan.fetch.items():
             fetch.setdefault(job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = src.to_wire()
@@ -332,6 +333,6 @@ class Cycle:
             spare.role, spare.slot = Role.ACTIVE, slot
             job.slots[slot] = spare.node_id
             job.fault_history.pop(slot, None)   # escalation history belongs to the old node
-            self.events.emit(Event.SPARE_PROMOTED, job.generation, slot=slot, node=spare.node_id, replaces=failed_id)
+            self.events.emit(SparePromoted(slot=slot, node=spare.node_id, replaces=failed_id), job.generation)
             out[slot] = spare.node_id
             return True

@@ -15,12 +15,13 @@ import re
 import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from phoenixrun.control.state import NodeRecord, PlanError, RankSource, RecoveryPlan, Role, restore_step
 from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, classify
 from phoenixrun.faults.escalate import Escalation
 from phoenixrun.faults.taxonomy import ACTION_PRECEDENCE
+from phoenixrun.protocol.events import FaultDetected
 from phoenixrun.protocol.names import Command, ReportKind
 from phoenixrun.topology import Layout
 
@@ -83,6 +84,28 @@ def exit_code_of(ev: dict) -> int | None:
 def detail_of(ev: dict) -> str:
     """A report's description, as events record it."""
     return (ev.get("detail") or ev.get("text") or "")[:300]
+
+
+def fault_detected(ev: Mapping[str, Any], node: str | None, slot: int | None, c: Classification, *,
+                   action: str | None = None, step: int | None = None, detail: str | None = None,
+                   signal: str | None = None, verdict: str | None = None, reporters: list[str] | None = None,
+                   symptoms: list[str] | None = None, repeats: int | None = None,
+                   during_recovery: bool | None = None, symptom_of_loss: bool | None = None) -> FaultDetected:
+    """The `fault_detected` record of report `ev` classified as `c`, the same fields wherever the fault was found
+    (the escalation's stop, an incident, a loss with a restart, a fault during a recovery). Pure."""
+    return FaultDetected(
+        node=node, slot=slot, signal=signal or ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
+        detail=detail_of(ev) if detail is None else detail, fault_class=c.fault_class.value,
+        action=action or c.action.value, step=ev.get("step") if step is None else step, verdict=verdict,
+        reporters=reporters, symptoms=symptoms, repeats=repeats, during_recovery=during_recovery,
+        symptom_of_loss=symptom_of_loss)
+
+
+def midway_worker_verdict(ev: Mapping[str, Any], slot: int | None, max_local_resets: int) -> Classification:
+    """How a worker lost mid-recovery is filed: the classifier's class for its report, the action always
+    MIDWAY_WORKER_ACTION (its node is alive: the next cycle's restore respawns it from the node's snapshot)."""
+    c = classify(signal_of(dict(ev), slot), max_local_resets=max_local_resets)
+    return Classification(c.fault_class, MIDWAY_WORKER_ACTION, c.root_cause, c.reason, c.ambiguous)
 
 
 def carried_out_first(corr: Correlation) -> NodeDecision | None:

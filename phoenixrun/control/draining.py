@@ -17,7 +17,8 @@ from phoenixrun.control.cycle import Cycle, FromMemory, Quiesce, Quiesced, Resto
 from phoenixrun.control.decide import AfterFailure, Recovery, drain_step, plan_drain
 from phoenixrun.control.inflight import Cascade
 from phoenixrun.control.state import NodeRecord, PlanError, Role, pick_spare
-from phoenixrun.protocol.names import Command, Event
+from phoenixrun.protocol.events import RecoveryDone, RecoveryStarted, SparePromoted
+from phoenixrun.protocol.names import Command
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -44,8 +45,8 @@ class Drain:
         newest = max(job.newest_snapshots().values(), default=0)
         heard = min((n.last_heartbeat for n in job.actives()), default=self.started)
         at_step = drain_step(newest, job.steps_per_s(), max(0.0, self.started - heard) + DRAIN_DELIVERY_S)
-        self.cycle.events.emit(Event.RECOVERY_STARTED, job.generation + 1, failed_node=node.node_id, slot=self.slot,
-                               cause="drain", action="drain", reason=self.reason, at_step=at_step)
+        self.cycle.events.emit(RecoveryStarted(failed_node=node.node_id, slot=self.slot, cause="drain", action="drain",
+                                               reason=self.reason, at_step=at_step), job.generation + 1)
         return Quiesce(tuple(job.slots.values()), {"at_step": at_step})
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> FromMemory:
@@ -63,18 +64,18 @@ class Drain:
                 node.role, node.slot = Role.DRAINED, None
                 job.slots[self.slot] = spare.node_id
                 job.fault_history.pop(self.slot, None)
-                self.cycle.events.emit(Event.SPARE_PROMOTED, job.generation, slot=self.slot, node=spare.node_id,
-                                       replaces=node.node_id)
+                self.cycle.events.emit(SparePromoted(slot=self.slot, node=spare.node_id, replaces=node.node_id),
+                                       job.generation)
                 self.fresh = dict(plan.replaced_slots)
             else:
                 node.draining = None     # no spare any more: everyone resumes in place, the node stays
                 log.warning("drain of slot %s: the spare is gone; resuming in place", self.slot)
-        return FromMemory(plan, {"cause": "drain"})
+        return FromMemory(plan, cause="drain")
 
     def resume(self, quiesced: Quiesced | None, restore: FromMemory, restored: Restored, attempt: int) -> Resume:
         plan, now = restore.plan, time.time()
         stop = ((self.node.node_id, f"drained: {self.reason}"),) if plan.replaced_slots else ()
-        return Resume(Event.RECOVERY_DONE, dict(
+        return Resume(RecoveryDone(
             restored_step=plan.restore_step, cause="drain", replayed_steps=max(0, self.reached - plan.restore_step),
             steps_completed_before=self.reached, duration_s=round(now - self.started, 4),
             detect_to_done_s=round(now - self.requested, 4), replaced_slots=plan.replaced_slots,

@@ -1,8 +1,8 @@
 """Append-only JSON-lines event log: the contract tools and tests read (docs/design.md, "Event contract", names
 every event and its fields).
 
-Event names are protocol/names.py's `Event`: a name outside it is a bug (a typo would silently break the tools
-that read the log), refused with a ValueError."""
+Every record is one of protocol/events.py's frozen dataclasses (one per `names.Event`): a field misspelt or
+missing is a TypeError where the event is built, not a silent break in the tools that read the log."""
 from __future__ import annotations
 
 import json
@@ -10,19 +10,21 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
-from phoenixrun.protocol.names import Event
+from phoenixrun.protocol.events import EventRecord
 
 
 class EventLog:
-    def __init__(self, path: Path, keep: int = 50):
+    def __init__(self, path: Path, keep: int = 50) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        self.recent: deque[dict] = deque(maxlen=keep)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self._f = open(self.path, "a", buffering=1)
 
-    def emit(self, event: Event | str, generation: int, **fields) -> dict:
-        rec = {"t": round(time.time(), 6), "event": Event(event).value, "generation": generation, **fields}
+    def emit(self, record: EventRecord, generation: int) -> dict[str, Any]:
+        """Append `record` as the master's `generation` writes it; the line written, as a dict."""
+        rec = {"t": round(time.time(), 6), "event": record.NAME.value, "generation": generation, **record.fields()}
         line = json.dumps(rec, default=str)
         with self._lock:
             self._f.write(line + "\n")
@@ -35,7 +37,7 @@ class EventLog:
             self._f.close()
 
 
-def read_events(path: Path) -> list[dict]:
+def read_events(path: Path) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.exists():
         return []

@@ -14,7 +14,7 @@ from phoenixrun import persist_layout as persist   # torch-free: the master neve
 from phoenixrun.control.cycle import Cycle, FromCheckpoint, Quiesced, Restored, Resume
 from phoenixrun.control.decide import AfterFailure, Recovery
 from phoenixrun.control.jobstate import JobState
-from phoenixrun.protocol.names import Event
+from phoenixrun.protocol.events import CheckpointRejected, FallbackDone
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -51,8 +51,7 @@ class Fallback:
         return FromCheckpoint(self.step, self.reason, counted=self.counted or attempt > 1)
 
     def resume(self, quiesced: Quiesced | None, restore: FromCheckpoint, restored: Restored, attempt: int) -> Resume:
-        return Resume(Event.FALLBACK_DONE, dict(restore_step=restore.step,
-                                                duration_s=round(time.time() - self.started, 4)),
+        return Resume(FallbackDone(restore_step=restore.step, duration_s=round(time.time() - self.started, 4)),
                       run=False, count=False)
 
     def failed(self, error: Exception, after: AfterFailure) -> None:
@@ -60,6 +59,6 @@ class Fallback:
         ev = getattr(error, "event", {})
         if ev.get("persist_step") == self.step:
             self.job.bad_checkpoints.add(self.step)
-            self.cycle.events.emit(Event.CHECKPOINT_REJECTED, self.job.generation, step=self.step,
-                                   reason=ev.get("reason", ""))
+            self.cycle.events.emit(CheckpointRejected(step=self.step, reason=ev.get("reason", "")),
+                                   self.job.generation)
         log.warning("fallback to checkpoint step %d interrupted: %s", self.step, error)

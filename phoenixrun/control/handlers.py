@@ -11,6 +11,8 @@ import secrets
 import time
 
 from phoenixrun.control import wire
+from phoenixrun.protocol.events import (FaultInjected, NodeFenced, NodeJoined, NodeRefused, NodeRejoined,
+                                       Straggler)
 from phoenixrun.protocol import messages
 from phoenixrun.control.decide import RUNS_WORKERS
 from phoenixrun.control.directives import Directive
@@ -21,7 +23,7 @@ from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.roster import digest
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
-from phoenixrun.protocol.names import Command, Event, ReportKind
+from phoenixrun.protocol.names import Command, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -59,8 +61,8 @@ class Handlers:
                                msg.node_rank, self.cfg.nnodes)
             refused = self._refusal(role, msg.node_rank)
             if refused is not None:
-                self.events.emit(Event.NODE_REFUSED, self.job.generation, node=msg.node_id, host=msg.host,
-                                 node_rank=msg.node_rank, reason=refused["reason"])
+                self.events.emit(NodeRefused(node=msg.node_id, host=msg.host, node_rank=msg.node_rank,
+                                             reason=refused["reason"]), self.job.generation)
                 return refused
             node = NodeRecord(node_id=msg.node_id, host=msg.host, agent_pid=msg.agent_pid,
                               peer_addr=msg.peer_addr, fault_domain=msg.fault_domain, role=role, slot=slot)
@@ -74,8 +76,8 @@ class Handlers:
                 nonce = self.job.nonces[node.node_id] = digest(msg.nonce)
             # in the run directory before the reply names the slot: a restarted master vouches for its rejoin
             self.job.save_roster({node.node_id: nonce} if nonce else None)
-            self.events.emit(Event.NODE_JOINED, self.job.generation, node=node.node_id, host=node.host,
-                             role=role.value, slot=slot, agent_pid=node.agent_pid, fault_domain=node.fault_domain)
+            self.events.emit(NodeJoined(node=node.node_id, host=node.host, role=role.value, slot=slot,
+                                        agent_pid=node.agent_pid, fault_domain=node.fault_domain), self.job.generation)
             if role == Role.SPARE:
                 self.orders.direct([node.node_id], command=Command.WAIT, warm=self.job.hot_swap_capable())
             self.inbox.put({"kind": ReportKind.JOINED, "node_id": node.node_id})
@@ -138,7 +140,7 @@ class Handlers:
             owner = roster.slots.get(slot)
             reason = (f"slot {slot} was given to {owner}" if owner is not None
                       else f"the run directory gives slot {slot} to no node")
-            self.events.emit(Event.NODE_FENCED, self.job.generation, node=nid, slot=slot, reason=reason)
+            self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.generation)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
         if gen > self.job.generation and self.job.phase != Phase.WAITING:
             # once running, this master issued every generation since: a newer one was never issued
@@ -155,7 +157,7 @@ class Handlers:
             holder = None
         if holder not in (None, nid):
             reason = f"slot {slot} belongs to {holder}"
-            self.events.emit(Event.NODE_FENCED, self.job.generation, node=nid, slot=slot, reason=reason)
+            self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.generation)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
         self.job.rejoin_generation[nid] = gen
         self.job.nonces[nid] = roster.nonces[nid]
@@ -176,8 +178,8 @@ class Handlers:
         self.job.peer_hint.update(r.world_slots)
         self.job.resumed_at = self.job.resumed_at or time.time()
         self.job.save_roster()
-        self.events.emit(Event.NODE_REJOINED, self.job.generation, node=nid, role=role.value, slot=slot,
-                         agent_generation=gen, interrupted=r.frozen)
+        self.events.emit(NodeRejoined(node=nid, role=role.value, slot=slot, agent_generation=gen,
+                                      interrupted=r.frozen), self.job.generation)
         if role == Role.SPARE:
             self.orders.direct([nid], command=Command.WAIT, warm=node.api)
         self.inbox.put({"kind": ReportKind.JOINED, "node_id": nid, "interrupted": r.frozen})
@@ -239,9 +241,10 @@ class Handlers:
         """A node became a straggler (call with the lock held): reported; with --replace-stragglers, drained."""
         samples = list(self.job.compute.get(node.node_id, ()))
         replace = self.cfg.replace_stragglers and self.job.drain_refusal(node.slot) is None
-        self.events.emit(Event.STRAGGLER, self.job.generation, node=node.node_id, slot=node.slot,
-                         ratio=node.straggler, compute_s=round(sorted(samples)[len(samples) // 2], 5) if samples else None,
-                         window=self.cfg.straggler_window, threshold=self.cfg.straggler_ratio, replace=replace)
+        self.events.emit(Straggler(node=node.node_id, slot=node.slot, ratio=node.straggler,
+                                   compute_s=round(sorted(samples)[len(samples) // 2], 5) if samples else None,
+                                   window=self.cfg.straggler_window, threshold=self.cfg.straggler_ratio,
+                                   replace=replace), self.job.generation)
         if replace:
             self.inbox.put({"kind": ReportKind.DRAIN, "node_id": node.node_id, "by": "straggler", "t": time.time(),
                             "reason": f"straggler: {node.straggler}x slower than its peers"})
@@ -254,7 +257,7 @@ class Handlers:
             if nid is None or self.job.nodes[nid].role != Role.ACTIVE:
                 raise messages.MessageError(f"no active node in slot {msg.slot}", code=409, reason="no_such_node")
             self.job.injections.setdefault(nid, []).append(msg.fault)
-            self.events.emit(Event.FAULT_INJECTED, self.job.generation, node=nid, slot=msg.slot, fault=msg.fault)
+            self.events.emit(FaultInjected(node=nid, slot=msg.slot, fault=msg.fault), self.job.generation)
             return {"ok": True, "node": nid}
 
     def drain(self, p: dict) -> dict:
@@ -356,7 +359,7 @@ class Handlers:
         if reply is not None and node_id not in self.job.fenced:
             self.job.fenced.add(node_id)
             log.warning("node %s contacted the master (%s) after it was replaced: fenced", node_id, via)
-            self.events.emit(Event.NODE_FENCED, self.job.generation, node=node_id, via=via, reason=reply["reason"])
+            self.events.emit(NodeFenced(node=node_id, via=via, reason=reply["reason"]), self.job.generation)
         return reply
 
     def _persist_json(self) -> dict | None:

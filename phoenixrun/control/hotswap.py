@@ -12,7 +12,7 @@ from phoenixrun.control.cycle import Cycle, FromMemory, NoSpare, Quiesce, Quiesc
 from phoenixrun.control.decide import AfterFailure, Recovery
 from phoenixrun.control.inflight import Cascade
 from phoenixrun.control.state import plan_recovery
-from phoenixrun.protocol.names import Event
+from phoenixrun.protocol.events import RecoveryDone
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -59,7 +59,7 @@ class HotSwap:
 
     def resume(self, quiesced: Quiesced | None, restore: FromMemory, restored: Restored, attempt: int) -> Resume:
         plan, now = restore.plan, time.time()
-        return Resume(Event.RECOVERY_DONE, dict(
+        return Resume(RecoveryDone(
             restored_step=plan.restore_step, replayed_steps=max(0, self.reached - plan.restore_step),
             steps_completed_before=self.reached, duration_s=round(now - self.started, 4),
             detect_to_done_s=round(now - self.detected, 4), replaced_slots=plan.replaced_slots, attempts=attempt,

@@ -14,13 +14,13 @@ import time
 from typing import Callable, Iterable
 
 from phoenixrun.control import layout_file
-from phoenixrun.control.decide import (MIDWAY_WORKER_ACTION, NODE_LOSSES, Midway, detail_of, fault_text,
-                                       loss_verdict, midway, mismatch_reason, signal_of)
+from phoenixrun.control.decide import (NODE_LOSSES, Midway, fault_detected, fault_text, loss_verdict, midway,
+                                       midway_worker_verdict, mismatch_reason, signal_of)
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox
 from phoenixrun.control.state import NodeRecord, PlanError, Role, by_rank
-from phoenixrun.protocol.names import Event, ReportKind
+from phoenixrun.protocol.names import ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -171,10 +171,9 @@ class InFlight:
             # the dead one from the node's snapshot (dropped as expected, it cost the whole --recovery-timeout)
             with self.job.cv:
                 self.job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
-                self.events.emit(Event.FAULT_DETECTED, self.job.generation, node=node.node_id, slot=node.slot,
-                                 signal=kind, rank=ev.get("rank"), returncode=ev.get("returncode"),
-                                 detail=detail_of(ev), action=MIDWAY_WORKER_ACTION.value,
-                                 during_recovery=True)
+                c = midway_worker_verdict(ev, node.slot, self.cfg.max_local_resets)
+                self.events.emit(fault_detected(ev, node.node_id, node.slot, c, during_recovery=True),
+                                 self.job.generation)
             raise Cascade(f"rank {ev.get('rank')} on slot {node.slot} died during recovery: "
                           f"{ev.get('detail') or kind}", ev)
 
@@ -194,10 +193,8 @@ class InFlight:
                 newly += 1
                 c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
                 n.last_fault = fault_text(c, loss)
-                self.events.emit(Event.FAULT_DETECTED, self.job.generation, node=n.node_id, slot=n.slot,
-                                 signal=loss["kind"], detail=loss.get("detail", ""), action=c.action.value,
-                                 **{"class": c.fault_class.value}, kind=c.fault_class.value,
-                                 during_recovery=True)
+                self.events.emit(fault_detected(loss, n.node_id, n.slot, c, detail=loss.get("detail", ""),
+                                                during_recovery=True), self.job.generation)
         raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: "
                       f"{ev.get('detail') or ev.get('kind')}"
                       + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))

@@ -21,7 +21,8 @@ from phoenixrun.control.state import PHASE_MOVES, FreeSlots, NodeRecord, Phase, 
 from phoenixrun.faults import Signal
 from phoenixrun.faults.escalate import Attempt
 from phoenixrun.topology import Layout, place_replicas
-from phoenixrun.protocol.names import Event, ReportKind
+from phoenixrun.protocol.events import ProtectionMode, RestoreRefused, SpareLost
+from phoenixrun.protocol.names import ReportKind
 from phoenixrun.redundancy import PeerSet
 
 
@@ -236,20 +237,20 @@ class JobState:
             if kind == ReportKind.NODE_LOST and node is not None and node.role == Role.SPARE:
                 node.role = Role.FAILED
                 node.last_fault = "heartbeat lost"
-                emit(Event.SPARE_LOST, self.generation, node=node.node_id)
+                emit(SpareLost(node=node.node_id), self.generation)
             elif kind == ReportKind.LEFT and node is not None and node.role == Role.SPARE:
                 node.role = Role.FAILED
             elif kind == ReportKind.PROTECTION_MODE and ev.get("every") != self.protect_every:
                 self.protect_every = ev.get("every")
-                emit(Event.PROTECTION_MODE, self.generation, every=self.protect_every, step=ev.get("step"),
-                     reason="replication does not hide behind compute" if self.protect_every > 1
-                     else "replication hides behind compute again")
+                emit(ProtectionMode(every=self.protect_every, step=ev.get("step"),
+                                    reason="replication does not hide behind compute" if self.protect_every > 1
+                                    else "replication hides behind compute again"), self.generation)
             elif kind == ReportKind.LAYOUT:
                 # rank 0 at protect(), once per job start: where DTensor state has copies (validated by the parser)
                 self.peer_set = PeerSet.from_wire(ev["peers"]) if ev.get("peers") else None
             elif kind == ReportKind.RESTORE_REFUSED:
                 # the agent goes on with the plan's next option; recorded so an operator sees which holder or
                 # peer held bad bytes (or could not be reached)
-                emit(Event.RESTORE_REFUSED, self.generation, node=ev.get("node_id"), rank=ev.get("rank"),
-                     part=ev.get("part"), addr=ev.get("addr"), source_rank=ev.get("source_rank"),
-                     integrity=ev.get("integrity"), reason=ev.get("reason"))
+                emit(RestoreRefused(node=ev.get("node_id"), rank=ev.get("rank"), part=ev.get("part"),
+                                    addr=ev.get("addr"), source_rank=ev.get("source_rank"),
+                                    integrity=ev.get("integrity"), reason=ev.get("reason")), self.generation)

@@ -40,7 +40,8 @@ from phoenixrun.control.server import ControlServer
 from phoenixrun.control.standby import Acquired, LeaseKeeper, await_lease
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.protocol import messages
-from phoenixrun.protocol.names import Event
+from phoenixrun.protocol.events import (MasterDeposed, MasterStandby, MasterStarted, MasterTakeover,
+                                       RejectedRequest)
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -61,7 +62,7 @@ class Master:
         self.job.roster = Roster(self.run_dir, cfg.run_id)
         self.orders = Orders(self.job, self.events)
         self._inbox = Inbox()
-        self.rejections = Rejections(lambda **f: self.events.emit(Event.REJECTED_REQUEST, self.job.generation, **f))
+        self.rejections = Rejections(lambda **f: self.events.emit(RejectedRequest(**f), self.job.generation))
         self.handlers = Handlers(self.job, self.orders, self.events, self._inbox, self.rejections)
         self.recovery = Recoveries(self.job, self.orders, self.events, self._inbox, probe=unreachable)
         self.coordinator = Coordinator(self.job, self.orders, self.events, self._inbox, self.recovery,
@@ -83,8 +84,9 @@ class Master:
 
         def on_wait(rec, why):
             log.info("standby: %s; waiting to take over", why)
-            self.events.emit(Event.MASTER_STANDBY, self.generation, pid=os.getpid(), holder_epoch=rec and rec.epoch,
-                             holder_endpoint=rec and rec.endpoint, endpoint=f"{self.cfg.host}:{self.cfg.port}")
+            self.events.emit(MasterStandby(pid=os.getpid(), holder_epoch=rec and rec.epoch,
+                                              holder_endpoint=rec and rec.endpoint,
+                                              endpoint=f"{self.cfg.host}:{self.cfg.port}"), self.generation)
         got = await_lease(self.lease_dir, self.lease_id, f"{self.cfg.host}:{self.cfg.port}",
                           self.cfg.lease_ttl, self.cfg.max_clock_skew, stop or threading.Event(), on_wait)
         if not got.epoch:
@@ -105,15 +107,16 @@ class Master:
                                   self.cfg.lease_ttl, self.cfg.max_clock_skew, self._deposed)
         self.keeper.start()
         if got.previous is not None:
-            self.events.emit(Event.MASTER_TAKEOVER, self.generation, epoch=got.epoch, endpoint=self.endpoint,
-                             previous_epoch=got.previous.epoch, previous_endpoint=got.previous.endpoint,
-                             reason=got.reason, waited_s=round(got.waited_s, 3))
+            self.events.emit(MasterTakeover(epoch=got.epoch, endpoint=self.endpoint,
+                                               previous_epoch=got.previous.epoch,
+                                               previous_endpoint=got.previous.endpoint, reason=got.reason,
+                                               waited_s=round(got.waited_s, 3)), self.generation)
             log.warning("took over as master (epoch %d) from %s: %s", got.epoch, got.previous.endpoint, got.reason)
 
     def _deposed(self, reason: str) -> None:
         """A newer epoch was claimed: this master stops acting at once (agents ignore its older epoch anyway)."""
         log.error("this master lost its lease (%s): stopping", reason)
-        self.events.emit(Event.MASTER_DEPOSED, self.generation, epoch=self.job.master_epoch, reason=reason)
+        self.events.emit(MasterDeposed(epoch=self.job.master_epoch, reason=reason), self.generation)
         self.http.shutdown()
         with self.job.cv:
             self.job.exit_code = EXIT_DEPOSED
@@ -142,8 +145,9 @@ class Master:
         tmp = self.run_dir / "master.json.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.run_dir / "master.json")
-        self.events.emit(Event.MASTER_STARTED, self.generation, endpoint=self.endpoint, pid=os.getpid(),
-                         nnodes=self.cfg.nnodes, nproc_per_node=self.cfg.nproc_per_node, epoch=self.job.master_epoch)
+        self.events.emit(MasterStarted(endpoint=self.endpoint, pid=os.getpid(), nnodes=self.cfg.nnodes,
+                                          nproc_per_node=self.cfg.nproc_per_node, epoch=self.job.master_epoch),
+                         self.generation)
         log.info("master listening on %s (store port %d)", self.endpoint, self.store_port)
 
     def wait(self) -> int:

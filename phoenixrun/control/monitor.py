@@ -15,7 +15,8 @@ from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.state import Phase, Role
-from phoenixrun.protocol.names import Event, ReportKind
+from phoenixrun.protocol.events import MasterStalled
+from phoenixrun.protocol.names import ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -115,7 +116,7 @@ class HeartbeatMonitor:
         than --node-timeout declared every node lost at once when it ran again (seen when a profiler
         paused it at 16K nodes: the job failed, "recovery kept failing")."""
         log.warning("the master did not run for %.1fs: heartbeat clocks moved on by as much", seconds)
-        self.events.emit(Event.MASTER_STALLED, self.job.generation, seconds=round(seconds, 3))
+        self.events.emit(MasterStalled(seconds=round(seconds, 3)), self.job.generation)
         now = time.time()
         for n in self.job.nodes.values():   # capped: one heard since it ran again is no fresher than now
             n.last_heartbeat = min(n.last_heartbeat + seconds, now)

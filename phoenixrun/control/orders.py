@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Mapping
 from phoenixrun.control.directives import DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
-from phoenixrun.protocol.names import Event
+from phoenixrun.protocol.events import DirectiveSent
 
 
 class Inbox(queue.Queue):
@@ -93,5 +93,5 @@ class Orders:
         # a broadcast: how long the order took to reach the last node's connection (not the final stop: the
         # job's last event stays job_finished)
         if r.targets > 1 and r.command != "stop":
-            self.events.emit(Event.DIRECTIVE_SENT, r.generation, command=r.command, version=r.version, nodes=r.targets,
-                             seconds=round(t - r.set_at, 4))
+            self.events.emit(DirectiveSent(command=r.command, version=r.version, nodes=r.targets,
+                                           seconds=round(t - r.set_at, 4)), r.generation)

@@ -28,7 +28,7 @@ from phoenixrun.control.resize import Grow, Shrink
 from phoenixrun.control.restart import Restart
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, pick_spare
 from phoenixrun.faults import Action
-from phoenixrun.protocol.names import Event
+from phoenixrun.protocol.events import RecoveryFailed, RecoveryStarted
 
 # what the master's other parts name from here
 __all__ = ["Acks", "Cascade", "NoSpare", "Probe", "Recoveries", "Stop", "unreachable_nodes"]
@@ -91,8 +91,8 @@ class Recoveries:
             self.incidents.open({"t": ev.get("t", t0), "node": node.node_id, "slot": node.slot,
                                 "signal": ev.get("kind"), "detail": cause})
         with self.job.cv:
-            self.events.emit(Event.RECOVERY_STARTED, self.job.generation + 1, failed_node=node.node_id,
-                             slot=node.slot, cause=cause, action=action.value)
+            self.events.emit(RecoveryStarted(failed_node=node.node_id, slot=node.slot, cause=cause,
+                                             action=action.value), self.job.generation + 1)
         out = self.cycle.drive(HotSwap(self.cycle, lost, t0, ev.get("t", t0), fresh))
         if out is None:
             return
@@ -104,11 +104,11 @@ class Recoveries:
         # Next.FALL_BACK: no in-memory state to resume from: the persistent checkpoint, else torchrun's restart
         if isinstance(e, PlanError):
             self.inbox.take(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
-            self.events.emit(Event.RECOVERY_FAILED, self.job.generation, reason=str(e))
+            self.events.emit(RecoveryFailed(reason=str(e)), self.job.generation)
             why, lost = f"in-memory recovery impossible: {e}", set()
         else:
             why = f"recovery kept failing ({out.attempts} tries): {e}"
-            self.events.emit(Event.RECOVERY_FAILED, self.job.generation, reason=why)
+            self.events.emit(RecoveryFailed(reason=why), self.job.generation)
         if not self.fallback(lost, why):
             self.restart(lost, failing_code, why)
 

@@ -12,7 +12,7 @@ from phoenixrun.control.decide import AfterFailure, Recovery
 from phoenixrun.control.inflight import Stop
 from phoenixrun.control.reshape import Refusal, plan_grow, plan_shrink
 from phoenixrun.control.state import NodeRecord, Role
-from phoenixrun.protocol.names import Event
+from phoenixrun.protocol.events import JobGrown, JobShrunk, RecoveryFailed, SparePromoted
 
 
 class Resize:
@@ -21,17 +21,20 @@ class Resize:
     tries = 1
     started: float
     reached: int
-    what: dict
+    lost_nodes: dict[int, str] | None = None   # a shrink: old slot -> the node lost
+    cause: str | None = None                   # a shrink: why
+    added: str | None = None                   # a grow: the node taken in
     planned: str | None = None      # the plan's kind once made: a failure after it is the re-partition's
 
     def resume(self, quiesced: Quiesced | None, restore: Reshard, restored: Restored, attempt: int) -> Resume:
         plan = restore.plan
         shrink = plan.kind == "shrink"
-        return Resume(Event.JOB_SHRUNK if shrink else Event.JOB_GROWN, dict(
+        return Resume((JobShrunk if shrink else JobGrown)(
             nnodes=plan.new.nnodes, world_size=plan.new.world_size, was_nnodes=plan.old.nnodes,
             was_world_size=plan.old.world_size, restored_step=plan.restore_step,
             replayed_steps=max(0, self.reached - plan.restore_step), steps_completed_before=self.reached,
-            slot_map=dict(plan.slot_map), duration_s=round(time.time() - self.started, 4), **self.what), close=shrink)
+            slot_map=dict(plan.slot_map), duration_s=round(time.time() - self.started, 4), lost_nodes=self.lost_nodes,
+            cause=self.cause, added=self.added), close=shrink)
 
     def failed(self, error: Exception, after: AfterFailure) -> None:
         pass
@@ -52,7 +55,6 @@ class Shrink(Resize):
         self.cycle, self.job = cycle, cycle.job
         self.shrunk, self.node, self.started, self.reached = lost, node, started, reached
         self.lost: set[int] = set()
-        self.what: dict = {}
 
     def quiesce(self) -> None:
         return None
@@ -64,7 +66,7 @@ class Shrink(Resize):
             plan = plan_shrink(job.layout, lost, {s: n.snapshots for s, n in alive.items()},
                                {s: n.replicas for s, n in alive.items()}, job.placement)
             if isinstance(plan, Refusal):
-                self.cycle.events.emit(Event.RECOVERY_FAILED, job.generation, reason=f"cannot shrink: {plan.reason}")
+                self.cycle.events.emit(RecoveryFailed(reason=f"cannot shrink: {plan.reason}"), job.generation)
                 raise Stop(75, f"node(s) in slot(s) {sorted(lost)} lost, no spare registered within --spare-wait "
                                f"{cfg.spare_wait:g}s, and the job cannot shrink: {plan.reason}")
             gone = {}
@@ -73,7 +75,7 @@ class Shrink(Resize):
                 gone[s] = failed.node_id
                 failed.role, failed.slot = Role.FAILED, None
                 job.fault_history.pop(s, None)
-        self.what = {"lost_nodes": gone, "cause": self.node.last_fault or "node lost"}
+        self.lost_nodes, self.cause = gone, self.node.last_fault or "node lost"
         self.planned = plan.kind
         return Reshard(plan)
 
@@ -87,7 +89,7 @@ class Grow(Resize):
         self.started = time.time()
         self.lost: set[int] = set()
         self.reached = 0
-        self.what = {"added": spare.node_id}
+        self.added = spare.node_id
 
     def quiesce(self) -> Quiesce:
         return Quiesce(tuple(self.job.slots.values()))
@@ -101,7 +103,7 @@ class Grow(Resize):
             if isinstance(plan, Refusal) or spare.role != Role.SPARE:
                 why = plan.reason if isinstance(plan, Refusal) else "the spare is gone"
                 raise Stop(1, f"cannot grow the job back after quiescing it: {why}")
-            self.cycle.events.emit(Event.SPARE_PROMOTED, job.generation, slot=plan.new_slots[0], node=spare.node_id,
-                                   replaces=None)
+            self.cycle.events.emit(SparePromoted(slot=plan.new_slots[0], node=spare.node_id, replaces=None),
+                                   job.generation)
         self.planned = plan.kind
         return Reshard(plan, {plan.new_slots[0]: spare})

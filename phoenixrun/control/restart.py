@@ -9,7 +9,8 @@ from phoenixrun.control.cycle import Cycle
 from phoenixrun.control.decide import attempt_ranks, attempt_verdict
 from phoenixrun.control.inflight import Stop
 from phoenixrun.control.state import Phase
-from phoenixrun.protocol.names import Command, Event, ReportKind
+from phoenixrun.protocol.events import Restarted
+from phoenixrun.protocol.names import Command, ReportKind
 
 
 class Restart:
@@ -33,8 +34,8 @@ class Restart:
             job.done_nodes.clear()
             job.restored_step = None        # every worker starts from scratch
             port = self._attempt_store(job.generation)
-            done = cycle.events.emit(Event.RESTART, job.generation, restart_count=job.restart_count,
-                                     reason=why, store_port=port)
+            done = cycle.events.emit(Restarted(restart_count=job.restart_count, reason=why, store_port=port),
+                                     job.generation)
             cycle.orders.direct_slots(Command.RESTART, restart_count=job.restart_count, restore_step=None,
                                       store_port=port)
             job.phase = Phase.RUNNING
