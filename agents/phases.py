@@ -19,7 +19,7 @@ from typing import Iterable
 # docs/benchmarks.md were survivors killed at that constant on a loaded machine.
 QUIESCE_GRACE_FLOOR_S = 5.0      # no step measured yet, or short steps: the old constant, never less
 QUIESCE_GRACE_STEPS = 2.0        # the grace covers this many of the longest recent steps (load varies step to step)
-QUIESCE_GRACE_CAP_S = 45.0       # below the master's default --recovery-timeout (60 s): the agent acts first
+QUIESCE_GRACE_CAP_S = 45.0       # below --recovery-timeout (config.RULES refuses one not above it): the agent acts first
 STEP_SAMPLES = 20                # recent steps per local rank the grace looks at
 REPORTED = -1
 

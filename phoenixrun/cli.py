@@ -218,6 +218,7 @@ def launch(entry, **o):
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
     from phoenixrun.launcher import run
     cfg = launch_config(o, entry)
+    config.validate(cfg)
     _check_dirs(_launch_dirs(cfg, o["run_dir"] is not None))
     _announce_backend()
     sys.exit(run(cfg))
@@ -264,7 +265,6 @@ def _check_dirs(dirs: list[tuple[str, Path, str]]) -> None:
 def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
     """The launcher's config from its parsed options (click's params) and SCRIPT [ARGS]; UsageError if bad."""
     from phoenixrun.agents.workers import WorkerSpec
-    from phoenixrun.topology import Layout
 
     n = _parse_nnodes(o["nnodes"])
     standalone = o["standalone"]
@@ -273,17 +273,8 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
     if o["rdzv_backend"] not in ("c10d", "static"):
         raise click.BadParameter(f"{o['rdzv_backend']!r} is not supported: phoenixrun runs its own rendezvous "
                                  "master; use c10d (the default) or static", param_hint="--rdzv-backend")
-    if o["module"] and o["no_python"]:
-        raise click.UsageError("-m/--module and --no-python cannot be combined")
     if not o["module"] and not o["no_python"] and not Path(entry[0]).is_file():
         raise click.UsageError(f"training script {entry[0]!r} not found")
-    try:
-        Layout(n, nproc, o["tp"], o["pp"])
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    if o["replicas"] > n - 1 and n > 1:
-        raise click.BadParameter(f"{o['replicas']} replicas need at least {o['replicas'] + 1} nodes (have {n})",
-                                 param_hint="--replicas")
     try:
         ident = runid.identity(o["rdzv_id"], o["run_dir"], o["resume"], standalone, os.environ.get("SLURM_JOB_ID"),
                                runid.runs_under(runid.RUNS), uuid.uuid4().hex[:8])
@@ -308,7 +299,7 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
             raise click.UsageError(str(e)) from None
     master = MasterConfig.from_options(
         o, run_dir=run_dir, nnodes=n, nproc_per_node=nproc, run_id=run_id,
-        replicas=min(o["replicas"], max(0, n - 1)), host=host, port=int(port),
+        host=host, port=int(port),
         persist_dir=_persist_dir(o["persist_dir"], o["persist_every"], run_dir),
         spares=None if standalone else spares)   # standalone: spares started by hand may join too
     agent = AgentConfig.from_options(
@@ -344,6 +335,7 @@ def master_cmd(**o):
     from phoenixrun.control.master import Master
     _logging()
     cfg = master_config(o)
+    config.validate(cfg)
     _check_dirs([("--run-dir", cfg.run_dir, "give --run-dir a directory you can write")])
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     # created exactly once, whoever starts first: a standby started together with the holder serves the same secret
@@ -392,6 +384,7 @@ def agent_cmd(secret_file, **o):
         raise click.UsageError(f"no job secret: set ${auth.SECRET_ENV} or pass --secret-file "
                                "(the master writes it to RUN_DIR/secret)")
     cfg = agent_config(o, secret)
+    config.validate(cfg)
     if cfg.log_dir is not None:
         _check_dirs([("--log-dir", cfg.log_dir, "give --log-dir a directory you can write, or leave it out "
                       "(worker output then goes to the console)")])

@@ -20,7 +20,10 @@ import math
 import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from phoenixrun.agents.phases import QUIESCE_GRACE_CAP_S
+from phoenixrun.topology import Layout
 
 if TYPE_CHECKING:   # the agent's worker spec: agents/workers.py (psutil), only a type here
     from phoenixrun.agents.workers import WorkerSpec
@@ -252,7 +255,10 @@ class MasterConfig(_Settings):
         "phoenixrun", flag="--rdzv-id", doc="Job id (TORCHELASTIC_RUN_ID).")
     tp: int = setting(1, flag="--tp", min=1, doc="Tensor-parallel size.")
     pp: int = setting(1, flag="--pp", min=1, doc="Pipeline-parallel size.")
-    replicas: int = setting(1, flag="--replicas", min=0, doc="Peer copies of each rank's optimizer shard.")
+    replicas: int = setting(
+        1, flag="--replicas", min=0,
+        doc="Peer copies of each rank's optimizer shard, each on another node: at most --nnodes - 1 (a single "
+            "node keeps none; a shrunk job as many as its nodes allow).")
     max_restarts: int = setting(
         0, flag="--max-restarts", min=0,
         doc="Full restarts allowed when in-memory recovery is impossible (and for scripts without the API).")
@@ -319,6 +325,11 @@ class MasterConfig(_Settings):
         2.0, flag="--max-clock-skew", min=0,
         doc="Seconds the masters' clocks may differ; a standby takes over a lease not renewed for --lease-ttl "
             "plus this.")
+
+    def replicas_on(self, nnodes: int) -> int:
+        """The peer copies a job of `nnodes` nodes keeps: --replicas, but never more than the other nodes there
+        are (validate() refuses --replicas above --nnodes - 1; a single node or a shrunk job has fewer). Pure."""
+        return max(0, min(self.replicas, nnodes - 1))
 
     def to_argv(self) -> list[str]:
         """`phoenixrun master` flags that give exactly this config."""
@@ -447,3 +458,110 @@ class WorkerSettings(_Settings):
     def managed(self) -> bool:
         """Running under a phoenixrun agent with protection on."""
         return bool(self.agent_sock) and self.protect
+
+
+# ---------------------------------------------------------------------------------------------------- validate()
+# The rules between settings that no single field's bounds can say. Each is a pure check of one config that
+# returns the problem (one line naming the flags and the fix) or None; validate() runs them all, and every entry
+# point (`phoenixrun`, `phoenixrun master`, `phoenixrun agent`: the Slurm templates start those two) runs
+# validate() before it starts anything. docs/cli.md lists them from RULES (tools/gen_cli_doc.py).
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule between settings: the config it reads, the flags it names, what it says (docs/cli.md)."""
+    of: type
+    flags: tuple[str, ...]
+    doc: str
+    check: Callable[[Any], str | None]
+
+
+def _layout_problem(m: MasterConfig) -> str | None:
+    try:
+        Layout(m.nnodes, m.nproc_per_node, m.tp, m.pp)
+    except ValueError as e:
+        return f"--tp {m.tp} --pp {m.pp}: {e}"
+    return None
+
+
+def _replicas_problem(m: MasterConfig) -> str | None:
+    most = max(1, m.nnodes - 1)   # 1 on a single node: the default, which keeps none there (replicas_on)
+    if m.replicas <= most:
+        return None
+    return (f"--replicas {m.replicas}: {m.replicas} replicas need at least {m.replicas + 1} nodes (--nnodes is "
+            f"{m.nnodes}); give --replicas {m.replicas_on(m.nnodes)} or fewer, or more nodes")
+
+
+def _recovery_timeout_problem(m: MasterConfig) -> str | None:
+    if m.recovery_timeout > QUIESCE_GRACE_CAP_S:
+        return None
+    return (f"--recovery-timeout {m.recovery_timeout:g}: an agent's quiesce grace may reach "
+            f"{QUIESCE_GRACE_CAP_S:g} s (2 x its longest recent step), and each recovery phase must outlast it "
+            f"so that the agent replaces a stuck worker before the master gives up on the recovery; give "
+            f"--recovery-timeout above {QUIESCE_GRACE_CAP_S:g}")
+
+
+def _collective_timeout_problem(a: AgentConfig) -> str | None:
+    if a.collective_timeout > a.hang_timeout:
+        return None
+    return (f"--collective-timeout {a.collective_timeout:g} is not above --hang-timeout {a.hang_timeout:g}: a "
+            f"hung worker's collectives would fail before its agent sees the hang; give --collective-timeout "
+            f"above {a.hang_timeout:g}, or a shorter --hang-timeout")
+
+
+def _entry_problem(a: AgentConfig) -> str | None:
+    if a.spec.module and a.spec.no_python:
+        return "-m/--module and --no-python cannot be combined: give one of them"
+    return None
+
+
+def _heartbeat_problem(c: LaunchConfig) -> str | None:
+    if c.agent.heartbeat_interval < c.master.node_timeout:
+        return None
+    return (f"--heartbeat-interval {c.agent.heartbeat_interval:g} is not below --node-timeout "
+            f"{c.master.node_timeout:g}: the master would declare every node lost between two heartbeats; give "
+            f"a --heartbeat-interval below {c.master.node_timeout:g}")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(MasterConfig, ("--nnodes", "--nproc-per-node", "--tp", "--pp"),
+         "The world size (nnodes x nproc-per-node) is divisible by tp x pp.", _layout_problem),
+    Rule(MasterConfig, ("--replicas", "--nnodes"),
+         "--replicas is at most --nnodes - 1: each copy lives on another node (on a single node, 1 - the "
+         "default - keeps none).", _replicas_problem),
+    Rule(MasterConfig, ("--recovery-timeout",),
+         f"--recovery-timeout is above the agents' longest quiesce grace ({QUIESCE_GRACE_CAP_S:g} s, "
+         "agents/phases.py): the agent replaces a worker that does not quiesce before the master gives up on "
+         "the recovery.", _recovery_timeout_problem),
+    Rule(AgentConfig, ("--collective-timeout", "--hang-timeout"),
+         "--collective-timeout is above --hang-timeout: an agent sees a hung worker before its collectives "
+         "time out.", _collective_timeout_problem),
+    Rule(AgentConfig, ("-m", "--no-python"), "-m/--module and --no-python exclude each other.", _entry_problem),
+    Rule(LaunchConfig, ("--heartbeat-interval", "--node-timeout"),
+         "--heartbeat-interval is below --node-timeout: a node is lost only after missing heartbeats.",
+         _heartbeat_problem),
+)
+
+
+def problems(cfg: MasterConfig | AgentConfig | LaunchConfig) -> list[str]:
+    """What is wrong between the settings of `cfg` (a launcher's config: its master's, its agent's and its own
+    rules), one line each, in RULES order; empty when nothing is. Pure."""
+    parts: list[object] = [cfg]
+    if isinstance(cfg, LaunchConfig):
+        parts = [cfg.master, cfg.agent, cfg]
+    found: list[str] = []
+    for part in parts:
+        for rule in RULES:
+            if isinstance(part, rule.of):
+                problem = rule.check(part)
+                if problem is not None:
+                    found.append(problem)
+    return found
+
+
+def validate(cfg: MasterConfig | AgentConfig | LaunchConfig) -> None:
+    """ConfigError with the first problem (one line: the flags and the fix); every entry point runs it before it
+    starts anything. The fields' own bounds are checked when a config is built (`__post_init__`)."""
+    found = problems(cfg)
+    if found:
+        raise ConfigError(found[0])

@@ -140,3 +140,30 @@ def test_dir_problem_is_none_for_a_writable_directory(tmp_path):
     assert preflight.dir_problem("--log-dir", tmp_path, None, "fix") is None
     assert preflight.dir_problem("--log-dir", tmp_path, PermissionError(13, "Permission denied"), "fix") == \
         f"--log-dir {tmp_path} cannot be written (Permission denied): fix"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--standalone", "--recovery-timeout", "30", str(EXAMPLE)], "--recovery-timeout 30: an agent's quiesce grace "
+     "may reach 45 s"),
+    (["--standalone", "--hang-timeout", "90", str(EXAMPLE)], "--collective-timeout 60 is not above --hang-timeout 90"),
+    (["--standalone", "--node-timeout", "0.5", str(EXAMPLE)], "--heartbeat-interval 0.5 is not below --node-timeout"),
+    (["--standalone", "--nnodes", "1", "--replicas", "3", str(EXAMPLE)], "3 replicas need at least 4 nodes"),
+    (["master", "--nnodes", "2", "--nproc-per-node", "1", "--run-dir", "r", "--recovery-timeout", "30"],
+     "--recovery-timeout 30: "),
+    (["master", "--nnodes", "2", "--nproc-per-node", "1", "--run-dir", "r", "--replicas", "2"],
+     "2 replicas need at least 3 nodes"),
+    (["master", "--nnodes", "3", "--nproc-per-node", "1", "--run-dir", "r", "--tp", "2"], "not divisible"),
+    (["agent", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "1", "--hang-timeout", "60", str(EXAMPLE)],
+     "--collective-timeout 60 is not above --hang-timeout 60"),
+    (["agent", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "1", "-m", "--no-python", "x"],
+     "cannot be combined"),
+])
+def test_rules_between_flags_are_one_line_exit_2(args, needle, tmp_path):
+    """config.validate() runs at every entry point: the launcher, `phoenixrun master` (before it writes its run
+    directory) and `phoenixrun agent` (the Slurm templates start these two)."""
+    r = subprocess.run([str(BIN / "phoenixrun"), *args], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                       env=env(PHOENIXRUN_SECRET="x"))
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+    assert lines[0].startswith("phoenixrun: error: ") and "Traceback" not in r.stderr
+    assert not (tmp_path / "r").exists()     # refused before anything was written

@@ -201,3 +201,74 @@ def test_bad_collective_timeout_from_the_environment_is_one_line():
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "--collective-timeout" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------------------------------- validate()
+def _master(**kw: object) -> MasterConfig:
+    return MasterConfig(**{"run_dir": "/r", "nnodes": 2, "nproc_per_node": 2, **kw})
+
+
+def _agent(**kw: object) -> AgentConfig:
+    return AgentConfig(**{"endpoint": "h:1", "secret": "s", "spec": WorkerSpec("t.py"), "nproc_per_node": 1, **kw})
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (_master(), None),
+    (_master(nnodes=1, replicas=1), None),          # the default on one node: it keeps no copy (replicas_on)
+    (_master(nnodes=4, replicas=3), None),
+    (_master(nnodes=1, replicas=2), "--replicas 2: 2 replicas need at least 3 nodes (--nnodes is 1); give "
+                                    "--replicas 0 or fewer, or more nodes"),
+    (_master(nnodes=2, replicas=2), "--replicas 2: 2 replicas need at least 3 nodes (--nnodes is 2); give "
+                                    "--replicas 1 or fewer"),
+    (_master(nnodes=3, nproc_per_node=1, tp=2), "--tp 2 --pp 1: world size 3"),
+    (_master(nnodes=2, nproc_per_node=3, pp=4), "is not divisible by tp x pp = 4"),
+    (_master(recovery_timeout=30.0), "--recovery-timeout 30: an agent's quiesce grace may reach 45 s"),
+    (_master(recovery_timeout=45.0), "give --recovery-timeout above 45"),
+    (_master(recovery_timeout=45.5), None),
+    (_agent(), None),
+    (_agent(hang_timeout=60.0), "--collective-timeout 60 is not above --hang-timeout 60"),
+    (_agent(hang_timeout=3.0, collective_timeout=3.5), None),
+    (_agent(hang_timeout=120.0, collective_timeout=90.0), "give --collective-timeout above 120, or a shorter "
+                                                          "--hang-timeout"),
+    (_agent(spec=WorkerSpec("t", module=True, no_python=True)), "-m/--module and --no-python cannot be combined"),
+    (LaunchConfig(master=_master(), agent=_agent()), None),
+    (LaunchConfig(master=_master(node_timeout=0.4), agent=_agent()),
+     "--heartbeat-interval 0.5 is not below --node-timeout 0.4"),
+    (LaunchConfig(master=_master(recovery_timeout=10.0), agent=_agent()), "--recovery-timeout 10"),
+    (LaunchConfig(master=_master(), agent=_agent(collective_timeout=5.0)), "--collective-timeout 5 is not above"),
+])
+def test_validate(cfg, needle):
+    """Every rule between settings, as validate() states it: one line naming the flags and the fix."""
+    found = config.problems(cfg)
+    if needle is None:
+        assert found == []
+        config.validate(cfg)
+        return
+    assert found and needle in found[0], found
+    with pytest.raises(ConfigError) as e:
+        config.validate(cfg)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_rule_is_exercised_and_names_its_flags():
+    """Each rule of RULES refuses something above, and its message names the flags the rule lists."""
+    bad = {"_layout_problem": _master(nnodes=3, nproc_per_node=1, tp=2), "_replicas_problem": _master(replicas=5),
+           "_recovery_timeout_problem": _master(recovery_timeout=2.0),
+           "_collective_timeout_problem": _agent(hang_timeout=90.0),
+           "_entry_problem": _agent(spec=WorkerSpec("t", module=True, no_python=True)),
+           "_heartbeat_problem": LaunchConfig(master=_master(node_timeout=0.2), agent=_agent())}
+    assert {r.check.__name__ for r in config.RULES} == set(bad)
+    for rule in config.RULES:
+        problem = rule.check(bad[rule.check.__name__])
+        assert problem is not None and any(flag in problem for flag in rule.flags), (rule.doc, problem)
+
+
+def test_replicas_on_is_explicit():
+    """The copies a job keeps: --replicas, never more than the other nodes there are (one node, a shrunk job)."""
+    m = _master(nnodes=4, replicas=2)
+    assert [m.replicas_on(n) for n in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    assert _master(nnodes=1, replicas=1).replicas_on(1) == 0
+
+
+def test_the_defaults_are_valid():
+    assert config.problems(LaunchConfig(master=_master(), agent=_agent())) == []

@@ -44,7 +44,7 @@ def test_drain_by_command_then_by_sigterm(tmp_path):
     its agent. Each time the job is held at a step (one rank's snapshot copy held at a pause point, steps 5 and 20)
     until the drain's quiesce is ordered: on a loaded machine the CLI alone took longer than the whole job."""
     ref = torchrun(tmp_path, "ref", nproc=2, steps=STEPS)
-    job = launch(tmp_path, "drain", nnodes=2, nproc=1, spares=2, steps=STEPS, extra_flags=["--hang-timeout", "120"],
+    job = launch(tmp_path, "drain", nnodes=2, nproc=1, spares=2, steps=STEPS, extra_flags=["--hang-timeout", "120", "--collective-timeout", "150"],
                  PHOENIXRUN_TEST_PAUSE="d2h:5+,d2h#2:20+")
     job.wait_file(tmp_path / "paused-d2h", timeout=300)
     before = job.wait_for(_warm_spare, what="a warm spare (a drain waits for one)")

@@ -182,10 +182,21 @@ def _tables(launch: click.Command, ctx: click.Context) -> str:
             + head + "".join(own))
 
 
+def _rules() -> str:
+    """The rules between flags, from phoenixrun/config.py's RULES (what config.validate() enforces)."""
+    from phoenixrun.config import RULES
+    rows = "".join(f"| {', '.join(f'`{f}`' for f in r.flags)} | {_cell(r.doc)} |\n" for r in RULES)
+    return ("## Rules between flags\n\n"
+            "Checked before anything starts, by `phoenixrun`, `phoenixrun master` and `phoenixrun agent` alike "
+            "(`phoenixrun/config.py::validate`); a command line that breaks one gets a one-line "
+            "`phoenixrun: error: ...` naming the flags and the fix, and exit status 2.\n\n"
+            "| Flags | Rule |\n|---|---|\n" + rows)
+
+
 def render() -> str:
     cmds = _registered()
     _, launch, launch_ctx = cmds[0]
-    parts = [INTRO, _tables(launch, launch_ctx),
+    parts = [INTRO, _tables(launch, launch_ctx), _rules(),
              "## `--help` of each command\n\nEach command's `--help` text, word-wrapped here at 100 columns."]
     for title, cmd, ctx in cmds:
         help_text = cmd.get_help(ctx).rstrip()

@@ -115,7 +115,7 @@ class JobState:
         (control/reshape.py). Per slot: its ranks' replica holders, and the slots whose addresses it needs."""
         cfg = self.cfg
         self.layout = layout
-        self.placement = place_replicas(layout, min(cfg.replicas, layout.nnodes - 1), cfg.fault_domains)
+        self.placement = place_replicas(layout, cfg.replicas_on(layout.nnodes), cfg.fault_domains)
         self.slot_placement: dict[int, tuple[dict[int, list[int]], list[int]]] = {}
         self.needed_by: dict[int, list[int]] = {}   # slot -> the slots whose world holds its address
         for slot in range(layout.nnodes):
