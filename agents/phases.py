@@ -10,6 +10,8 @@ import math
 from collections import deque
 from typing import Iterable
 
+from phoenixrun.protocol.timings import Timings
+
 # A worker acknowledges a quiesce at its next boundary: at once when blocked in a collective (its sockets are shut
 # down under it), else at its next collective (a DDP gradient bucket, a ZeRO broadcast), its next forward or its
 # optimizer step (runtime/api.py). One whose training thread is waiting on a gloo op that was enqueued as its
@@ -54,7 +56,7 @@ class PhaseAcks:
         self.quiesce_grace_s = 0.0
         self.quiesced_next_step = 0          # furthest step any local worker had completed when quiesced
         self.pending_resume: set[int] = set()
-        self.resume_timings: dict[str, float] = {}
+        self.resume_timings = Timings()
 
     # ------------------------------------------------------------------ quiesce
     def expect_quiesce(self, live: set[int], deadline: float | None = None, grace: float = 0.0) -> None:
@@ -92,16 +94,15 @@ class PhaseAcks:
         self.pending_quiesce.clear()
 
     # ------------------------------------------------------------------ resume
-    def expect_resume(self, local_ranks: range, timings: dict[str, float] | None = None) -> None:
+    def expect_resume(self, local_ranks: range, timings: Timings | None = None) -> None:
         self.pending_resume = set(local_ranks)
-        self.resume_timings = dict(timings or {})
+        self.resume_timings = timings or Timings()
 
-    def resumed(self, local_rank: int | None, timings: dict[str, float]) -> dict[str, float] | None:
+    def resumed(self, local_rank: int | None, timings: Timings) -> Timings | None:
         """A worker resumed; the phase's timings (the slowest of each) when it was the last one, else None."""
         self.pending_resume.discard(local_rank)
-        for k, v in timings.items():
-            self.resume_timings[k] = max(v, self.resume_timings.get(k, 0.0))
+        self.resume_timings = self.resume_timings.slowest(timings)
         if self.pending_resume:
             return None
         self.pending_resume = {REPORTED}
-        return dict(self.resume_timings)
+        return self.resume_timings

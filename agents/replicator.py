@@ -8,6 +8,7 @@ import time
 
 from phoenixrun.protocol import PeerOp, ReportKind, WorkerOp
 from phoenixrun.protocol.restore import Part, RankSource, Refusal
+from phoenixrun.protocol.timings import Timings
 from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_shared
 from phoenixrun.testing import corrupt_point, pause_point
 from phoenixrun.agents.ipc import WorkerConn
@@ -95,14 +96,14 @@ class Replicator:
         self.replicas.restore_point(step)
 
     # ------------------------------------------------------------------ restore fetches
-    def fetch(self, plan: dict, step: int) -> dict[str, float]:
+    def fetch(self, plan: dict, step: int) -> Timings:
         """Install the snapshots of step `step` that the restore plan says to fetch from peers (rank -> its
         RankSource on the wire); their timings. Each part is taken from the first of its options whose bytes pass
         the lost rank's own checksum; every option refused on the way is reported (`restore_refused`). Raises
         IntegrityError when every option of a part held other bytes, PeerError or SlotError when some could not
         be reached or had no such snapshot (the master plans again: a dead source is then known)."""
         t0 = time.time()
-        timings: dict[str, float] = {}
+        shared_s = 0.0
         if plan:
             pause_point("fetch", step)   # tests: a spare that dies while restoring
         for key, wire in plan.items():
@@ -119,10 +120,10 @@ class Replicator:
             self._first(rank, Part.SHARED, list(src.shared),
                         lambda addr, peer: self.slots.install_replica(
                             replica, bytes(self._get(addr, PeerOp.GET_SHARED, peer, step))))
-            timings["params_fetch_s"] = round(time.time() - t1, 4)
-        if plan:
-            timings["fetch_s"] = round(time.time() - t0, 4)
-        return timings
+            shared_s += time.time() - t1
+        if not plan:
+            return Timings()
+        return Timings(fetch_s=time.time() - t0, params_fetch_s=shared_s)
 
     def _get(self, addr: str, op: PeerOp, rank: int, step: int) -> bytearray:
         return self.peers.call(addr, {"op": op, "rank": rank, "step": step})[1]

@@ -13,6 +13,7 @@ from typing import Callable
 
 from phoenixrun.faults import Signal
 from phoenixrun.protocol import ReportKind, WorkerOp
+from phoenixrun.protocol.timings import Timings
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import PhaseAcks
@@ -107,7 +108,7 @@ class WorkerOps:
 
     def _resumed(self, conn: WorkerConn, msg: dict) -> None:
         with self.node.lock:
-            timings = self.phases.resumed(conn.local_rank, msg.get("timings", {}))
+            timings = self.phases.resumed(conn.local_rank, Timings.from_wire(msg.get("timings") or {}))
             if msg.get("generation") == self.node.generation:
                 # This worker rejoined the recovery's generation, so every rank of the world is past its restore (a
                 # replacement rendezvouses only once its agent fetched its state; survivors read only their own
@@ -117,7 +118,7 @@ class WorkerOps:
                 # that refusal started a needless second local reset.
                 self.replicator.freeze(False)
         if timings is not None:
-            self.reporter.report({"kind": ReportKind.RESUMED, "timings": timings})
+            self.reporter.report({"kind": ReportKind.RESUMED, "timings": timings.to_wire()})
 
     def _comm_error(self, conn: WorkerConn, msg: dict) -> None:
         self._report_observed(ReportKind.COMM_ERROR, conn, msg)

@@ -19,8 +19,11 @@ import json
 import sys
 from pathlib import Path
 
-PHASES = ("quiesce_s", "plan_s", "restore_s", "rebuild_s", "fetch_s", "params_s", "optimizer_s")
-WORKER_SIDE = ("quiesce_s", "restore_s", "rebuild_s", "fetch_s", "params_s", "optimizer_s")
+PHASES = ("quiesce_s", "plan_s", "restore_s", "rebuild_s", "fetch_s", "state_s")
+WORKER_SIDE = ("quiesce_s", "restore_s", "rebuild_s", "fetch_s", "state_s")
+# results written before protocol/timings.py named the one load of model and optimizer state twice
+# (`params_s` = `optimizer_s`, the same number): read as `state_s`
+OLD_NAMES = {"state_s": "optimizer_s"}
 
 
 def from_recovery(path: Path, cores: float | None) -> list[dict]:
@@ -33,7 +36,7 @@ def from_recovery(path: Path, cores: float | None) -> list[dict]:
     for i, t in enumerate(d["phoenixrun"]):
         phases = {"detect_s": round(t["detect_s"], 4)}
         for p in PHASES:
-            v = t["phases"].get(p)
+            v = t["phases"].get(p, t["phases"].get(OLD_NAMES.get(p, "")))
             phases[p] = None if v is None else round(v / factor, 5) if p in WORKER_SIDE else v
         out.append({"gpus": gpus, "source": f"recovery.py {nodes}x{nproc} trial {i}", "cpu_factor": factor,
                     "phases": phases})

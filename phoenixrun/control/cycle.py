@@ -28,10 +28,10 @@ from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan,
 from phoenixrun.faults.escalate import settle
 from phoenixrun.protocol.events import EventRecord, FallbackRestart, RecoveryPlanned, SparePromoted
 from phoenixrun.protocol.names import Command, ReportKind
+from phoenixrun.protocol.timings import Timings
 
 log = logging.getLogger("phoenixrun.master")
 
-TIMINGS = ("rebuild_s", "params_s", "optimizer_s", "fetch_s", "spawn_s")   # the ranks' own, slowest reported
 
 
 class NoSpare(Exception):
@@ -137,13 +137,11 @@ def failure_of(e: Exception) -> Failure:
 
 
 def slowest(acks: dict[str, dict]) -> dict[str, float]:
-    """The slowest rank's figure for each of TIMINGS that any resumed ack reported. Pure."""
-    out = {}
-    for key in TIMINGS:
-        vals = [r.get("timings", {}).get(key) for r in acks.values() if r.get("timings", {}).get(key) is not None]
-        if vals:
-            out[key] = round(max(vals), 4)
-    return out
+    """The slowest rank's figure for each phase (protocol/timings.py) any resumed ack reported. Pure."""
+    out = Timings()
+    for r in acks.values():
+        out = out.slowest(Timings.from_wire(r.get("timings") or {}))
+    return out.to_wire()
 
 
 class Cycle:

@@ -17,6 +17,7 @@ from torch._C._distributed_c10d import Reducer
 
 from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol.names import WorkerOp
+from phoenixrun.protocol.timings import Timings
 from phoenixrun.runtime.protection import Protection, Quiesced
 from phoenixrun.runtime.reshard import reshard
 
@@ -100,9 +101,8 @@ class RecoveryClient:
                 log.warning("rejoin of generation %s failed (%s); waiting for the next", order["generation"], e)
                 continue
             self.restored(order["restore_step"])
-            self.link.send({"op": WorkerOp.RESUMED, "generation": order["generation"], "timings": {
-                "rebuild_s": round(t2 - t1, 4), "optimizer_s": round(t3 - t2, 4), "params_s": round(t3 - t2, 4),
-                "worker_recovery_s": round(t3 - t0, 4)}})
+            self.link.send({"op": WorkerOp.RESUMED, "generation": order["generation"], "timings": Timings(
+                rebuild_s=t2 - t1, state_s=t3 - t2, worker_recovery_s=t3 - t0).to_wire()})
             return
 
     def join(self, generation: int, restore_step: int) -> None:
@@ -119,9 +119,9 @@ class RecoveryClient:
             self.await_rebuild(t0)
             return
         self.restored(restore_step)
-        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
-            "optimizer_s": round(t1 - t0, 4), "params_s": round(t1 - t0, 4), "rebuild_s": round(time.time() - t1, 4),
-            "worker_recovery_s": round(time.time() - t0, 4)}})
+        t2 = time.time()
+        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": Timings(
+            state_s=t1 - t0, rebuild_s=t2 - t1, worker_recovery_s=t2 - t0).to_wire()})
 
     def reshape(self, generation: int, step: int, info: dict) -> None:
         """A new worker of a shrunk or grown world (control/reshape.py): join the new world, then re-partition the
@@ -142,6 +142,6 @@ class RecoveryClient:
                         "the new partition of the data (docs/porting.md)", step)
         p.restarted_at(step)
         self.restored(step)
-        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": {
-            "rebuild_s": round(t1 - t0, 4), "optimizer_s": round(time.time() - t1, 4),
-            "worker_recovery_s": round(time.time() - t0, 4)}})
+        t2 = time.time()
+        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": Timings(
+            rebuild_s=t1 - t0, reshard_s=t2 - t1, worker_recovery_s=t2 - t0).to_wire()})
