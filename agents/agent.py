@@ -225,7 +225,7 @@ class Agent:
         node = self.node
         with node.lock:
             return {"role": node.role.value, "slot": node.slot, "generation": node.generation,
-                    "restart_count": node.restart_count, "api": node.api, "world": node.world,
+                    "restart_count": node.restart_count, "api": node.api, "world": node.world.to_wire(),
                     "frozen": self.slots.frozen,
                     "snapshots": self.slots.available(), "replicas": self.replicas.available()}
 

@@ -12,8 +12,12 @@ import threading
 import time
 from enum import Enum
 from pathlib import Path
+from typing import Any, Mapping
 
-from phoenixrun.protocol import Command, ReportKind, WorkerOp
+from phoenixrun.protocol import ReportKind, WorkerOp
+from phoenixrun.protocol import directives as cmd
+from phoenixrun.protocol.directives import Directive
+from phoenixrun.protocol.restore import RankSource
 from phoenixrun.slot_format import SlotHeader
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.node import Lifecycle, NodeState
@@ -43,32 +47,32 @@ class Step(Enum):
     FENCED = "fenced"                        # stop, and never rejoin: this node was replaced
 
 
-def plan_directive(d: dict, *, has_workers: bool, in_place: bool) -> Step:
-    """What order `d` means for this node: `has_workers` - it has worker processes; `in_place` - its workers use
-    the phoenixrun API, or are a warm spare's (they can be given a checkpoint without a new process). Pure."""
-    cmd = d["command"]
-    if cmd == Command.WAIT:
-        return Step.WARM_UP if d.get("warm") and not has_workers else Step.NOTHING
-    if cmd == Command.RUN:
-        return Step.RESUME if d.get("resume") else Step.START
-    if cmd == Command.RESTART:
-        if d.get("reshard") is not None:
+def plan_directive(d: Directive, *, has_workers: bool, in_place: bool) -> Step:
+    """What directive `d` means for this node: `has_workers` - it has worker processes; `in_place` - its workers
+    use the phoenixrun API, or are a warm spare's (they can be given a checkpoint without a new process). Pure."""
+    o = d.order
+    if isinstance(o, cmd.Wait):
+        return Step.WARM_UP if o.warm and not has_workers else Step.NOTHING
+    if isinstance(o, cmd.Run):
+        return Step.RESUME if o.resume else Step.START
+    if isinstance(o, cmd.Restart):
+        if d.own.reshard is not None:
             return Step.RESHAPE
-        return Step.RESTART_IN_PLACE if d.get("restore_step") is not None and in_place else Step.RESTART
-    if cmd == Command.QUIESCE:
+        return Step.RESTART_IN_PLACE if o.restore_step is not None and in_place else Step.RESTART
+    if isinstance(o, cmd.Quiesce):
         return Step.QUIESCE
-    if cmd == Command.RESTORE:
+    if isinstance(o, cmd.Restore):
         return Step.RESTORE
-    if cmd == Command.STOP:
-        return Step.FENCED if d.get("fenced") else Step.STOP
+    if isinstance(o, cmd.Stop):
+        return Step.FENCED if o.fenced else Step.STOP
     return Step.NOTHING
 
 
-def waits_for_io_process(d: dict) -> bool:
+def waits_for_io_process(o: cmd.Order) -> bool:
     """Workers start from scratch on this order: the checkpoint I/O process must be up first, or their first
     checkpoints would be skipped while it still imports. (A restart from a checkpoint needs the process to read
     it anyway: it waits for it there, with its workers starting meanwhile.) Pure."""
-    return d["command"] == Command.RUN or (d["command"] == Command.RESTART and d.get("restore_step") is None)
+    return isinstance(o, cmd.Run) or (isinstance(o, cmd.Restart) and o.restore_step is None)
 
 
 class DirectiveExecutor:
@@ -78,15 +82,16 @@ class DirectiveExecutor:
         self.supervisor, self.phases, self.replicator, self.reporter = supervisor, phases, replicator, reporter
         self.drain_at: int | None = None     # the step boundary of the drain being quiesced for (None: not a drain)
 
-    def apply(self, d: dict) -> None:
-        if d["command"] == Command.NOOP:
+    def apply(self, d: Directive) -> None:
+        o = d.order
+        if isinstance(o, cmd.Noop):
             return
-        log.debug("directive %s gen %s", d["command"], d.get("generation"))
+        log.debug("directive %s gen %s", d.command, d.generation)
         with self.node.lock:
             self.node.take_directive(d)
-            if d["command"] != Command.QUIESCE:
+            if not isinstance(o, cmd.Quiesce):
                 self.drain_at = None
-        if waits_for_io_process(d) and self.node.persister is not None:
+        if waits_for_io_process(o) and self.node.persister is not None:
             # before workers start (not under the lock: heartbeats go on)
             self.node.persister.ready.wait(timeout=60)
         step = plan_directive(d, has_workers=bool(self.supervisor.workers),
@@ -102,24 +107,25 @@ class DirectiveExecutor:
                     self.node.restore_step = None
                     self.supervisor.kill_all()
                     self.supervisor.spawn_all(rank_known=True)
-        elif step is Step.RESTART_IN_PLACE:
-            self._restart_in_place(d["restore_step"])
-        elif step is Step.RESTART:
-            self._restart(d)
-        elif step is Step.RESHAPE:
-            self._reshape(d)
-        elif step is Step.QUIESCE:
-            self._quiesce(d.get("at_step"))
-        elif step is Step.RESTORE:
-            threading.Thread(target=self._restore, args=(d,), daemon=True, name="restore").start()
-        elif step is Step.FENCED:
-            self.life.fenced(d)
-        elif step is Step.STOP:
-            if d.get("reason"):    # the job's clean finish is news, not a warning; a node stopped alone (drained,
-                clean = d.get("job_end") and not d.get("exit_code")   # fenced) is worth a warning (issue 29 item 3)
+        elif step is Step.RESTART_IN_PLACE and isinstance(o, cmd.Restart) and o.restore_step is not None:
+            self._restart_in_place(o.restore_step)
+        elif step is Step.RESTART and isinstance(o, cmd.Restart):
+            self._restart(o)
+        elif step is Step.RESHAPE and d.own.reshard is not None:
+            self._reshape(d.own.reshard)
+        elif step is Step.QUIESCE and isinstance(o, cmd.Quiesce):
+            self._quiesce(o.at_step)
+        elif step is Step.RESTORE and isinstance(o, cmd.Restore):
+            threading.Thread(target=self._restore, args=(o.restore_step, d.own.fetch or {}), daemon=True,
+                             name="restore").start()
+        elif step is Step.FENCED and isinstance(o, cmd.Stop):
+            self.life.fenced(o.reason, o.exit_code)
+        elif step is Step.STOP and isinstance(o, cmd.Stop):
+            if o.reason:    # the job's clean finish is news, not a warning; a node stopped alone (drained,
+                clean = o.job_end and not o.exit_code   # fenced) is worth a warning (issue 29 item 3)
                 log.log(logging.INFO if clean else logging.WARNING,
-                        "stopping (exit code %s): %s", d.get("exit_code", 0), d["reason"])
-            self.life.stop(d.get("exit_code", 0))
+                        "stopping (exit code %s): %s", o.exit_code, o.reason)
+            self.life.stop(o.exit_code)
 
     # ------------------------------------------------------------------ quiesce
     def _quiesce(self, at_step: int | None = None) -> None:
@@ -165,11 +171,10 @@ class DirectiveExecutor:
             self.phases.drop_quiesce()
 
     # ------------------------------------------------------------------ restore from peers
-    def _restore(self, d: dict) -> None:
-        step = d["restore_step"]
+    def _restore(self, step: int, fetch: Mapping[int, RankSource]) -> None:
         try:
             pause_point("restore", step)     # tests: a worker that dies while the others rebuild
-            timings = self.replicator.fetch(d.get("fetch") or {}, step)
+            timings = self.replicator.fetch(fetch, step)
             with self.node.lock:
                 self.node.become(AgentRole.ACTIVE)
                 self.node.restore_step = step
@@ -185,13 +190,14 @@ class DirectiveExecutor:
             self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e), "integrity": isinstance(e, IntegrityError)})
 
     # ------------------------------------------------------------------ restart (torchrun's, or from disk)
-    def _restart(self, d: dict) -> None:
+    def _restart(self, o: cmd.Restart) -> None:
         with self.node.lock:
             self.node.become(AgentRole.ACTIVE)
-            self.node.store_port = d.get("store_port", self.node.store_port)
+            if o.store_port is not None:
+                self.node.store_port = o.store_port
             self.supervisor.kill_all()
             self.slots.clear()
-        step = d.get("restore_step")
+        step = o.restore_step
         if step is not None and not self._stage_from_disk(step):
             return
         with self.node.lock:
@@ -202,11 +208,10 @@ class DirectiveExecutor:
                 self.phases.expect_resume(self.node.local_ranks())
             self.supervisor.spawn_all(rank_known=True)
 
-    def _reshape(self, d: dict) -> None:
+    def _reshape(self, info: Mapping[str, Any]) -> None:
         """A shrink or grow (control/reshape.py): export the old ranks' snapshots the plan gives this node to files
         its new workers read (its own ranks' slots, replicas it holds of lost ranks), then drop every slot and
         replica (they are keyed by the old ranks) and start the new world's workers."""
-        info = d["reshard"]
         step = info["step"]
         with self.node.lock:
             self.node.become(AgentRole.ACTIVE)

@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from phoenixrun.protocol.client import ControlClient, ControlError
-from phoenixrun.protocol.codec import decode_directive
+from phoenixrun.protocol.directives import Directive, decode
 from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
 from phoenixrun.agents.node import Lifecycle, NodeState
 
@@ -32,7 +32,7 @@ class MasterLink:
         self.node, self.life, self.client, self.registration = node, life, client, registration
         self.heartbeat_interval = heartbeat_interval
         self.node_state, self.rejoin_state, self.on_inject = node_state, rejoin_state, on_inject
-        self.directives: queue.Queue[dict] = queue.Queue()
+        self.directives: queue.Queue[Directive] = queue.Queue()
         self._version = -1
         self.epoch = 0          # the highest master epoch seen (0: masters without a lease)
 
@@ -105,7 +105,10 @@ class MasterLink:
                 continue
             if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
                 self._version = d["version"]
-                self.directives.put(decode_directive(d))     # int-keyed maps: protocol/codec.py
+                try:
+                    self.directives.put(decode(d))     # the typed order: protocol/directives.py
+                except ValueError as e:
+                    log.error("directive %s from the master is malformed, ignored: %s", d["version"], e)
 
     def heartbeat(self) -> None:
         """Thread: tell the master this node is alive (and what it holds) until the agent stops."""
@@ -115,7 +118,7 @@ class MasterLink:
                 reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
                 if self.current_master(reply):
                     if reply.get("fenced"):    # replaced while it was away: never rejoin
-                        self.life.fenced(reply)
+                        self.life.fenced(reply.get("reason"), reply.get("exit_code", 0))
                         return
                     for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
                         self.on_inject(fault)

@@ -10,6 +10,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from phoenixrun.protocol.directives import Directive, World
 from phoenixrun.agents.persister import Persister
 from phoenixrun.agents.roles import AgentRole, role_move
 
@@ -28,7 +29,7 @@ class NodeState:
     store_port: int | None = None     # a restart attempt's own TCPStore (None: the job's)
     master_host: str = "127.0.0.1"    # the host of the master this node (re)joined last: its TCPStore's
     restart_count: int = 0
-    world: dict = field(default_factory=dict)
+    world: World = field(default_factory=lambda: World({}, {}))
     job: dict = field(default_factory=dict)       # the master's reply to our registration
     restore_step: int | None = None
     api: bool = False                  # a worker said hello through the phoenixrun API
@@ -70,17 +71,21 @@ class NodeState:
         self.job["store_port"] = reply["store_port"]
         self.master_host = master_host
 
-    def take_directive(self, d: dict) -> None:
+    def take_directive(self, d: Directive) -> None:
         """The fields every directive may carry (call with the lock held)."""
-        self.generation = d.get("generation", self.generation)
-        self.store_prefix = d.get("store_prefix", self.store_prefix)
-        if "slot" in d:
-            self.slot = d["slot"]
-        if "world" in d:
-            self.world = d["world"]
-        if "nnodes" in d:       # the job shrank or grew (control/reshape.py)
-            self.job["nnodes"] = d["nnodes"]
-        self.restart_count = d.get("restart_count", self.restart_count)
+        if d.generation is not None:
+            self.generation = d.generation
+        if d.store_prefix is not None:
+            self.store_prefix = d.store_prefix
+        if d.own.slot is not None:
+            self.slot = d.own.slot
+        if d.own.world is not None:
+            self.world = d.own.world
+        if d.own.nnodes is not None:       # the job shrank or grew (control/reshape.py)
+            self.job["nnodes"] = d.own.nnodes
+        restart_count = getattr(d.order, "restart_count", None)
+        if restart_count is not None:
+            self.restart_count = restart_count
 
 
 class Lifecycle:
@@ -98,7 +103,7 @@ class Lifecycle:
     def stopping(self) -> bool:
         return self.stopped.is_set()
 
-    def fenced(self, reply: dict) -> None:
+    def fenced(self, reason: str | None, exit_code: int = 0) -> None:
         """The master says this node was replaced: it must never rejoin. Kill the workers and exit."""
-        log.error("%s; killing this node's workers and exiting", reply.get("reason", "fenced by the master"))
-        self.stop(reply.get("exit_code", 0))
+        log.error("%s; killing this node's workers and exiting", reason or "fenced by the master")
+        self.stop(exit_code)

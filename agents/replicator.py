@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Mapping
 
 from phoenixrun.protocol import PeerOp, ReportKind, WorkerOp
 from phoenixrun.protocol.restore import Part, RankSource, Refusal
+from phoenixrun.protocol.directives import World
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_shared
 from phoenixrun.testing import corrupt_point, pause_point
@@ -25,14 +27,14 @@ log = logging.getLogger("phoenixrun.agent")
 BUSY_WAIT_S = 5.0
 
 
-def holders_of(world: dict, rank: int) -> list[int]:
-    """The node slots holding `rank`'s replica in the master's world map (int-keyed: protocol/codec.py). Pure."""
-    return world.get("placement", {}).get(rank, [])
+def holders_of(world: World, rank: int) -> list[int]:
+    """The node slots holding `rank`'s replica in the master's world map. Pure."""
+    return world.holders(rank)
 
 
-def peer_addr_of(world: dict, slot: int) -> str:
-    """The peer address of node slot `slot` in the master's world map (int-keyed). Pure."""
-    return world["slots"].get(slot)
+def peer_addr_of(world: World, slot: int) -> str | None:
+    """The peer address of node slot `slot` in the master's world map. Pure."""
+    return world.slots.get(slot)
 
 
 class Replicator:
@@ -96,9 +98,9 @@ class Replicator:
         self.replicas.restore_point(step)
 
     # ------------------------------------------------------------------ restore fetches
-    def fetch(self, plan: dict, step: int) -> Timings:
+    def fetch(self, plan: Mapping[int, RankSource], step: int) -> Timings:
         """Install the snapshots of step `step` that the restore plan says to fetch from peers (rank -> its
-        RankSource on the wire); their timings. Each part is taken from the first of its options whose bytes pass
+        RankSource); their timings. Each part is taken from the first of its options whose bytes pass
         the lost rank's own checksum; every option refused on the way is reported (`restore_refused`). Raises
         IntegrityError when every option of a part held other bytes, PeerError or SlotError when some could not
         be reached or had no such snapshot (the master plans again: a dead source is then known)."""
@@ -106,12 +108,7 @@ class Replicator:
         shared_s = 0.0
         if plan:
             pause_point("fetch", step)   # tests: a spare that dies while restoring
-        for key, wire in plan.items():
-            rank = int(key)
-            try:
-                src = RankSource.from_wire(wire)
-            except ValueError as e:
-                raise SlotError(f"restore plan for rank {rank}: {e}") from None
+        for rank, src in plan.items():
             replica = self._first(rank, Part.PRIVATE, [(a, rank) for a in src.private],
                                   lambda addr, _: verify_replica(rank, bytes(self._get(addr, PeerOp.GET_PRIVATE,
                                                                                        rank, step)), step))

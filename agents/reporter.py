@@ -62,7 +62,7 @@ class Reporter:
                 try:
                     reply = self.client.post("/v1/report", self._payload(ev))
                     if reply.get("fenced"):      # replaced while it was away: never rejoin
-                        self.life.fenced(reply)
+                        self.life.fenced(reply.get("reason"), reply.get("exit_code", 0))
                         break
                     if not reply.get("error"):
                         break

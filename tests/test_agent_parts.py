@@ -19,7 +19,8 @@ from phoenixrun.agents.supervisor import (EXIT_WAIT_WARN_MIN_S, PING_GRACE_MIN_S
                                          exit_overdue, hang_check)
 from phoenixrun.agents.workers import WorkerSpec
 from phoenixrun.protocol import WorkerOp
-from phoenixrun.protocol.codec import decode_world
+from phoenixrun.protocol.directives import World, decode
+from phoenixrun.protocol.restore import RankSource
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.slot_format import SlotHeader
@@ -47,7 +48,7 @@ RUNTIME = Path(__file__).resolve().parents[1] / "phoenixrun" / "runtime"
     ({"command": "teleport"}, True, True, Step.NOTHING),                      # unknown: nothing to do
 ])
 def test_plan_directive(d, has_workers, in_place, expected):
-    assert plan_directive(d, has_workers=has_workers, in_place=in_place) is expected
+    assert plan_directive(decode(d), has_workers=has_workers, in_place=in_place) is expected
 
 
 @pytest.mark.parametrize("code, job_end, level", [(0, True, "INFO"), (1, True, "WARNING"), (75, True, "WARNING"),
@@ -63,7 +64,7 @@ def test_a_clean_finish_is_not_a_warning(caplog, code, job_end, level):
     ex = DirectiveExecutor(node, SimpleNamespace(stop=stopped.append), None, None,
                            SimpleNamespace(workers={}, warm_workers=lambda: False), None, None, None)
     caplog.set_level("DEBUG", logger="phoenixrun.agent")
-    ex.apply({"command": "stop", "exit_code": code, "reason": "all workers finished", "job_end": job_end})
+    ex.apply(decode({"command": "stop", "exit_code": code, "reason": "all workers finished", "job_end": job_end}))
     assert stopped == [code]
     assert [(r.levelname, r.getMessage()) for r in caplog.records if "stopping" in r.getMessage()] == \
         [(level, f"stopping (exit code {code}): all workers finished")]
@@ -78,7 +79,7 @@ def test_a_clean_finish_is_not_a_warning(caplog, code, job_end, level):
     ({"command": "wait", "warm": True}, False),
 ])
 def test_waits_for_io_process(d, expected):
-    assert waits_for_io_process(d) is expected
+    assert waits_for_io_process(decode(d).order) is expected
 
 
 T = 30.0   # hang timeout
@@ -222,11 +223,11 @@ def test_resume_reports_the_slowest_timings_once():
     ({"placement": {1: [0]}}, 0, []),
 ])
 def test_holders_of(world, rank, holders):
-    assert holders_of(world, rank) == holders
+    assert holders_of(World.from_wire(world), rank) == holders
 
 
 def test_peer_addr_of():
-    assert peer_addr_of({"slots": {1: "h:1", 2: "h:2"}}, 2) == "h:2"
+    assert peer_addr_of(World.from_wire({"slots": {"1": "h:1", "2": "h:2"}}), 2) == "h:2"
 
 
 def _ops_the_runtime_sends() -> set[str]:
@@ -251,7 +252,7 @@ def two_agents():
                                   sinks=a.replicator.peer_sinks()))   # as agents/agent.py builds it
         agents.append(a)
     # as the agent gets it from a directive (protocol/codec.py: JSON's string keys made ints)
-    world = decode_world({"placement": {"0": [1], "1": [0]}, "slots": {"0": servers[0].addr, "1": servers[1].addr}})
+    world = World.from_wire({"placement": {"0": [1], "1": [0]}, "slots": {"0": servers[0].addr, "1": servers[1].addr}})
     for a in agents:
         a.node.world = world
     channel = WorkerChannelServer(agents[0].sock_path, agents[0].worker_ops.on_message, agents[0].worker_ops.on_close)
@@ -309,7 +310,8 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
         assert reports[1]["timings"] == {"rebuild_s": 0.2}
 
         # node 1 restores rank 0 from the peers: its private part from its own replica, the shared part from node 0
-        timings = b.replicator.fetch({"0": {"private": [servers[1].addr], "shared": [[servers[0].addr, 0]]}}, 5)
+        timings = b.replicator.fetch({0: RankSource.from_wire({"private": [servers[1].addr],
+                                                               "shared": [[servers[0].addr, 0]]})}, 5)
         assert b.slots.available() == {0: [5]} and timings.fetch_s >= timings.params_fetch_s > 0
         idx = b.slots.slot_of(0, 5)
         got = b.slots.view(0, idx)
@@ -460,7 +462,7 @@ def test_restore_takes_the_next_option_when_one_is_refused(two_agents):
             out.append(b.reporter.outbox.get_nowait())
         return [(r["kind"], r["part"], r["addr"], r["source_rank"], r["integrity"]) for r in out]
 
-    b.replicator.fetch({0: {"private": [dead, holder], "shared": [[peer, 1], [peer, 0]]}}, STEP)
+    b.replicator.fetch({0: RankSource.from_wire({"private": [dead, holder], "shared": [[peer, 1], [peer, 0]]})}, STEP)
     mm = b.slots.view(0, b.slots.slot_of(0, STEP))
     h = SlotHeader.unpack(mm)
     assert bytes(mm[:h.replicated_len]) == replica and bytes(mm[h.shared_off:h.shared_off + h.shared_len]) == shared
@@ -468,10 +470,10 @@ def test_restore_takes_the_next_option_when_one_is_refused(two_agents):
 
     b.slots.forget(0)
     with pytest.raises(IntegrityError, match=r"rank 0: every source of its shared state was refused: .*\(rank 1\)"):
-        b.replicator.fetch({0: {"private": [holder], "shared": [[peer, 1]]}}, STEP)
+        b.replicator.fetch({0: RankSource.from_wire({"private": [holder], "shared": [[peer, 1]]})}, STEP)
     assert b.slots.available().get(0, []) == []                        # nothing installed
     with pytest.raises(PeerError, match="no source of its shared state could be used") as e:
-        b.replicator.fetch({0: {"private": [holder], "shared": [[dead, 0], [peer, 1]]}}, STEP)
+        b.replicator.fetch({0: RankSource.from_wire({"private": [holder], "shared": [[dead, 0], [peer, 1]]})}, STEP)
     assert not isinstance(e.value, IntegrityError)     # one was unreachable: the master plans again
     assert [r[1:] for r in refusals()] == [("shared", peer, 1, True), ("shared", dead, 0, False), ("shared", peer, 1, True)]
 
@@ -479,7 +481,7 @@ def test_restore_takes_the_next_option_when_one_is_refused(two_agents):
 def test_a_reshape_hands_each_new_worker_its_images_and_predecessor():
     from phoenixrun.agents.node import NodeState
     node = NodeState(node_id="n", nproc_per_node=2, slot=1, job={"nnodes": 3})
-    node.take_directive({"command": "restart", "slot": 1, "nnodes": 2})
+    node.take_directive(decode({"command": "restart", "slot": 1, "nnodes": 2}))
     assert node.job["nnodes"] == 2
     assert node.reshard_of(0) is None
     # over the wire the predecessor map's keys may arrive as strings

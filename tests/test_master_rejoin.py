@@ -11,6 +11,7 @@ from phoenixrun import auth
 from phoenixrun.control import roster
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.state import Role
+from phoenixrun.protocol.directives import Run
 from phoenixrun.protocol.messages import MessageError
 
 MAX_GEN = 2 ** 31 - 1
@@ -43,7 +44,7 @@ def _previous_master(tmp_path, slots: dict[int, str], spares=(), generation=0, n
         assert _register(m, nid, node_rank=nnodes + 10)["role"] == "spare"
     with m.cv:
         m.generation = generation
-        m.orders.direct(list(m.slots.values()), command="run")      # the roster is written before any order
+        m.orders.direct(list(m.slots.values()), Run())      # the roster is written before any order
     m.events.close()
 
 

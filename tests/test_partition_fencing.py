@@ -14,6 +14,7 @@ from phoenixrun.control.events import read_events
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.recovery import Cascade
 from phoenixrun.control.state import NodeRecord, Role, fence_reply
+from phoenixrun.protocol.directives import Quiesce, Run
 
 
 def _node(role, slot=None):
@@ -47,7 +48,7 @@ def test_replaced_node_is_fenced_on_every_endpoint(tmp_path):
     with m.cv:                                    # what _replace_slots does to the node it replaces
         m.nodes["a"].role, m.nodes["a"].slot = Role.FAILED, None
         m.generation = 3
-        m.orders.direct(["a"], command="run", slot=0)      # even a pending order must not reach it
+        m.orders.direct(["a"], Run())                 # even a pending order must not reach it
     hb = m.heartbeat({"node_id": "a", "snapshots": {"0": [9]}})
     assert hb["fenced"] and hb["command"] == "stop" and "inject" not in hb
     assert m.nodes["a"].snapshots == {}           # its reports are not taken into the job's state
@@ -104,7 +105,7 @@ def test_store_prefix_is_per_generation_and_not_guessable(tmp_path):
     assert a.store_prefix(4).startswith("/phoenixrun/gen4-")
     with a.cv:
         a.generation = 4
-        a.orders.direct(["x"], command="quiesce")
+        a.orders.direct(["x"], Quiesce())
     assert json.loads(a.directives.get("x").body)["store_prefix"] == a.store_prefix(4)
     a.events.close()
     b.events.close()

@@ -11,7 +11,9 @@ import pytest
 from phoenixrun.control import wire
 from phoenixrun.protocol import REPORT_KINDS, Command, Endpoint, Event, PeerOp, ReportKind, WorkerOp
 from phoenixrun.protocol.client import ControlError
-from phoenixrun.protocol.codec import decode_directive, int_keys
+from phoenixrun.protocol import directives
+from phoenixrun.protocol.codec import int_keys
+from phoenixrun.protocol.restore import RankSource
 from phoenixrun.protocol.status import REASON_PHRASES, Status, refused
 
 FROZEN = {
@@ -101,17 +103,34 @@ def test_int_keys_refuses_keys_that_are_not_numbers_and_names_the_map(bad):
         int_keys(bad, "world.slots")
 
 
-def test_a_directive_decoded_from_the_wire_is_int_keyed_once():
-    sent = {"command": Command.RESTORE, "version": 4, "generation": 2, "restore_step": 9,
-            "fetch": {3: {"private": ["h:1", "h:3"], "shared": [["h:2", 1]]}},
-            "world": {"slots": {0: "h:1", 1: "h:2"}, "placement": {2: [0], 3: [0, 1]}, "store_port": 5}}
+def test_a_directive_decoded_from_the_wire_is_the_order_the_master_gave():
+    order = directives.Restore(restart_count=1, restore_step=9)
+    own = directives.Assignment(slot=1, world=directives.World({0: "h:1", 1: "h:2"}, {2: [0], 3: [0, 1]}, 5),
+                                fetch={3: RankSource(private=("h:1", "h:3"), shared=(("h:2", 1),))})
+    sent = {**order.to_wire(), **own.to_wire(), "version": 4, "generation": 2, "store_prefix": "/p/", "master_epoch": 0}
     received = json.loads(wire.dumps(sent))               # what the agent's client hands it: string keys
     assert set(received["world"]["slots"]) == {"0", "1"}
-    d = decode_directive(received)
-    assert d == sent                                       # every map int-keyed again, the rest as it was
-    assert d["world"]["placement"][3] == [0, 1] and d["world"]["slots"][1] == "h:2"
+    d = directives.decode(received)
+    assert (d.order, d.own, d.version, d.generation, d.store_prefix) == (order, own, 4, 2, "/p/")
     assert received["world"]["slots"] == {"0": "h:1", "1": "h:2"}    # the input is not modified
-    assert decode_directive({"command": "noop", "version": 1}) == {"command": "noop", "version": 1}
+    assert directives.decode({"command": "noop", "version": 1}).order == directives.Noop()
+
+
+@pytest.mark.parametrize("order", [directives.Noop(), directives.Wait(warm=True), directives.Run(resume=True),
+                                   directives.Run(restart_count=0), directives.Restart(restore_step=None),
+                                   directives.Restart(restart_count=2, restore_step=5, store_port=7),
+                                   directives.Quiesce(), directives.Quiesce(at_step=12),
+                                   directives.Restore(restore_step=3),
+                                   directives.Stop(exit_code=1, reason="r", job_end=True),
+                                   directives.Stop(fenced=True, reason="fenced: x")])
+def test_every_order_round_trips_the_wire(order):
+    assert directives.decode(json.loads(wire.dumps(order.to_wire()))).order == order
+
+
+def test_an_unknown_command_is_nothing_to_do_and_a_bad_field_names_itself():
+    assert isinstance(directives.decode({"command": "teleport", "version": 3}).order, directives.Unknown)
+    with pytest.raises(ValueError, match="'slot' must be an integer"):
+        directives.decode({"command": "run", "slot": "zero"})
 
 
 def test_the_status_codes_are_frozen():

@@ -23,8 +23,9 @@ from phoenixrun.control.recovery import Recoveries
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.faults import Classification, correlate
 from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate
+from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import DrainRequested, JobFinished, JobStarted, MasterRecovered
-from phoenixrun.protocol.names import Command, ReportKind
+from phoenixrun.protocol.names import ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -106,7 +107,7 @@ class Coordinator:
             self.events.emit(JobStarted(world_size=job.layout.world_size, slots=dict(job.slots)), job.generation)
             resume = self.recovery.newest_checkpoint()
             if resume is None:
-                self.orders.direct_slots(Command.RUN, restart_count=0, restore_step=None)
+                self.orders.direct_slots(cmd.Run(restart_count=0))
                 return None
         # a run directory with checkpoints: resume the job from the newest complete one
         if not self.recovery.fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
@@ -180,8 +181,8 @@ class Coordinator:
             self.events.emit(DrainRequested(node=node.node_id, slot=node.slot, reason=reason, by=by,
                                             accepted=refusal is None, refusal=refusal or None), job.generation)
             if refusal is not None and by == "agent":
-                self.orders.direct([node.node_id], command=Command.STOP, exit_code=128 + 15,
-                                   reason=f"drain refused ({refusal}): leaving as on SIGTERM")
+                self.orders.direct([node.node_id], cmd.Stop(exit_code=128 + 15,
+                                                            reason=f"drain refused ({refusal}): leaving as on SIGTERM"))
         if refusal is None:
             self.recovery.drain(node, reason, ev.get("t", time.time()))
         elif by == "agent":
@@ -289,7 +290,7 @@ class Coordinator:
         if response.fence:
             # the node is still up but must go: fence it (its agent kills its workers and exits)
             with job.cv:
-                self.orders.direct([node.node_id], command=Command.STOP, exit_code=0, reason=f"fenced: {verdict.reason}")
+                self.orders.direct([node.node_id], cmd.Stop(exit_code=0, reason=f"fenced: {verdict.reason}"))
         lost = {node.slot} if response.replace else set()
         if response.remedy is Remedy.RESTART:
             self._restart_plain(lost, node, ev, verdict, failing_code, before)
@@ -357,8 +358,8 @@ class Coordinator:
                                                recoveries=job.recoveries,
                                                committed_step=min(newest.values()) if complete else None,
                                                newest_snapshot=max(newest.values(), default=None)), job.generation)
-            self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED], command=Command.STOP,
-                               exit_code=exit_code, reason=reason, job_end=True)
+            self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED],
+                               cmd.Stop(exit_code=exit_code, reason=reason, job_end=True))
             if job.roster is not None:     # nobody rejoins a finished job (control/roster.py)
                 job.roster.append(job.master_epoch, finished=True)
         # a fault ended it: one line, as for every incident (control/incident.py); else the plain reason

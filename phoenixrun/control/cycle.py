@@ -26,8 +26,10 @@ from phoenixrun.control.orders import Orders
 from phoenixrun.control.reshape import ReshapePlan
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, pick_spare
 from phoenixrun.faults.escalate import settle
+from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import EventRecord, FallbackRestart, RecoveryPlanned, SparePromoted
-from phoenixrun.protocol.names import Command, ReportKind
+from phoenixrun.protocol.names import ReportKind
+from phoenixrun.protocol.restore import RankSource
 from phoenixrun.protocol.timings import Timings
 
 log = logging.getLogger("phoenixrun.master")
@@ -45,9 +47,9 @@ class NoSpare(Exception):
 # ---------------------------------------------------------------- the legs of a cycle, as data
 @dataclass(frozen=True)
 class Quiesce:
-    """Who quiesces, and more fields of the order (a drain's `at_step`)."""
+    """Who quiesces, and a drain's step boundary (`at_step`)."""
     members: tuple[str, ...]
-    order: dict = field(default_factory=dict)
+    at_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ class Cycle:
             job.generation += 1
             g = job.generation
             job.phase = Phase.QUIESCE
-            self.orders.direct(q.members, command=Command.QUIESCE, **q.order)
+            self.orders.direct(q.members, cmd.Quiesce(at_step=q.at_step))
         acks = Acks(ReportKind.QUIESCED, g, q.members, on_ack=self.flight.quiesced_inventory)
         self.flight.wait(acks, p.lost)
         return Quiesced(g, acks.got, round(time.time() - t, 4))
@@ -217,10 +219,9 @@ class Cycle:
             job.done_nodes.clear()
             done = self.events.emit(res.done, job.generation)
             if res.run:   # one directive for every node: each got its slot and world with the restore order
-                self.orders.direct(job.slots.values(), command=Command.RUN, restart_count=job.restart_count,
-                                   resume=True)
+                self.orders.direct(job.slots.values(), cmd.Run(restart_count=job.restart_count, resume=True))
             for nid, why in res.stop:
-                self.orders.direct([nid], command=Command.STOP, exit_code=0, reason=why)
+                self.orders.direct([nid], cmd.Stop(exit_code=0, reason=why))
         if res.close:
             self.incidents.close(done)
         self.flight.drain_stale()
@@ -245,7 +246,7 @@ class Cycle:
         self.events.emit(FallbackRestart(restore_step=r.step, reason=r.reason, fallbacks=job.fallbacks,
                                          checkpoint=str(persist.step_dir(self.cfg.persist_dir, r.step))),
                          job.generation)
-        self.orders.direct_slots(Command.RESTART, restart_count=job.restart_count, restore_step=r.step)
+        self.orders.direct_slots(cmd.Restart(restart_count=job.restart_count, restore_step=r.step))
         return list(job.slots.values())
 
     def _reshard(self, r: Reshard) -> list[str]:
@@ -266,9 +267,9 @@ class Cycle:
         job.restored_step = plan.restore_step
         job.attempts = settle(job.attempts, plan.restore_step)
         job.done_nodes.clear()
-        self.orders.direct_slots(Command.RESTART, own={s: {"reshard": plan.reshard_for(s), "nnodes": plan.new.nnodes}
-                                                     for s in renumbered},
-                                 restart_count=job.restart_count, restore_step=plan.restore_step)
+        self.orders.direct_slots(cmd.Restart(restart_count=job.restart_count, restore_step=plan.restore_step),
+                                 own={s: cmd.Assignment(reshard=plan.reshard_for(s), nnodes=plan.new.nnodes)
+                                      for s in renumbered})
         return list(renumbered.values())
 
     def order_restore(self, plan: RecoveryPlan, cause: str | None = None) -> None:
@@ -278,14 +279,14 @@ class Cycle:
         self.events.emit(RecoveryPlanned(restore_step=plan.restore_step, replaced_slots=dict(plan.replaced_slots),
                                          fetch={r: s.to_wire() for r, s in plan.fetch.items()}, cause=cause),
                          job.generation)
-        fetch: dict[int, dict] = {}
+        fetch: dict[int, dict[int, RankSource]] = {}
         for r, src in plan.fetch.items():
-            fetch.setdefault(job.layout.slot_of(r), {}).setdefault("fetch", {})[r] = src.to_wire()
+            fetch.setdefault(job.layout.slot_of(r), {})[r] = src
         # a new world only where it changed: the slots filled in this recovery and the slots whose
         # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
-        self.orders.direct_slots(Command.RESTORE, own=fetch,
-                                 world_for={c for s in plan.replaced_slots for c in job.needed_by.get(s, ())},
-                                 restart_count=job.restart_count, restore_step=plan.restore_step)
+        self.orders.direct_slots(cmd.Restore(restart_count=job.restart_count, restore_step=plan.restore_step),
+                                 own={s: cmd.Assignment(fetch=f) for s, f in fetch.items()},
+                                 world_for={c for s in plan.replaced_slots for c in job.needed_by.get(s, ())})
 
     # ---------------------------------------------------------------- fetching spares
     def fill(self, lost: set[int], out: dict[int, str] | None = None, may_shrink: bool = False,

@@ -17,8 +17,8 @@ from phoenixrun.control.cycle import Cycle, FromMemory, Quiesce, Quiesced, Resto
 from phoenixrun.control.decide import AfterFailure, Recovery, drain_step, plan_drain
 from phoenixrun.control.inflight import Cascade
 from phoenixrun.control.state import NodeRecord, PlanError, Role, pick_spare
+from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import RecoveryDone, RecoveryStarted, SparePromoted
-from phoenixrun.protocol.names import Command
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -47,7 +47,7 @@ class Drain:
         at_step = drain_step(newest, job.steps_per_s(), max(0.0, self.started - heard) + DRAIN_DELIVERY_S)
         self.cycle.events.emit(RecoveryStarted(failed_node=node.node_id, slot=self.slot, cause="drain", action="drain",
                                                reason=self.reason, at_step=at_step), job.generation + 1)
-        return Quiesce(tuple(job.slots.values()), {"at_step": at_step})
+        return Quiesce(tuple(job.slots.values()), at_step)
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> FromMemory:
         """decide.plan_drain; the spare takes the slot (none left: everyone resumes in place, the node stays)."""
@@ -96,6 +96,5 @@ class Drain:
             if node.role == Role.ACTIVE and slot is not None:
                 self.lost.add(slot)
             node.role, node.slot = Role.DRAINED, None
-            self.cycle.orders.direct([node.node_id], command=Command.STOP, exit_code=0,
-                                     reason=f"drain interrupted: {error}")
+            self.cycle.orders.direct([node.node_id], cmd.Stop(exit_code=0, reason=f"drain interrupted: {error}"))
         return self.lost, {"kind": "drain", "detail": f"drain interrupted: {error}", "t": time.time()}

@@ -11,6 +11,7 @@ import secrets
 import time
 
 from phoenixrun.control import wire
+from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import (FaultInjected, NodeFenced, NodeJoined, NodeRefused, NodeRejoined,
                                        Straggler)
 from phoenixrun.protocol import messages
@@ -23,7 +24,7 @@ from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.roster import digest
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
-from phoenixrun.protocol.names import Command, ReportKind
+from phoenixrun.protocol.names import ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -79,7 +80,7 @@ class Handlers:
             self.events.emit(NodeJoined(node=node.node_id, host=node.host, role=role.value, slot=slot,
                                         agent_pid=node.agent_pid, fault_domain=node.fault_domain), self.job.generation)
             if role == Role.SPARE:
-                self.orders.direct([node.node_id], command=Command.WAIT, warm=self.job.hot_swap_capable())
+                self.orders.direct([node.node_id], cmd.Wait(warm=self.job.hot_swap_capable()))
             self.inbox.put({"kind": ReportKind.JOINED, "node_id": node.node_id})
             return self._job_json(role, slot, self._new_token(node.node_id))
 
@@ -181,7 +182,7 @@ class Handlers:
         self.events.emit(NodeRejoined(node=nid, role=role.value, slot=slot, agent_generation=gen,
                                       interrupted=r.frozen), self.job.generation)
         if role == Role.SPARE:
-            self.orders.direct([nid], command=Command.WAIT, warm=node.api)
+            self.orders.direct([nid], cmd.Wait(warm=node.api))
         self.inbox.put({"kind": ReportKind.JOINED, "node_id": nid, "interrupted": r.frozen})
         return self._job_json(role, slot, self._new_token(nid))
 
@@ -229,7 +230,7 @@ class Handlers:
                     cold = [n.node_id for n in self.job.nodes.values() if n.role == Role.SPARE
                             and not getattr(self.orders.board.get(n.node_id), "fields", {}).get("warm")]
                     if cold:
-                        self.orders.direct(cold, command=Command.WAIT, warm=True)
+                        self.orders.direct(cold, cmd.Wait(warm=True))
             self.job.note_progress()
             self.job.note_compute(node)
             for n in self.job.new_stragglers():

@@ -9,12 +9,16 @@ import hashlib
 import hmac
 import queue
 import secrets
-from typing import Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Mapping
 
 from phoenixrun.control.directives import DirectiveBoard, Rollout
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
+from phoenixrun.protocol.directives import Assignment, Order, World
 from phoenixrun.protocol.events import DirectiveSent
+
+NOTHING = Assignment()     # a node given nothing of its own
 
 
 class Inbox(queue.Queue):
@@ -56,31 +60,31 @@ class Orders:
             prefix = self._prefixes[generation] = f"/phoenixrun/gen{generation}-{token}/"
         return prefix
 
-    def direct(self, node_ids: Iterable[str], **fields) -> None:
-        """Order node_ids to do `fields` (one version, one encoding for all of them) and wake their polls."""
-        self.wake(self.board.set(node_ids, **fields, **self._generation_fields()))
+    def direct(self, node_ids: Iterable[str], order: Order) -> None:
+        """Give node_ids `order` (one version, one encoding for all of them) and wake their polls."""
+        self.wake(self.board.set(node_ids, **order.to_wire(), **self._generation_fields()))
 
-    def direct_slots(self, command: str, own: Mapping[int, dict] | None = None,
-                     world_for: Iterable[int] | None = None, **fields) -> None:
-        """Order every slot's node to do `command` (one version for all), with its slot and world: every
-        slot's, or only those in world_for (the others keep theirs); own: more fields for some slots.
-        Nodes given nothing of their own share one encoding."""
+    def direct_slots(self, order: Order, own: Mapping[int, Assignment] | None = None,
+                     world_for: Iterable[int] | None = None) -> None:
+        """Give every slot's node `order` (one version for all), with its slot and world: every slot's, or only
+        those in world_for (the others keep theirs); own: more of their own for some slots. Nodes given nothing
+        of their own share one encoding."""
         own = own or {}
         slots = self.job.slots
         world_for = slots.keys() if world_for is None else set(world_for)
-        orders = {nid: {"slot": slot, "world": self.world(slot), **own.get(slot, {})} if slot in world_for
-                  else own.get(slot, {}) for slot, nid in slots.items()}
-        self.wake(self.board.set_each(orders, command=command, **fields, **self._generation_fields()))
+        orders = {nid: (replace(own.get(slot, NOTHING), slot=slot, world=self.world(slot)) if slot in world_for
+                        else own.get(slot, NOTHING)).to_wire() for slot, nid in slots.items()}
+        self.wake(self.board.set_each(orders, **order.to_wire(), **self._generation_fields()))
 
-    def world(self, slot: int) -> dict:
+    def world(self, slot: int) -> World:
         """What the node in `slot` needs of the world: where its ranks' replicas go and those holders'
         addresses. (The whole map in every node's directive would be O(nodes^2) bytes per broadcast.)"""
         job = self.job
         placement, need = job.slot_placement[slot]
-        return {"slots": {s: job.nodes[job.slots[s]].peer_addr for s in need if s in job.slots},
-                "placement": placement, "store_port": job.store_port}
+        return World({s: job.nodes[job.slots[s]].peer_addr for s in need if s in job.slots}, placement,
+                     job.store_port)
 
-    def _generation_fields(self) -> dict:
+    def _generation_fields(self) -> dict[str, Any]:
         """What every directive carries: the generation and its rendezvous prefix, and the master's lease epoch
         (agents ignore orders of an epoch older than one they have seen: a deposed master's). The roster is brought
         up to date first: no agent may learn of a generation or a slot the run directory does not vouch for."""

@@ -9,8 +9,9 @@ from phoenixrun.control.cycle import Cycle
 from phoenixrun.control.decide import attempt_ranks, attempt_verdict
 from phoenixrun.control.inflight import Stop
 from phoenixrun.control.state import Phase
+from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import Restarted
-from phoenixrun.protocol.names import Command, ReportKind
+from phoenixrun.protocol.names import ReportKind
 
 
 class Restart:
@@ -36,8 +37,7 @@ class Restart:
             port = self._attempt_store(job.generation)
             done = cycle.events.emit(Restarted(restart_count=job.restart_count, reason=why, store_port=port),
                                      job.generation)
-            cycle.orders.direct_slots(Command.RESTART, restart_count=job.restart_count, restore_step=None,
-                                      store_port=port)
+            cycle.orders.direct_slots(cmd.Restart(restart_count=job.restart_count, restore_step=None, store_port=port))
             job.phase = Phase.RUNNING
         cycle.incidents.close(done)
         cycle.flight.drain_stale()

@@ -27,6 +27,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
+from phoenixrun.protocol.directives import decode
 from phoenixrun.protocol.names import Command, Endpoint, ReportKind
 from phoenixrun.protocol.status import Status
 from phoenixrun.topology import Layout, place_replicas
@@ -377,14 +378,15 @@ class Swarm:
             a.version = d["version"]
             # the next poll goes out before the directive is acted on, as the real agent's poll thread hands
             # the directive to another thread and polls again at once
-            cmd, g = Command(d["command"]), d.get("generation", a.generation)
+            order = decode(d)     # as the real agent decodes it (protocol/directives.py)
+            cmd, g = order.command, a.generation if order.generation is None else order.generation
             pending = poll() if cmd != Command.STOP else None
             # when the bytes arrived, not when this task got its turn: the swarm's own backlog (it
             # shares the machine's cores with the master) is not the master's broadcast time
             a.received.setdefault((cmd, g), conn.answered_at)
             a.generation = g
-            if "slot" in d:
-                a.slot = d["slot"]
+            if order.own.slot is not None:
+                a.slot = order.own.slot
             if cmd == Command.QUIESCE:
                 self.recovering = True
                 self._report(a, {"kind": ReportKind.QUIESCED, "generation": g, "slot": a.slot, **self._inventory(a),
