@@ -36,7 +36,7 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     with tempfile.TemporaryDirectory(prefix="phoenixrun-drain-") as tmp:
-        m = Master(MasterConfig(run_dir=Path(tmp), nnodes=args.nodes, nproc_per_node=4), "secret")
+        m = Master(MasterConfig.build(run_dir=Path(tmp), nnodes=args.nodes, nproc_per_node=4), "secret")
         m.store_port = 1                      # no TCPStore: nothing here rendezvouses
         srv = ControlServer(m, "127.0.0.1", 0)
         m.orders.wake = srv.wake

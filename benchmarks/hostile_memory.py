@@ -22,7 +22,7 @@ def drain(socks):
 
 secret = auth.new_secret()
 tmp = Path(tempfile.mkdtemp())
-m = Master(MasterConfig(run_dir=tmp, nnodes=2, nproc_per_node=1), secret); m.start()
+m = Master(MasterConfig.build(run_dir=tmp, nnodes=2, nproc_per_node=1), secret); m.start()
 peer = PeerServer("127.0.0.1", secret, {"ping": lambda h, p: ({}, b"")})
 host, port = peer.addr.rsplit(":", 1)
 r0 = rss()

@@ -29,7 +29,7 @@ NPROC = 4
 def time_registration(n: int) -> float:
     """Seconds per registration of n + 1 agents into a fresh master (not started: no sockets)."""
     with tempfile.TemporaryDirectory(prefix="phoenixrun-ops-") as tmp:
-        m = Master(MasterConfig(run_dir=Path(tmp), nnodes=n, nproc_per_node=NPROC), "secret")
+        m = Master(MasterConfig.build(run_dir=Path(tmp), nnodes=n, nproc_per_node=NPROC), "secret")
         m.store_port = 1
         t0 = time.perf_counter()
         for i in range(n + 1):
@@ -42,7 +42,7 @@ def time_registration(n: int) -> float:
 def time_heartbeat(n: int, repeat: int) -> float:
     """Seconds per `Master.heartbeat` of n registered nodes (best of `repeat` rounds over every node)."""
     with tempfile.TemporaryDirectory(prefix="phoenixrun-ops-") as tmp:
-        m = Master(MasterConfig(run_dir=Path(tmp), nnodes=n, nproc_per_node=NPROC), "secret")
+        m = Master(MasterConfig.build(run_dir=Path(tmp), nnodes=n, nproc_per_node=NPROC), "secret")
         m.store_port = 1
         payloads = []
         for i in range(n):

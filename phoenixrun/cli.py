@@ -248,8 +248,8 @@ def _launch_dirs(c: LaunchConfig, run_dir_named: bool) -> list[tuple[str, Path, 
     if c.agent.log_dir is not None:
         dirs.append(("--log-dir", c.agent.log_dir, "give --log-dir a directory you can write, or leave it out "
                      "(worker output then goes to the console)"))
-    if c.master.persist_every and c.master.persist_dir is not None:
-        dirs.append(("--persist-dir", c.master.persist_dir, "give --persist-dir a directory every node can write"))
+    if c.master.persistence.persist_every and c.master.persistence.persist_dir is not None:
+        dirs.append(("--persist-dir", c.master.persistence.persist_dir, "give --persist-dir a directory every node can write"))
     return dirs
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 
 from phoenixrun.agents.phases import QUIESCE_GRACE_CAP_S
 from phoenixrun.topology import Layout
@@ -58,22 +58,41 @@ def setting(default: Any = MISSING, *, doc: str, factory: Any = MISSING, **kw: A
     return field(default=default, metadata=meta)
 
 
-def setting_of(f) -> Setting:
-    return f.metadata["setting"]
+def group(cls: type, *, doc: str) -> Any:
+    """A dataclass field holding one component's settings (a `_Settings` class whose fields all have defaults):
+    its flags are the component's, on the same command line; `build()` routes each setting to its component."""
+    return field(default_factory=cls, metadata={"setting": Setting(doc=" ".join(doc.split()), travels="its flags"),
+                                                "group": cls})
 
 
-def kind(f) -> str:
+def group_of(f: Field[Any]) -> type[_Settings] | None:
+    """The component class a field holds (group()), or None for a plain setting."""
+    cls: type[_Settings] | None = f.metadata.get("group")
+    return cls
+
+
+def setting_of(f: Field[Any]) -> Setting:
+    s: Setting = f.metadata["setting"]
+    return s
+
+
+def _fields(x: Any) -> tuple[Field[Any], ...]:
+    """dataclasses.fields of a `_Settings` dataclass (the mixin itself is not one, so say it once here)."""
+    return fields(x)
+
+
+def kind(f: Field[Any]) -> str:
     """The field's base type, from its annotation: int, float, str, bool, Path, ranks, mapping or object."""
     base = [t.strip() for t in str(f.type).split("|") if t.strip() != "None"][0]
     return {"int": "int", "float": "float", "str": "str", "bool": "bool", "Path": "Path",
             "frozenset[int]": "ranks", "dict[int, str]": "mapping"}.get(base, "object")
 
 
-def optional(f) -> bool:
+def optional(f: Field[Any]) -> bool:
     return "None" in [t.strip() for t in str(f.type).split("|")]
 
 
-def default_of(f) -> Any:
+def default_of(f: Field[Any]) -> Any:
     """The field's default (MISSING when required)."""
     if f.default is not MISSING:
         return f.default
@@ -82,13 +101,13 @@ def default_of(f) -> Any:
     return MISSING
 
 
-def cli_default(f) -> Any:
+def cli_default(f: Field[Any]) -> Any:
     """The flag's default: the field's, unless the command line deliberately defaults otherwise."""
     s = setting_of(f)
     return default_of(f) if s.cli_default is _SAME else s.cli_default
 
 
-def where(cls: type, f) -> str:
+def where(cls: type, f: Field[Any]) -> str:
     """How a user names the setting: its flag, else its variable, else Class.field."""
     s = setting_of(f)
     return s.flag or s.env or f"{cls.__name__}.{f.name}"
@@ -100,7 +119,7 @@ def _bound_text(s: Setting) -> str:
     return f"of at least {s.min:g}" if s.min is not None else f"of at most {s.max:g}"
 
 
-def _check(cls: type, f, v: Any) -> Any:
+def _check(cls: type, f: Field[Any], v: Any) -> Any:
     """The value, normalised (int -> float, str -> Path, iterable -> frozenset), or ConfigError."""
     s, k, name = setting_of(f), kind(f), where(cls, f)
     if v is None:
@@ -142,24 +161,62 @@ class _Settings:
     """Validation, argv and env for a frozen dataclass whose fields are `setting(...)`s."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
+        for f in _fields(self):
+            cls = group_of(f)
+            if cls is not None:
+                if not isinstance(getattr(self, f.name), cls):
+                    raise ConfigError(f"{type(self).__name__}.{f.name} must be a {cls.__name__}")
+                continue
             object.__setattr__(self, f.name, _check(type(self), f, getattr(self, f.name)))
 
     @classmethod
-    def settings(cls) -> dict[str, Any]:
-        """name -> dataclass Field, every field (each has a Setting)."""
-        return {f.name: f for f in fields(cls)}
+    def settings(cls) -> dict[str, Field[Any]]:
+        """name -> dataclass Field of every setting, its components' included (names are unique across them)."""
+        out: dict[str, Field[Any]] = {}
+        for f in _fields(cls):
+            sub = group_of(f)
+            out.update(sub.settings() if sub is not None else {f.name: f})
+        return out
 
     @classmethod
-    def flag_fields(cls) -> list:
-        return [f for f in fields(cls) if setting_of(f).flag]
+    def flag_fields(cls) -> list[Field[Any]]:
+        return [f for f in cls.settings().values() if setting_of(f).flag]
+
+    @classmethod
+    def build(cls, **flat: Any) -> Any:
+        """The config from every setting by name, whichever component holds it (`nnodes=2, node_timeout=3.0`);
+        a name no component has raises TypeError, as a dataclass does."""
+        kw: dict[str, Any] = {}
+        for f in _fields(cls):
+            sub = group_of(f)
+            if sub is not None and f.name not in flat:
+                own = {k: flat.pop(k) for k in list(flat) if k in sub.settings()}
+                kw[f.name] = sub.build(**own)
+        kw.update(flat)
+        return cls(**kw)
+
+    def updated(self, **flat: Any) -> Any:
+        """A copy with the settings named changed, whichever component holds them (dataclasses.replace, routed)."""
+        kw: dict[str, Any] = {}
+        for f in _fields(self):
+            sub = group_of(f)
+            if sub is not None and f.name not in flat:
+                own = {k: flat.pop(k) for k in list(flat) if k in sub.settings()}
+                if own:
+                    kw[f.name] = getattr(self, f.name).updated(**own)
+        kw.update(flat)
+        return replace(cast(Any, self), **kw)
 
     def to_argv(self) -> list[str]:
-        """The flags that give exactly this config (every flag-settable field, in field order). A field that no
-        flag sets must be at its default: ConfigError otherwise (a command line would silently drop it)."""
+        """The flags that give exactly this config (every flag-settable field, in field order, its components'
+        where they stand). A field that no flag sets must be at its default: ConfigError otherwise (a command line
+        would silently drop it)."""
         argv: list[str] = []
-        for f in fields(self):
+        for f in _fields(self):
             s, v = setting_of(f), getattr(self, f.name)
+            if group_of(f) is not None:
+                argv += v.to_argv()
+                continue
             if s.flag is None:
                 if not s.travels and v != default_of(f):
                     raise ConfigError(f"{type(self).__name__}.{f.name} = {v!r} has no command-line flag: "
@@ -177,31 +234,31 @@ class _Settings:
         return argv
 
     @classmethod
-    def from_options(cls, params: Mapping[str, Any], **given: Any):
+    def from_options(cls, params: Mapping[str, Any], **given: Any) -> Any:
         """The config from parsed CLI options (click's params: the flag's name with underscores), plus `given`
         for fields the caller derives itself. A flag that is not among `params` leaves its field's default."""
         kw: dict[str, Any] = {}
         for f in cls.flag_fields():
             s = setting_of(f)
-            key = s.flag[2:].replace("-", "_")
+            key = (s.flag or "")[2:].replace("-", "_")
             if key in params:
                 kw[f.name] = (not params[key]) if s.negate else params[key]
         kw.update(given)
-        return cls(**kw)
+        return cls.build(**kw)
 
     def to_env(self, *names: str) -> dict[str, str]:
         """The environment variables that give exactly this config (fields with a variable; None: unset), or
         only those of the fields `names`."""
-        return {setting_of(f).env: _text(f, getattr(self, f.name)) for f in fields(self)
-                if setting_of(f).env and getattr(self, f.name) is not None and (not names or f.name in names)}
+        return {env: _text(f, getattr(self, f.name)) for f in _fields(self) if (env := setting_of(f).env)
+                and getattr(self, f.name) is not None and (not names or f.name in names)}
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None):
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Any:
         """The config from the environment (os.environ by default); an unset or empty variable: the default.
         A value that does not parse raises ConfigError naming the variable."""
         env = os.environ if env is None else env
         kw: dict[str, Any] = {}
-        for f in fields(cls):
+        for f in _fields(cls):
             s = setting_of(f)
             raw = env.get(s.env) if s.env else None
             if raw is None or (raw == "" and kind(f) != "str"):
@@ -210,7 +267,7 @@ class _Settings:
         return cls(**kw)
 
 
-def _text(f, v: Any) -> str:
+def _text(f: Field[Any], v: Any) -> str:
     k = kind(f)
     if k == "bool":
         return "1" if v else "0"
@@ -221,7 +278,7 @@ def _text(f, v: Any) -> str:
     return str(v)
 
 
-def _parse(cls: type, f, raw: str) -> Any:
+def _parse(cls: type, f: Field[Any], raw: str) -> Any:
     k = kind(f)
     try:
         if k == "bool":
@@ -245,30 +302,34 @@ COLLECTIVE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
-class MasterConfig(_Settings):
-    """The job as the master runs it. `phoenixrun master` takes these as flags; `phoenixrun` builds one."""
-    run_dir: Path = setting(
-        flag="--run-dir", doc="Events, master.json and the job secret go here.")
-    nnodes: int = setting(flag="--nnodes", min=1, doc="Active nodes.")
-    nproc_per_node: int = setting(flag="--nproc-per-node", min=1, doc="Workers per node.")
-    run_id: str = setting(
-        "phoenixrun", flag="--rdzv-id", doc="Job id (TORCHELASTIC_RUN_ID).")
-    tp: int = setting(1, flag="--tp", min=1, doc="Tensor-parallel size.")
-    pp: int = setting(1, flag="--pp", min=1, doc="Pipeline-parallel size.")
+class JobShape(_Settings):
+    """How the job's ranks are laid out and copied (`--replicas`, `--tp`, `--pp`): `phoenixrun`, `phoenixrun master`."""
     replicas: int = setting(
         1, flag="--replicas", min=0,
         doc="Peer copies of each rank's optimizer shard, each on another node: at most --nnodes - 1 (a single "
             "node keeps none; a shrunk job as many as its nodes allow).")
+    tp: int = setting(1, flag="--tp", min=1, doc="Tensor-parallel size.")
+    pp: int = setting(1, flag="--pp", min=1, doc="Pipeline-parallel size.")
+    fault_domains: dict[int, str] = setting(
+        factory=dict, doc="Fault-domain label of each slot, for replica placement (agents also report theirs).")
+
+    def replicas_on(self, nnodes: int) -> int:
+        """The peer copies a job of `nnodes` nodes keeps: --replicas, but never more than the other nodes there
+        are (validate() refuses --replicas above --nnodes - 1; a single node or a shrunk job has fewer). Pure."""
+        return max(0, min(self.replicas, nnodes - 1))
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy(_Settings):
+    """How the master detects faults and recovers from them: `phoenixrun` and `phoenixrun master`."""
     max_restarts: int = setting(
         0, flag="--max-restarts", min=0,
         doc="Full restarts allowed when in-memory recovery is impossible (and for scripts without the API).")
-    # library default loopback (tests run masters in-process); the command's: every interface
-    host: str = setting(
-        "127.0.0.1", flag="--host", cli_default="0.0.0.0",
-        doc="Address to listen on (the default: every interface, so that other machines' nodes reach it).")
-    # library default 0 (any free port); the command's: torchrun's 29500
-    port: int = setting(0, flag="--port", min=0, max=65535, cli_default=29500, doc="Port to listen on.")
-    store_port: int = setting(0, flag="--store-port", min=0, max=65535, doc="TCPStore port (0: any).")
+    join_timeout: float = setting(
+        600.0, flag="--join-timeout", min=0,
+        doc="Seconds to wait for every active node to join before the job gives up, naming the slots still missing "
+            "(torchrun's rdzv join_timeout; spares do not count; 0: wait forever). Joining progress is logged every "
+            "10 s meanwhile.")
     node_timeout: float = setting(
         5.0, flag="--node-timeout", min=0.1, doc="A node whose agent misses heartbeats this long is lost.")
     spare_wait: float = setting(
@@ -284,24 +345,11 @@ class MasterConfig(_Settings):
         0.5, min=0, doc="Seconds the master waits for more reports of a fault before it decides.")
     max_local_resets: int = setting(
         3, flag="--max-local-resets", min=0, doc="Local resets of one node before it is replaced instead.")
-    fault_domains: dict[int, str] = setting(
-        factory=dict, doc="Fault-domain label of each slot, for replica placement (agents also report theirs).")
-    persist_dir: Path | None = setting(
-        None, flag="--persist-dir",
-        doc="Persistent checkpoints (DCP format, one directory per step) [default: RUN_DIR/checkpoints when "
-            "--persist-every is set]. Must be reachable from every node.")
-    persist_every: int = setting(
-        0, flag="--persist-every", min=0,
-        doc="Agents write each rank's committed snapshot to --persist-dir every N steps, in the background (0: "
-            "only when an agent leaves on SIGTERM). The fallback when in-memory recovery is impossible, and what a "
-            "job started on the same directory resumes from.")
-    persist_keep: int = setting(
-        2, flag="--persist-keep", min=1, doc="Complete checkpoints kept; older ones are pruned.")
-    max_fallbacks: int = setting(
-        3, flag="--max-fallbacks", min=0, doc="Restarts from the persistent checkpoint before the job gives up.")
-    spares: int | None = setting(
-        None, flag="--spares", min=0,
-        doc="Spare nodes admitted at a time; more are told they are not needed [default: any number].")
+
+
+@dataclass(frozen=True)
+class StragglerPolicy(_Settings):
+    """The straggler detector (control/jobstate.py, decide.stragglers): `phoenixrun` and `phoenixrun master`."""
     straggler_ratio: float = setting(
         2.0, flag="--straggler-ratio", min=1.0,
         doc="A node whose compute per step (before its first collective; the median over --straggler-window "
@@ -311,11 +359,41 @@ class MasterConfig(_Settings):
     replace_stragglers: bool = setting(
         False, flag="--replace-stragglers",
         doc="Drain a straggler to a spare (a planned drain: nothing replayed) when one is registered.")
-    join_timeout: float = setting(
-        600.0, flag="--join-timeout", min=0,
-        doc="Seconds to wait for every active node to join before the job gives up, naming the slots still missing "
-            "(torchrun's rdzv join_timeout; spares do not count; 0: wait forever). Joining progress is logged every "
-            "10 s meanwhile.")
+
+
+@dataclass(frozen=True)
+class Persistence(_Settings):
+    """Persistent checkpoints, the fallback when in-memory recovery is impossible: `phoenixrun`, `phoenixrun master`."""
+    persist_every: int = setting(
+        0, flag="--persist-every", min=0,
+        doc="Agents write each rank's committed snapshot to --persist-dir every N steps, in the background (0: "
+            "only when an agent leaves on SIGTERM). The fallback when in-memory recovery is impossible, and what a "
+            "job started on the same directory resumes from.")
+    persist_dir: Path | None = setting(
+        None, flag="--persist-dir",
+        doc="Persistent checkpoints (DCP format, one directory per step) [default: RUN_DIR/checkpoints when "
+            "--persist-every is set]. Must be reachable from every node.")
+    persist_keep: int = setting(
+        2, flag="--persist-keep", min=1, doc="Complete checkpoints kept; older ones are pruned.")
+    max_fallbacks: int = setting(
+        3, flag="--max-fallbacks", min=0, doc="Restarts from the persistent checkpoint before the job gives up.")
+
+
+@dataclass(frozen=True)
+class Listen(_Settings):
+    """Where the master listens (`phoenixrun master`; the launcher picks them)."""
+    # library default loopback (tests run masters in-process); the command's: every interface
+    host: str = setting(
+        "127.0.0.1", flag="--host", cli_default="0.0.0.0",
+        doc="Address to listen on (the default: every interface, so that other machines' nodes reach it).")
+    # library default 0 (any free port); the command's: torchrun's 29500
+    port: int = setting(0, flag="--port", min=0, max=65535, cli_default=29500, doc="Port to listen on.")
+    store_port: int = setting(0, flag="--store-port", min=0, max=65535, doc="TCPStore port (0: any).")
+
+
+@dataclass(frozen=True)
+class LeasePolicy(_Settings):
+    """A master's lease on its run directory, for a standby master (`phoenixrun master`)."""
     lease_ttl: float = setting(
         0.0, flag="--lease-ttl", min=0,
         doc="Seconds a master's lease in RUN_DIR/master-lease lives (renewed every third of it); with it, a second "
@@ -326,14 +404,30 @@ class MasterConfig(_Settings):
         doc="Seconds the masters' clocks may differ; a standby takes over a lease not renewed for --lease-ttl "
             "plus this.")
 
-    def replicas_on(self, nnodes: int) -> int:
-        """The peer copies a job of `nnodes` nodes keeps: --replicas, but never more than the other nodes there
-        are (validate() refuses --replicas above --nnodes - 1; a single node or a shrunk job has fewer). Pure."""
-        return max(0, min(self.replicas, nnodes - 1))
+
+@dataclass(frozen=True)
+class MasterConfig(_Settings):
+    """The job as the master runs it, one component per group of flags. `phoenixrun master` takes these as flags;
+    `phoenixrun` builds one. `MasterConfig.build(nnodes=2, node_timeout=3.0, ...)` takes every setting by name."""
+    run_dir: Path = setting(
+        flag="--run-dir", doc="Events, master.json and the job secret go here.")
+    nnodes: int = setting(flag="--nnodes", min=1, doc="Active nodes.")
+    nproc_per_node: int = setting(flag="--nproc-per-node", min=1, doc="Workers per node.")
+    run_id: str = setting(
+        "phoenixrun", flag="--rdzv-id", doc="Job id (TORCHELASTIC_RUN_ID).")
+    spares: int | None = setting(
+        None, flag="--spares", min=0,
+        doc="Spare nodes admitted at a time; more are told they are not needed [default: any number].")
+    shape: JobShape = group(JobShape, doc="Layout and replica placement.")
+    recovery: RecoveryPolicy = group(RecoveryPolicy, doc="Fault detection and recovery.")
+    stragglers: StragglerPolicy = group(StragglerPolicy, doc="The straggler detector.")
+    persistence: Persistence = group(Persistence, doc="Persistent checkpoints.")
+    listen: Listen = group(Listen, doc="Where the master listens.")
+    lease: LeasePolicy = group(LeasePolicy, doc="The master's lease (a standby master).")
 
     def to_argv(self) -> list[str]:
         """`phoenixrun master` flags that give exactly this config."""
-        if self.persist_every and self.persist_dir is None:
+        if self.persistence.persist_every and self.persistence.persist_dir is None:
             raise ConfigError("--persist-every without --persist-dir: `phoenixrun master` would write to "
                               "RUN_DIR/checkpoints, this config to nowhere; set persist_dir")
         return super().to_argv()
@@ -478,24 +572,24 @@ class Rule:
 
 def _layout_problem(m: MasterConfig) -> str | None:
     try:
-        Layout(m.nnodes, m.nproc_per_node, m.tp, m.pp)
+        Layout(m.nnodes, m.nproc_per_node, m.shape.tp, m.shape.pp)
     except ValueError as e:
-        return f"--tp {m.tp} --pp {m.pp}: {e}"
+        return f"--tp {m.shape.tp} --pp {m.shape.pp}: {e}"
     return None
 
 
 def _replicas_problem(m: MasterConfig) -> str | None:
-    most = max(1, m.nnodes - 1)   # 1 on a single node: the default, which keeps none there (replicas_on)
-    if m.replicas <= most:
+    shape, most = m.shape, max(1, m.nnodes - 1)   # 1 on a single node: the default, which keeps none there
+    if shape.replicas <= most:
         return None
-    return (f"--replicas {m.replicas}: {m.replicas} replicas need at least {m.replicas + 1} nodes (--nnodes is "
-            f"{m.nnodes}); give --replicas {m.replicas_on(m.nnodes)} or fewer, or more nodes")
+    return (f"--replicas {shape.replicas}: {shape.replicas} replicas need at least {shape.replicas + 1} nodes "
+            f"(--nnodes is {m.nnodes}); give --replicas {shape.replicas_on(m.nnodes)} or fewer, or more nodes")
 
 
 def _recovery_timeout_problem(m: MasterConfig) -> str | None:
-    if m.recovery_timeout > QUIESCE_GRACE_CAP_S:
+    if m.recovery.recovery_timeout > QUIESCE_GRACE_CAP_S:
         return None
-    return (f"--recovery-timeout {m.recovery_timeout:g}: an agent's quiesce grace may reach "
+    return (f"--recovery-timeout {m.recovery.recovery_timeout:g}: an agent's quiesce grace may reach "
             f"{QUIESCE_GRACE_CAP_S:g} s (2 x its longest recent step), and each recovery phase must outlast it "
             f"so that the agent replaces a stuck worker before the master gives up on the recovery; give "
             f"--recovery-timeout above {QUIESCE_GRACE_CAP_S:g}")
@@ -516,11 +610,12 @@ def _entry_problem(a: AgentConfig) -> str | None:
 
 
 def _heartbeat_problem(c: LaunchConfig) -> str | None:
-    if c.agent.heartbeat_interval < c.master.node_timeout:
+    node_timeout = c.master.recovery.node_timeout
+    if c.agent.heartbeat_interval < node_timeout:
         return None
     return (f"--heartbeat-interval {c.agent.heartbeat_interval:g} is not below --node-timeout "
-            f"{c.master.node_timeout:g}: the master would declare every node lost between two heartbeats; give "
-            f"a --heartbeat-interval below {c.master.node_timeout:g}")
+            f"{node_timeout:g}: the master would declare every node lost between two heartbeats; give "
+            f"a --heartbeat-interval below {node_timeout:g}")
 
 
 RULES: tuple[Rule, ...] = (

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from phoenixrun import auth, preflight, runid
@@ -90,7 +89,7 @@ def preflight_problem(c: LaunchConfig) -> str | None:
     (a run that continues in its directory, a standalone job too large for this machine)."""
     if c.host_master:
         note = runid.resume_note(c.master.run_id, c.master.run_dir, c.resume,
-                                 runid.has_state(c.master.run_dir, c.master.persist_dir))
+                                 runid.has_state(c.master.run_dir, c.master.persistence.persist_dir))
         if note:
             print(f"phoenixrun: {note}", file=sys.stderr, flush=True)
     if c.standalone:
@@ -202,7 +201,7 @@ def _run(c: LaunchConfig) -> int:
             print(f"phoenixrun: the master died (signal {-master.returncode}); restarting it on {endpoint} "
                   f"({master_restarts}/{MAX_MASTER_RESTARTS})", file=sys.stderr, flush=True)
             time.sleep(min(5.0, 0.5 * master_restarts))
-            same_place = replace(c.master, port=int(endpoint.rsplit(":", 1)[1]), store_port=info["store_port"])
+            same_place = c.master.updated(port=int(endpoint.rsplit(":", 1)[1]), store_port=info["store_port"])
             master = procs.start(master_argv(same_place), env)
             info = wait_for_master(run_dir, master)
             watched = master

@@ -133,7 +133,7 @@ def test_a_trickling_stranger_is_closed_at_the_auth_deadline():
 @pytest.fixture
 def master(tmp_path):
     secret = auth.new_secret()
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=2, node_timeout=1e6), secret)
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=2, nproc_per_node=2, node_timeout=1e6), secret)
     m.start()
     yield m, secret
     m._finish(0, "test over")

@@ -29,7 +29,7 @@ def secs(lo: float) -> st.SearchStrategy[float]:
 
 
 masters = st.builds(
-    MasterConfig, run_dir=abs_paths, nnodes=st.integers(1, 1 << 20), nproc_per_node=st.integers(1, 1024),
+    MasterConfig.build, run_dir=abs_paths, nnodes=st.integers(1, 1 << 20), nproc_per_node=st.integers(1, 1024),
     run_id=text, tp=st.integers(1, 64), pp=st.integers(1, 64), replicas=st.integers(0, 8),
     max_restarts=st.integers(0, 100), host=text, port=st.integers(0, 65535), store_port=st.integers(0, 65535),
     node_timeout=secs(0.1), spare_wait=secs(0), on_no_spare=st.sampled_from(["stop", "shrink"]),
@@ -60,7 +60,7 @@ def test_master_config_argv_round_trip(cfg):
     try:
         argv = cfg.to_argv()
     except ConfigError as e:
-        assert cfg.persist_every and cfg.persist_dir is None, e
+        assert cfg.persistence.persist_every and cfg.persistence.persist_dir is None, e
         return
     assert from_argv("master", argv) == cfg
 
@@ -83,7 +83,7 @@ def test_settings_without_a_flag_are_refused_by_to_argv():
     base = MasterConfig(run_dir="/r", nnodes=2, nproc_per_node=1)
     for change in ({"correlation_window": 0.1}, {"fault_domains": {0: "rack1"}}):
         with pytest.raises(ConfigError, match="no command-line flag"):
-            dataclasses.replace(base, **change).to_argv()
+            base.updated(**change).to_argv()
     agent = AgentConfig(endpoint="h:1", secret="s", spec=WorkerSpec("t.py"), nproc_per_node=1)
     with pytest.raises(ConfigError, match="empty set of local ranks"):
         dataclasses.replace(agent, local_ranks_filter=frozenset()).to_argv()
@@ -99,7 +99,7 @@ def test_settings_without_a_flag_are_refused_by_to_argv():
     (MasterConfig, {"tp": True}, "--tp: True is not a whole number"),
     (MasterConfig, {"spare_wait": float("nan")}, "--spare-wait: nan is not a number"),
     (MasterConfig, {"on_no_spare": "grow"}, "--on-no-spare: 'grow' is not one of stop, shrink"),
-    (MasterConfig, {"correlation_window": -1.0}, "MasterConfig.correlation_window: -1.0 is out of range"),
+    (MasterConfig, {"correlation_window": -1.0}, "RecoveryPolicy.correlation_window: -1.0 is out of range"),
     (MasterConfig, {"run_dir": None}, "--run-dir: a value is required"),
     (AgentConfig, {"hang_timeout": 0}, "--hang-timeout: 0.0 is out of range; give a value of at least 0.1"),
     (AgentConfig, {"local_ranks_filter": [0, -1]}, "--local-ranks-filter: [-1, 0]: local ranks are integers >= 0"),
@@ -111,13 +111,13 @@ def test_bad_values_name_the_setting(cls, kw, needle):
             AgentConfig: {"endpoint": "h:1", "secret": "s", "spec": WorkerSpec("t.py"), "nproc_per_node": 1},
             WorkerSettings: {}}[cls]
     with pytest.raises(ConfigError) as e:
-        cls(**{**base, **kw})
+        cls.build(**{**base, **kw})
     assert needle in str(e.value)
 
 
 def test_values_are_normalised():
-    m = MasterConfig(run_dir="r", nnodes=1, nproc_per_node=1, node_timeout=2, persist_dir="p")
-    assert m.run_dir == Path("r") and m.persist_dir == Path("p") and type(m.node_timeout) is float
+    m = MasterConfig.build(run_dir="r", nnodes=1, nproc_per_node=1, node_timeout=2, persist_dir="p")
+    assert m.run_dir == Path("r") and m.persistence.persist_dir == Path("p") and type(m.recovery.node_timeout) is float
     a = AgentConfig(endpoint="h:1", secret="s", spec=WorkerSpec("t.py"), nproc_per_node=1, local_ranks_filter=[1, 0])
     assert a.local_ranks_filter == frozenset({0, 1})
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -183,7 +183,7 @@ def test_launcher_starts_processes_with_its_config(tmp_path):
             "--node-timeout", "2.5", "--no-standby-worker", str(EXAMPLE), "--steps", "3"]
     c = launch_config(launch.make_context("phoenixrun", argv).params, (str(EXAMPLE), "--steps", "3"))
     assert isinstance(c, LaunchConfig) and c.standalone and c.spares == 1 and c.master.spares is None
-    assert c.master.persist_dir == (tmp_path / "run" / "checkpoints").resolve() and c.master.node_timeout == 2.5
+    assert c.master.persistence.persist_dir == (tmp_path / "run" / "checkpoints").resolve() and c.master.recovery.node_timeout == 2.5
     assert from_argv("master", c.master.to_argv()) == c.master
     for i in range(3):
         a = c.agent_for("127.0.0.1:1234", i)
@@ -205,7 +205,7 @@ def test_bad_collective_timeout_from_the_environment_is_one_line():
 
 # --------------------------------------------------------------------------------------------------- validate()
 def _master(**kw: object) -> MasterConfig:
-    return MasterConfig(**{"run_dir": "/r", "nnodes": 2, "nproc_per_node": 2, **kw})
+    return MasterConfig.build(**{"run_dir": "/r", "nnodes": 2, "nproc_per_node": 2, **kw})
 
 
 def _agent(**kw: object) -> AgentConfig:
@@ -266,9 +266,26 @@ def test_every_rule_is_exercised_and_names_its_flags():
 def test_replicas_on_is_explicit():
     """The copies a job keeps: --replicas, never more than the other nodes there are (one node, a shrunk job)."""
     m = _master(nnodes=4, replicas=2)
-    assert [m.replicas_on(n) for n in (1, 2, 3, 4)] == [0, 1, 2, 2]
-    assert _master(nnodes=1, replicas=1).replicas_on(1) == 0
+    assert [m.shape.replicas_on(n) for n in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    assert _master(nnodes=1, replicas=1).shape.replicas_on(1) == 0
 
 
 def test_the_defaults_are_valid():
     assert config.problems(LaunchConfig(master=_master(), agent=_agent())) == []
+
+
+def test_master_config_is_nested_as_the_cli_groups_its_flags():
+    """One component per group of flags; every setting has one name across them (build() and from_options()
+    route by it), and build() / updated() reach a setting in whichever component holds it."""
+    leaves = [f.name for f in dataclasses.fields(MasterConfig) if config.group_of(f) is None]
+    for f in dataclasses.fields(MasterConfig):
+        sub = config.group_of(f)
+        if sub is not None:
+            leaves += [g.name for g in dataclasses.fields(sub)]
+    assert len(leaves) == len(set(leaves)) == len(MasterConfig.settings())
+    m = _master(node_timeout=3.0, tp=2, lease_ttl=9.0)
+    assert (m.recovery.node_timeout, m.shape.tp, m.lease.lease_ttl) == (3.0, 2, 9.0)
+    moved = m.updated(port=7, nnodes=4)
+    assert (moved.listen.port, moved.nnodes, moved.shape.tp) == (7, 4, 2) and m.listen.port == 0
+    with pytest.raises(TypeError):
+        MasterConfig.build(run_dir="/r", nnodes=1, nproc_per_node=1, no_such_setting=1)

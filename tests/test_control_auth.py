@@ -18,7 +18,7 @@ from phoenixrun.control.master import Master, MasterConfig
 def master(tmp_path):
     secret = auth.new_secret()
     auth.write_secret(tmp_path, secret)
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=1), secret)
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=2, nproc_per_node=1), secret)
     m.start()
     yield m, secret
     m._finish(0, "test over")
@@ -84,7 +84,7 @@ def _agent(i: int) -> dict:
 
 
 def _started(run_dir, secret) -> Master:
-    m = Master(MasterConfig(run_dir=run_dir, nnodes=2, nproc_per_node=1, node_timeout=1e6), secret)
+    m = Master(MasterConfig.build(run_dir=run_dir, nnodes=2, nproc_per_node=1, node_timeout=1e6), secret)
     m.start()
     return m
 

@@ -192,7 +192,7 @@ def running(tmp_path):
         except OSError:      # taken: something listens there already, which is all the probe asks
             pass
     secret = auth.new_secret()
-    master = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=2, node_timeout=1e6), secret)
+    master = Master(MasterConfig.build(run_dir=tmp_path, nnodes=2, nproc_per_node=2, node_timeout=1e6), secret)
     master.start()
     client = ControlClient(master.endpoint, secret)
     tokens = {}

@@ -11,7 +11,7 @@ HSDP = PeerSet(Mesh(("replicate", "shard"), (2, 2), (0, 1, 2, 3)), frozenset({"s
 
 
 def _master(run_dir, run_id="job-a", nnodes=2):
-    return Master(MasterConfig(run_dir=run_dir, nnodes=nnodes, nproc_per_node=2, run_id=run_id, node_timeout=1e6),
+    return Master(MasterConfig.build(run_dir=run_dir, nnodes=nnodes, nproc_per_node=2, run_id=run_id, node_timeout=1e6),
                   auth.new_secret())
 
 

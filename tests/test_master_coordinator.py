@@ -14,7 +14,7 @@ from phoenixrun.faults import Action
 
 
 def _master(tmp_path, nnodes: int) -> Master:
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1, node_timeout=1e6), auth.new_secret())
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1, node_timeout=1e6), auth.new_secret())
     m.store_port = 0          # not started: no store, no HTTP; the handlers and the controller run directly
     return m
 
@@ -72,7 +72,7 @@ def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, k
 
 # ---------------------------------------------------------------- faults while a recovery waits for a spare (issue 31)
 def _waiting(tmp_path, nnodes: int, spares: int = 0, **cfg) -> Master:
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1, node_timeout=1e6, **cfg),
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1, node_timeout=1e6, **cfg),
                auth.new_secret())
     m.store_port = 0
     for nid in [*"abc"[:nnodes], *(f"s{i}" for i in range(spares))]:
@@ -136,7 +136,7 @@ def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_sur
     and nothing on the lost node's; the fault is the lost node's, and it is a node loss, not host_pcie. The
     console says so in one line (issue 29 item 3: it said nothing)."""
     caplog.set_level("WARNING", logger="phoenixrun.master")
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6, max_restarts=1,
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6, max_restarts=1,
                             correlation_window=0.01), auth.new_secret())
     m.store_port = 0
     for i, nid in enumerate(("a", "b", "s0")):

@@ -118,7 +118,7 @@ from phoenixrun.protocol.messages import MessageError  # noqa: E402
 def _running(tmp_path, spares: int = 0, warm: bool = True) -> Master:
     """A master whose 2 nodes (1 rank each) run an API job with a committed step, and `spares` spares (their
     pre-started workers up, as their heartbeats say, unless `warm` is False)."""
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6), auth.new_secret())
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6), auth.new_secret())
     m.store_port = 0
     for nid in ("a", "b", *(f"s{i}" for i in range(spares))):
         m.register({"node_id": nid, "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:1"})

@@ -18,7 +18,7 @@ MAX_GEN = 2 ** 31 - 1
 
 
 def _master(tmp_path, nnodes=2) -> Master:
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1), auth.new_secret())
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=nnodes, nproc_per_node=1), auth.new_secret())
     m.store_port = 0          # not started: no store, no HTTP
     return m
 

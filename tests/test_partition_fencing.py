@@ -40,7 +40,7 @@ def _register(m: Master, nid: str) -> dict:
 def test_replaced_node_is_fenced_on_every_endpoint(tmp_path):
     """After replacement a node that talks again (healed partition) is told to stop, whatever it asks, and
     is never given work: no directive of the new generation, no heartbeat bookkeeping, no report queued."""
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1), auth.new_secret())
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=1, nproc_per_node=1), auth.new_secret())
     m.store_port = 0                              # not started: no store, no HTTP; the handlers are called directly
     token = _register(m, "a")["token"]
     assert m._inbox.get_nowait()["kind"] == "joined"
@@ -98,8 +98,8 @@ def test_inject_accepts_known_faults_only(fault, ok):
 def test_store_prefix_is_per_generation_and_not_guessable(tmp_path):
     """Generation fencing: a generation's rendezvous prefix is known only through the master's directives, so
     an old generation's worker cannot compute a newer one's; every directive carries the current one."""
-    a = Master(MasterConfig(run_dir=tmp_path / "a", nnodes=1, nproc_per_node=1), auth.new_secret())
-    b = Master(MasterConfig(run_dir=tmp_path / "b", nnodes=1, nproc_per_node=1), auth.new_secret())
+    a = Master(MasterConfig.build(run_dir=tmp_path / "a", nnodes=1, nproc_per_node=1), auth.new_secret())
+    b = Master(MasterConfig.build(run_dir=tmp_path / "b", nnodes=1, nproc_per_node=1), auth.new_secret())
     assert a.store_prefix(4) == a.store_prefix(4) != a.store_prefix(5)
     assert a.store_prefix(4) != b.store_prefix(4)       # not a function of the generation number alone
     assert a.store_prefix(4).startswith("/phoenixrun/gen4-")
@@ -114,7 +114,7 @@ def test_store_prefix_is_per_generation_and_not_guessable(tmp_path):
 def test_a_burst_of_node_losses_during_recovery_is_one_cascade(tmp_path):
     """A rack going down mid-recovery: every loss already queued joins the same new cycle (one cascade, not one
     per node, which would use up the retry budget on one correlated failure); other reports stay queued."""
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=4, nproc_per_node=1), auth.new_secret())
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=4, nproc_per_node=1), auth.new_secret())
     m.store_port = 0
     for nid in ("a", "b", "c", "d", "spare"):
         _register(m, nid)

@@ -17,7 +17,7 @@ from phoenixrun.protocol.client import ControlClient, ControlError
 def running(tmp_path):
     """A started Master with both slots taken by registrations made here: the job is running."""
     secret = auth.new_secret()
-    master = Master(MasterConfig(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6), secret)
+    master = Master(MasterConfig.build(run_dir=tmp_path, nnodes=2, nproc_per_node=1, node_timeout=1e6), secret)
     master.start()
     client = ControlClient(master.endpoint, secret)
     tokens = {}

@@ -126,7 +126,7 @@ def test_every_phase_has_its_row_and_every_live_phase_can_end():
 def test_the_job_state_refuses_an_illegal_phase(tmp_path):
     from phoenixrun.config import MasterConfig
     from phoenixrun.control.jobstate import JobState
-    job = JobState(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1))
+    job = JobState(MasterConfig.build(run_dir=tmp_path, nnodes=1, nproc_per_node=1))
     assert job.phase is W
     with pytest.raises(PhaseError):
         job.phase = Q

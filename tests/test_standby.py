@@ -26,7 +26,7 @@ def render_text(state: dict) -> str:
 
 def test_a_master_that_lost_its_lease_stops_acting(tmp_path):
     secret = auth.new_secret()
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1, lease_ttl=30), secret)
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=1, nproc_per_node=1, lease_ttl=30), secret)
     m.start()
     client = ControlClient(m.endpoint, secret, timeout=5)
     LeaseDir(tmp_path).announce("b", {"endpoint": "hostB:29500", "pid": 1, "since": 0})   # a standby waits
@@ -48,7 +48,7 @@ def test_a_master_that_lost_its_lease_stops_acting(tmp_path):
 
 
 def test_orders_and_replies_carry_the_epoch(tmp_path):
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1), auth.new_secret())
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=1, nproc_per_node=1), auth.new_secret())
     m.store_port = 0
     m.job.master_epoch = 7
     reply = m.register({"node_id": "a", "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:9"})

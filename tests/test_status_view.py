@@ -108,7 +108,7 @@ def test_at_80_columns_no_column_is_cut_to_dots():
 def test_status_after_the_job_ended_shows_the_final_state(tmp_path):
     secret = auth.new_secret()
     auth.write_secret(tmp_path, secret)
-    m = Master(MasterConfig(run_dir=tmp_path, nnodes=1, nproc_per_node=1, run_id="done-run"), secret)
+    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=1, nproc_per_node=1, run_id="done-run"), secret)
     m.start()
     m.register({"node_id": "n1", "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:9"})
     m._finish(3, "worker exited with code 3")

@@ -82,13 +82,13 @@ class Coordinator:
                     return JobEnd(job.exit_code or 0, job.reason)
                 if len(job.slots) == self.cfg.nnodes:
                     break
-                if job.resumed_at is not None and time.time() > job.resumed_at + self.cfg.node_timeout:
+                if job.resumed_at is not None and time.time() > job.resumed_at + self.cfg.recovery.node_timeout:
                     break             # whoever has not rejoined by now is lost
                 if job.resumed_at is None and time.monotonic() - checked >= 0.2:   # O(nodes): not per join
                     now = checked = time.monotonic()
                     joining = Joining(self.cfg.nnodes, tuple(job.slots), sum(
                         n.role == Role.SPARE for n in job.nodes.values()), self.cfg.spares, now - t0,
-                        self.cfg.join_timeout)
+                        self.cfg.recovery.join_timeout)
                     reason = gave_up(joining)
                     if reason is not None:
                         return JobEnd(EXIT_JOIN_TIMEOUT, reason)
@@ -111,7 +111,7 @@ class Coordinator:
                 return None
         # a run directory with checkpoints: resume the job from the newest complete one
         if not self.recovery.fallback(set(), f"resuming from checkpoint step {resume}", counted=False):
-            return JobEnd(1, f"cannot resume from the checkpoints in {self.cfg.persist_dir}")
+            return JobEnd(1, f"cannot resume from the checkpoints in {self.cfg.persistence.persist_dir}")
         return None
 
     def _resume(self, held: list[dict]) -> None:
@@ -205,7 +205,7 @@ class Coordinator:
         the master probes every agent (a dead one refuses at once) and waits up to the correlation
         window for a root cause; if none comes, the reporters get a local reset (transient).
         """
-        job, resets = self.job, self.cfg.max_local_resets
+        job, resets = self.job, self.cfg.recovery.max_local_resets
         events = [ev]
         with job.cv:
             actives = job.actives()
@@ -215,7 +215,7 @@ class Coordinator:
                 events.append({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": time.time(),
                                "detail": "agent unreachable"})
                 definite = True
-        deadline = time.time() + (0.0 if definite else self.cfg.correlation_window)
+        deadline = time.time() + (0.0 if definite else self.cfg.recovery.correlation_window)
         unrelated = []
         while True:
             try:
@@ -262,7 +262,7 @@ class Coordinator:
             if not job.hot_swap_capable():
                 return c
             step = committed_step(job.newest_snapshots(), job.layout.world_size, job.restored_step)
-            e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.max_local_resets))
+            e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.recovery.max_local_resets))
             job.attempts = [*job.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:
                 node = job.nodes.get(ev.get("node_id", ""))
@@ -307,7 +307,7 @@ class Coordinator:
         it, and the reporting node's goes back to what it showed before (`before`)."""
         job = self.job
         reporter_lost = node.slot in lost
-        time.sleep(self.cfg.correlation_window)
+        time.sleep(self.cfg.recovery.correlation_window)
         losses = self.inbox.take(lambda e: e.get("kind") in NODE_LOSSES)
         with job.cv:
             actives = [n for n in job.actives() if n.slot not in lost]
@@ -324,7 +324,7 @@ class Coordinator:
                     lost.add(n.slot)
                     loss = reported.get(n.node_id) or {"kind": ReportKind.NODE_LOST, "node_id": n.node_id,
                                                        "detail": "agent unreachable"}
-                    c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
+                    c = loss_verdict(loss, n.slot, self.cfg.recovery.max_local_resets)
                     n.last_fault = fault_text(c, loss)
                     rec = self.events.emit(fault_detected(loss, n.node_id, n.slot, c, signal=ReportKind.NODE_LOST,
                                                           detail="node lost with the failure", symptom_of_loss=True),

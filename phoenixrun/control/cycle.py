@@ -244,7 +244,7 @@ class Cycle:
         job.done_nodes.clear()
         job.restored_step = r.step
         self.events.emit(FallbackRestart(restore_step=r.step, reason=r.reason, fallbacks=job.fallbacks,
-                                         checkpoint=str(persist.step_dir(self.cfg.persist_dir, r.step))),
+                                         checkpoint=str(persist.step_dir(self.cfg.persistence.persist_dir, r.step))),
                          job.generation)
         self.orders.direct_slots(cmd.Restart(restart_count=job.restart_count, restore_step=r.step))
         return list(job.slots.values())
@@ -302,15 +302,15 @@ class Cycle:
         since = {} if since is None else since
         while pending := sorted(lost - out.keys()):
             slot = pending[0]
-            deadline = since.setdefault(slot, time.time()) + self.cfg.spare_wait
+            deadline = since.setdefault(slot, time.time()) + self.cfg.recovery.spare_wait
             if self._promote(slot, out):
                 since.pop(slot, None)
                 continue
             if time.time() > deadline:
-                if no_spare(may_shrink, self.cfg.on_no_spare, bool(out)) is Next.SHRINK:
+                if no_spare(may_shrink, self.cfg.recovery.on_no_spare, bool(out)) is Next.SHRINK:
                     raise NoSpare(set(lost))
                 raise Stop(75, f"node in slot {slot} lost and no spare registered within "
-                               f"--spare-wait {self.cfg.spare_wait:g}s")
+                               f"--spare-wait {self.cfg.recovery.spare_wait:g}s")
             try:
                 self.flight.pump(min(0.5, max(0.01, deadline - time.time())), lost)
             except (Cascade, PlanError) as c:

@@ -25,9 +25,9 @@ class NoCheckpoint(Exception):
 
 def newest_checkpoint(job: JobState) -> int | None:
     """The newest complete persistent checkpoint not known to be bad (None: none, or no --persist-dir)."""
-    if job.cfg.persist_dir is None:
+    if job.cfg.persistence.persist_dir is None:
         return None
-    return persist.newest_complete(job.cfg.persist_dir, job.layout.world_size, exclude=job.bad_checkpoints)
+    return persist.newest_complete(job.cfg.persistence.persist_dir, job.layout.world_size, exclude=job.bad_checkpoints)
 
 
 class Fallback:

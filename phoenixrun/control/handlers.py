@@ -189,8 +189,8 @@ class Handlers:
     def _job_json(self, role: Role, slot: int | None, token: str) -> dict:
         return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id, "token": token,
                 "store_port": self.job.store_port, "nnodes": self.cfg.nnodes,
-                "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.tp, "pp": self.cfg.pp,
-                "max_restarts": self.cfg.max_restarts, "persist": self._persist_json()}
+                "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.shape.tp, "pp": self.cfg.shape.pp,
+                "max_restarts": self.cfg.recovery.max_restarts, "persist": self._persist_json()}
 
     def _new_token(self, node_id: str) -> str:
         """The registration's token: the node's later calls carry it (messages are bound to their sender)."""
@@ -241,10 +241,10 @@ class Handlers:
     def _straggler(self, node: NodeRecord) -> None:
         """A node became a straggler (call with the lock held): reported; with --replace-stragglers, drained."""
         samples = list(self.job.compute.get(node.node_id, ()))
-        replace = self.cfg.replace_stragglers and self.job.drain_refusal(node.slot) is None
+        replace = self.cfg.stragglers.replace_stragglers and self.job.drain_refusal(node.slot) is None
         self.events.emit(Straggler(node=node.node_id, slot=node.slot, ratio=node.straggler,
                                    compute_s=round(sorted(samples)[len(samples) // 2], 5) if samples else None,
-                                   window=self.cfg.straggler_window, threshold=self.cfg.straggler_ratio,
+                                   window=self.cfg.stragglers.straggler_window, threshold=self.cfg.stragglers.straggler_ratio,
                                    replace=replace), self.job.generation)
         if replace:
             self.inbox.put({"kind": ReportKind.DRAIN, "node_id": node.node_id, "by": "straggler", "t": time.time(),
@@ -364,8 +364,8 @@ class Handlers:
         return reply
 
     def _persist_json(self) -> dict | None:
-        if self.cfg.persist_dir is None:
+        if self.cfg.persistence.persist_dir is None:
             return None
-        return {"dir": str(self.cfg.persist_dir), "every": self.cfg.persist_every, "keep": self.cfg.persist_keep,
+        return {"dir": str(self.cfg.persistence.persist_dir), "every": self.cfg.persistence.persist_every, "keep": self.cfg.persistence.persist_keep,
                 "world_size": self.job.layout.world_size}
 

@@ -108,7 +108,7 @@ class InFlight:
         PROBE_AFTER_S, up to PROBE_MAX of the nodes still awaited are probed (a random few each time, so
         all get probed if the stall lasts). Not while acks flow: at 16K nodes, probing every pending node
         every 0.3 s was most of the master's work in a recovery."""
-        deadline = time.time() + (self.cfg.recovery_timeout if timeout is None else timeout)
+        deadline = time.time() + (self.cfg.recovery.recovery_timeout if timeout is None else timeout)
         progress_at, acked = time.time(), 0
         while not acks.done:
             left = deadline - time.time()
@@ -159,7 +159,7 @@ class InFlight:
         verdict = midway(ev, in_play, self.job.generation)
         why = f"{ev.get('node_id')}: {ev.get('reason')}"
         if verdict is Midway.MISMATCH:
-            raise Stop(EXIT_MISMATCH, mismatch_reason(ev, self.job.restored_step, self.cfg.persist_dir))
+            raise Stop(EXIT_MISMATCH, mismatch_reason(ev, self.job.restored_step, self.cfg.persistence.persist_dir))
         if verdict is Midway.PLAN_FAILED:
             raise PlanError(why)
         if verdict is Midway.RETRY:
@@ -191,7 +191,7 @@ class InFlight:
                     continue
                 lost.add(n.slot)     # whatever the classifier says: a lost node's slot goes to a spare
                 newly += 1
-                c = loss_verdict(loss, n.slot, self.cfg.max_local_resets)
+                c = loss_verdict(loss, n.slot, self.cfg.recovery.max_local_resets)
                 n.last_fault = fault_text(c, loss)
                 self.events.emit(fault_detected(loss, n.node_id, n.slot, c, detail=loss.get("detail", ""),
                                                 during_recovery=True), self.job.generation)

@@ -25,7 +25,7 @@ def job_view(job: JobState, events: EventLog, rejections: Rejections) -> dict[st
         "recoveries": job.recoveries, "exit_code": job.exit_code, "reason": job.reason,
         "protect_every": job.protect_every,
         "nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
-        "world_size": job.layout.world_size, "replicas": cfg.replicas_on(cfg.nnodes),
+        "world_size": job.layout.world_size, "replicas": cfg.shape.replicas_on(cfg.nnodes),
         "active_nnodes": job.layout.nnodes,    # fewer than nnodes while shrunk (--on-no-spare shrink)
         # the global ranks a node's workers hold (none for a spare): where rank 0 runs, for status
         "nodes": sorted(({**n.to_json(now), "ranks": [] if n.slot is None else list(job.layout.ranks_of_slot(n.slot))}

@@ -31,7 +31,7 @@ class JobState:
         self.cfg = cfg
         self.cv = threading.Condition()
         self.stopped = threading.Event()          # set once the job is over
-        self.relayout(Layout(cfg.nnodes, cfg.nproc_per_node, cfg.tp, cfg.pp))
+        self.relayout(Layout(cfg.nnodes, cfg.nproc_per_node, cfg.shape.tp, cfg.shape.pp))
         self.endpoint = ""
         self.store_port = 0
         self.master_epoch = 0       # the lease epoch this master holds (0: no lease); every order carries it
@@ -115,7 +115,7 @@ class JobState:
         (control/reshape.py). Per slot: its ranks' replica holders, and the slots whose addresses it needs."""
         cfg = self.cfg
         self.layout = layout
-        self.placement = place_replicas(layout, cfg.replicas_on(layout.nnodes), cfg.fault_domains)
+        self.placement = place_replicas(layout, cfg.shape.replicas_on(layout.nnodes), cfg.shape.fault_domains)
         self.slot_placement: dict[int, tuple[dict[int, list[int]], list[int]]] = {}
         self.needed_by: dict[int, list[int]] = {}   # slot -> the slots whose world holds its address
         for slot in range(layout.nnodes):
@@ -190,7 +190,7 @@ class JobState:
         self.compute_step[node.node_id] = step
         if first:
             return        # the first step seen: warming up, or measured across the recovery
-        self.compute.setdefault(node.node_id, deque(maxlen=self.cfg.straggler_window * STRAGGLER_WINDOWS)).append(
+        self.compute.setdefault(node.node_id, deque(maxlen=self.cfg.stragglers.straggler_window * STRAGGLER_WINDOWS)).append(
             max(vals))
 
     def new_stragglers(self) -> list[NodeRecord]:
@@ -202,7 +202,7 @@ class JobState:
         self.stragglers_at = now
         actives = self.actives()
         found = stragglers({n.slot: list(self.compute.get(n.node_id, ())) for n in actives},
-                           self.cfg.straggler_ratio, self.cfg.straggler_window)
+                           self.cfg.stragglers.straggler_ratio, self.cfg.stragglers.straggler_window)
         newly = []
         for n in actives:
             r = found.get(n.slot)

@@ -69,7 +69,7 @@ class Master:
                                        probe=unreachable)
         self.monitor = HeartbeatMonitor(self.job, self.events, self._inbox)
         self.lease_id = master_id()
-        self.lease_dir = LeaseDir(self.run_dir) if cfg.lease_ttl else None
+        self.lease_dir = LeaseDir(self.run_dir) if cfg.lease.lease_ttl else None
         self.acquired: Acquired | None = None
         self.keeper: LeaseKeeper | None = None
 
@@ -77,7 +77,7 @@ class Master:
     def acquire_lease(self, stop: threading.Event | None = None) -> int | None:
         """With --lease-ttl: wait until this master holds the lease (a standby waits here, no port open). Returns
         None once it holds it (start() next), or the job's exit code if it finished under another master."""
-        if not self.cfg.lease_ttl or self.acquired is not None:
+        if not self.cfg.lease.lease_ttl or self.acquired is not None:
             return None
         # the store is torch's: imported before the wait, not after the takeover (20 s on a loaded 2-core machine)
         from torch.distributed import TCPStore  # noqa: F401
@@ -86,9 +86,9 @@ class Master:
             log.info("standby: %s; waiting to take over", why)
             self.events.emit(MasterStandby(pid=os.getpid(), holder_epoch=rec and rec.epoch,
                                               holder_endpoint=rec and rec.endpoint,
-                                              endpoint=f"{self.cfg.host}:{self.cfg.port}"), self.generation)
-        got = await_lease(self.lease_dir, self.lease_id, f"{self.cfg.host}:{self.cfg.port}",
-                          self.cfg.lease_ttl, self.cfg.max_clock_skew, stop or threading.Event(), on_wait)
+                                              endpoint=f"{self.cfg.listen.host}:{self.cfg.listen.port}"), self.generation)
+        got = await_lease(self.lease_dir, self.lease_id, f"{self.cfg.listen.host}:{self.cfg.listen.port}",
+                          self.cfg.lease.lease_ttl, self.cfg.lease.max_clock_skew, stop or threading.Event(), on_wait)
         if not got.epoch:
             log.info("the job finished under another master (%s)", got.reason)
             return got.previous.exit_code or 0 if got.previous is not None else 0
@@ -104,7 +104,7 @@ class Master:
     def _keep_lease(self) -> None:
         got = self.acquired
         self.keeper = LeaseKeeper(self.lease_dir, self.lease_id, got.epoch, self.endpoint,
-                                  self.cfg.lease_ttl, self.cfg.max_clock_skew, self._deposed)
+                                  self.cfg.lease.lease_ttl, self.cfg.lease.max_clock_skew, self._deposed)
         self.keeper.start()
         if got.previous is not None:
             self.events.emit(MasterTakeover(epoch=got.epoch, endpoint=self.endpoint,
@@ -124,18 +124,18 @@ class Master:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        if self.cfg.lease_ttl and self.acquired is None:
+        if self.cfg.lease.lease_ttl and self.acquired is None:
             self.acquire_lease()
         from torch.distributed import TCPStore  # the workers' rendezvous store lives here
-        self.store = TCPStore(self.cfg.host, self.cfg.store_port, is_master=True, wait_for_workers=False,
+        self.store = TCPStore(self.cfg.listen.host, self.cfg.listen.store_port, is_master=True, wait_for_workers=False,
                               use_libuv=True)
         self.store_port = self.store.port
         _raise_fd_limit()   # two connections per agent (heartbeat, directive poll)
-        self.http = ControlServer(self, self.cfg.host, self.cfg.port)
+        self.http = ControlServer(self, self.cfg.listen.host, self.cfg.listen.port)
         self.orders.wake = self.http.wake
         self.monitor.transport = self.http
         self.http.start()
-        self.endpoint = f"{self.cfg.host}:{self.http.server_address[1]}"
+        self.endpoint = f"{self.cfg.listen.host}:{self.http.server_address[1]}"
         for target, name in ((self.monitor.run, "_monitor"), (self.coordinator.run, "_controller")):
             threading.Thread(target=target, daemon=True, name=name).start()
         if self.acquired is not None:

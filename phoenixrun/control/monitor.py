@@ -42,7 +42,7 @@ class HeartbeatMonitor:
 
     def run(self) -> None:
         job = self.job
-        tick = min(0.25, job.cfg.node_timeout / 4)
+        tick = min(0.25, job.cfg.recovery.node_timeout / 4)
         woke = time.monotonic()
         while not job.stopped.is_set():
             time.sleep(tick)
@@ -56,7 +56,7 @@ class HeartbeatMonitor:
                     self._forgive_stall(slept - tick)
                 stale = []
                 for nid in job.heard:   # least recently heard first: stop at the first fresh one
-                    if seen - job.nodes[nid].last_heartbeat <= job.cfg.node_timeout:
+                    if seen - job.nodes[nid].last_heartbeat <= job.cfg.recovery.node_timeout:
                         break
                     stale.append(nid)
                 for nid in stale:

@@ -68,7 +68,7 @@ class Recoveries:
     def fallback(self, lost: set[int], reason: str, counted: bool = True) -> bool:
         """Restart every worker from the newest complete persistent checkpoint (control/fallback.py). False:
         nothing to fall back to (no checkpoint, or --max-fallbacks used up)."""
-        tries = fallback_attempts(self.job.fallbacks, self.cfg.max_fallbacks, counted)
+        tries = fallback_attempts(self.job.fallbacks, self.cfg.persistence.max_fallbacks, counted)
         if tries == 0:
             return False
         try:
@@ -77,7 +77,7 @@ class Recoveries:
             return False
         if out is not None:
             raise Stop(1, f"restart from the persistent checkpoint kept failing ({reason}); "
-                          f"{tries} tries, --max-fallbacks {self.cfg.max_fallbacks} used up")
+                          f"{tries} tries, --max-fallbacks {self.cfg.persistence.max_fallbacks} used up")
         return True
 
     # ---------------------------------------------------------------- hot swap

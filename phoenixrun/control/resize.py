@@ -68,7 +68,7 @@ class Shrink(Resize):
             if isinstance(plan, Refusal):
                 self.cycle.events.emit(RecoveryFailed(reason=f"cannot shrink: {plan.reason}"), job.generation)
                 raise Stop(75, f"node(s) in slot(s) {sorted(lost)} lost, no spare registered within --spare-wait "
-                               f"{cfg.spare_wait:g}s, and the job cannot shrink: {plan.reason}")
+                               f"{cfg.recovery.spare_wait:g}s, and the job cannot shrink: {plan.reason}")
             gone = {}
             for s in lost:
                 failed = job.nodes[job.slots[s]]

@@ -26,8 +26,8 @@ class Restart:
         in connectFullMesh, one hung for 10 minutes). An attempt that does not come up is stopped with
         the ranks that never arrived (`check`)."""
         job, cycle = self.job, self.cycle
-        if job.restart_count >= self.cfg.max_restarts:
-            raise Stop(failing_code or 1, f"{why}; no restarts left (--max-restarts {self.cfg.max_restarts})")
+        if job.restart_count >= self.cfg.recovery.max_restarts:
+            raise Stop(failing_code or 1, f"{why}; no restarts left (--max-restarts {self.cfg.recovery.max_restarts})")
         cycle.fill(lost)
         with job.cv:
             job.restart_count += 1
@@ -46,12 +46,12 @@ class Restart:
     def _attempt_store(self, generation: int) -> int:
         """A TCPStore for one restart attempt; the previous attempt's (its workers are gone) is closed."""
         from torch.distributed import TCPStore
-        store = TCPStore(self.cfg.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        store = TCPStore(self.cfg.listen.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
         self._attempt_stores = {generation: store}
         return store.port
 
     def _arm_check(self, generation: int, joined: int | None) -> None:
-        timer = threading.Timer(self.cfg.recovery_timeout, self.cycle.flight.inbox.put,
+        timer = threading.Timer(self.cfg.recovery.recovery_timeout, self.cycle.flight.inbox.put,
                                 args=({"kind": ReportKind.ATTEMPT_CHECK, "generation": generation, "joined": joined},))
         timer.daemon = True
         timer.start()
@@ -70,6 +70,6 @@ class Restart:
         missing = attempt_verdict(joined, world, ev.get("joined"))
         if missing is not None:
             raise Stop(1, f"restart {self.job.restart_count} did not come up: rank(s) {missing} never reached "
-                          f"init_process_group within --recovery-timeout {self.cfg.recovery_timeout:g}s "
+                          f"init_process_group within --recovery-timeout {self.cfg.recovery.recovery_timeout:g}s "
                           f"while {len(joined)} of {world} ranks waited for them")
         self._arm_check(g, len(joined))
