@@ -171,7 +171,7 @@ class InFlight:
             # the dead one from the node's snapshot (dropped as expected, it cost the whole --recovery-timeout)
             with self.job.cv:
                 self.job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
-                c = midway_worker_verdict(ev, node.slot, self.cfg.max_local_resets)
+                c = midway_worker_verdict(ev, node.slot, self.cfg.recovery.max_local_resets)
                 self.events.emit(fault_detected(ev, node.node_id, node.slot, c, during_recovery=True),
                                  self.job.generation)
             raise Cascade(f"rank {ev.get('rank')} on slot {node.slot} died during recovery: "
