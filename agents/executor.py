@@ -14,8 +14,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-from phoenixrun.protocol import ReportKind, WorkerOp
+from phoenixrun.protocol import ReportKind
 from phoenixrun.protocol import directives as cmd
+from phoenixrun.protocol import worker_orders
 from phoenixrun.protocol.directives import Directive
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.slot_format import SlotHeader
@@ -139,8 +140,7 @@ class DirectiveExecutor:
             live = self.supervisor.live_connected()
             grace = self.supervisor.step_times.grace()      # follows the measured step time (phases.quiesce_grace)
             self.phases.expect_quiesce(live, deadline=time.time() + grace, grace=grace)
-            self.supervisor.send_all(live, {"op": WorkerOp.QUIESCE, "generation": self.node.generation,
-                                            **({} if at_step is None else {"at_step": at_step})})
+            self.supervisor.send_all(live, worker_orders.Quiesce(generation=self.node.generation, at_step=at_step))
         self.maybe_quiesced()
 
     def maybe_quiesced(self) -> None:
@@ -273,7 +273,7 @@ class DirectiveExecutor:
             if live:
                 self.replicator.freeze(True)
                 self.phases.expect_quiesce(live)
-                self.supervisor.send_all(live, {"op": WorkerOp.QUIESCE, "generation": self.node.generation})
+                self.supervisor.send_all(live, worker_orders.Quiesce(generation=self.node.generation))
         if live:
             self._await_quiesced()
         if not self._stage_from_disk(step):

@@ -6,7 +6,9 @@ import logging
 import os
 import socket
 import threading
-from typing import Callable
+from typing import Any, Callable
+
+from phoenixrun.protocol.worker_orders import WorkerOrder
 
 log = logging.getLogger("phoenixrun.agent.ipc")
 
@@ -19,8 +21,9 @@ class WorkerConn:
         self._wlock = threading.Lock()
         self.closed = False
 
-    def send(self, msg: dict) -> None:
-        data = (json.dumps(msg) + "\n").encode()
+    def send(self, msg: dict[str, Any] | WorkerOrder) -> None:
+        """One JSON line; an order (protocol/worker_orders.py) is encoded here, at the edge."""
+        data = (json.dumps(msg.to_wire() if isinstance(msg, WorkerOrder) else msg) + "\n").encode()
         with self._wlock:
             try:
                 self.sock.sendall(data)

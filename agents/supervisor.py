@@ -12,10 +12,11 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from phoenixrun.config import AgentConfig
 from phoenixrun.faults.mismatch import state_mismatch
-from phoenixrun.protocol import ReportKind, WorkerOp
+from phoenixrun.protocol import ReportKind, WorkerOp, worker_orders
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS, REPORTED, PhaseAcks, StepTimes
@@ -184,15 +185,14 @@ class WorkerSupervisor:
         return workers, conns
 
     # ------------------------------------------------------------------ the channel
-    def assignment(self, local_rank: int) -> dict:
+    def assignment(self, local_rank: int) -> worker_orders.Assign:
         node, job = self.node, self.node.job
-        return {"op": WorkerOp.ASSIGN, "rank": node.rank(local_rank), "local_rank": local_rank,
-                "slot": node.slot, "nnodes": job["nnodes"], "nproc_per_node": node.nproc_per_node,
-                "world_size": job["nnodes"] * node.nproc_per_node, "generation": node.generation,
-                "store_prefix": node.store_prefix,
-                "restart_count": node.restart_count, "restore_step": node.restore_step,
-                "master_addr": node.store_host(), "master_port": node.job_store_port(),
-                "tp": job["tp"], "pp": job["pp"], "run_id": job["run_id"], "reshard": node.reshard_of(local_rank)}
+        return worker_orders.Assign(
+            rank=node.rank(local_rank), local_rank=local_rank, slot=node.slot, nnodes=job["nnodes"],
+            nproc_per_node=node.nproc_per_node, world_size=job["nnodes"] * node.nproc_per_node,
+            generation=node.generation, store_prefix=node.store_prefix, restart_count=node.restart_count,
+            restore_step=node.restore_step, master_addr=node.store_host(), master_port=node.job_store_port(),
+            tp=job["tp"], pp=job["pp"], run_id=job["run_id"], reshard=node.reshard_of(local_rank))
 
     def hello(self, conn: WorkerConn, local_rank: int) -> None:
         """A worker connected: a ranked one gets its assignment, a warm spare's waits for its rank, and so does the
@@ -211,7 +211,7 @@ class WorkerSupervisor:
             self.conns[local_rank] = conn
             conn.send(self.assignment(local_rank))
 
-    def send_all(self, local_ranks: set[int], msg: dict) -> None:
+    def send_all(self, local_ranks: set[int], msg: dict[str, Any] | worker_orders.WorkerOrder) -> None:
         for lr in local_ranks:
             self.conns[lr].send(msg)
 
@@ -231,10 +231,10 @@ class WorkerSupervisor:
                     self.conns[lr] = conn
                     conn.send(self.assignment(lr))
             elif lr in self.conns:
-                self.conns[lr].send({"op": WorkerOp.REBUILD, "generation": self.node.generation, "restore_step": step,
-                                     "store_prefix": self.node.store_prefix,
-                                     # the store moves with the master (a standby took over on its own host)
-                                     "master_addr": self.node.store_host(), "master_port": self.node.job_store_port()})
+                # the store moves with the master (a standby took over on its own host)
+                self.conns[lr].send(worker_orders.Rebuild(
+                    generation=self.node.generation, restore_step=step, store_prefix=self.node.store_prefix,
+                    master_addr=self.node.store_host(), master_port=self.node.job_store_port()))
 
     # ------------------------------------------------------------------ the standby worker (agents/standby.py)
     def _hand_to_standby(self, local_rank: int) -> bool:

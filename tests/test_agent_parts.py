@@ -22,6 +22,7 @@ from phoenixrun.protocol import WorkerOp
 from phoenixrun.protocol.directives import World, decode
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.protocol.timings import Timings
+from phoenixrun.protocol.worker_orders import Assign
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.slot_format import SlotHeader
 
@@ -277,7 +278,7 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
     try:
         link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
         assign = link.orders.get(timeout=30)
-        assert (assign["op"], assign["rank"], assign["world_size"]) == ("assign", 0, 2) and a.node.api
+        assert isinstance(assign, Assign) and (assign.rank, assign.world_size) == (0, 2) and a.node.api
         link.send({"op": 5})                                   # no such op: ignored, the channel goes on
         link.send({"op": "teleport"})
         h = SlotHeader(step=5, meta_cap=64, meta_len=2, private_len=100, shared_len=100)

@@ -86,7 +86,7 @@ link = AgentLink(os.environ["PHOENIXRUN_AGENT_SOCK"])
 link.send({"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
            "api": sys.argv[2] == "api"})
 assign = link.orders.get()
-seen = {"assign": assign, "env_local_rank": os.environ.get("LOCAL_RANK"), "standby": os.environ.get("PHOENIXRUN_STANDBY")}
+seen = {"assign": assign.to_wire(), "env_local_rank": os.environ.get("LOCAL_RANK"), "standby": os.environ.get("PHOENIXRUN_STANDBY")}
 Path(sys.argv[1], f"{os.getpid()}.json").write_text(json.dumps(seen))
 for step in range(3000):
     link.send({"op": "progress", "step": step, "step_s": 0.01})

@@ -14,6 +14,7 @@ import threading
 from typing import Callable
 
 from phoenixrun.protocol.names import WorkerOp
+from phoenixrun.protocol.worker_orders import ChannelClosed, Quiesce, WorkerOrder, decode
 
 
 class AgentGone(RuntimeError):
@@ -27,7 +28,7 @@ class AgentLink:
         self._wlock = threading.Lock()
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue] = {}
-        self.orders: queue.Queue[dict] = queue.Queue()     # assign / rebuild, for the training thread
+        self.orders: queue.Queue[WorkerOrder] = queue.Queue()   # assign / rebuild / quiesce, for the training thread
         self.cv = threading.Condition()
         self.committed_step = -1
         self.commit_error: str | None = None
@@ -100,20 +101,21 @@ class AgentLink:
                     self.poison_loss = True
                 elif op == WorkerOp.SLOW:                  # `phoenixrun inject --fault slow:FACTOR`
                     self.slow_factor = float(msg.get("factor", 1.0))
-                elif op == WorkerOp.QUIESCE:
-                    g = int(msg["generation"])
-                    if msg.get("at_step") is not None and self.on_drain(g, int(msg["at_step"])):
-                        continue                           # stops at the boundary: nothing to interrupt
-                    with self.cv:
-                        self.quiesce_generation = max(self.quiesce_generation, g)
-                        self.cv.notify_all()
-                    self.on_quiesce(g)
-                    self.orders.put(msg)
                 else:
-                    self.orders.put(msg)
+                    order = decode(msg)
+                    if isinstance(order, Quiesce):
+                        g = order.generation
+                        if order.at_step is not None and self.on_drain(g, order.at_step):
+                            continue                       # stops at the boundary: nothing to interrupt
+                        with self.cv:
+                            self.quiesce_generation = max(self.quiesce_generation, g)
+                            self.cv.notify_all()
+                        self.on_quiesce(g)
+                    if order is not None:
+                        self.orders.put(order)
         except (OSError, ValueError):
             pass
         self.closed = True
         with self.cv:
             self.cv.notify_all()
-        self.orders.put({"op": WorkerOp.AGENT_GONE})
+        self.orders.put(ChannelClosed())

@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from phoenixrun.config import WorkerSettings
+from phoenixrun.protocol import worker_orders
 from phoenixrun.protocol.names import WorkerOp
+from phoenixrun.protocol.worker_orders import WorkerOrder
 from phoenixrun.runtime import layout_check, process_group
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.collective_check import CHECKS
@@ -307,20 +309,21 @@ class _Runtime:
         self.running_step = -1            # the step the training thread has set out to run (under link.cv)
         self.final_step = 1 << 62         # job.steps()'s total: its end is the last boundary a drain can stop at
         self.link.send({"op": WorkerOp.HELLO, "local_rank": local_rank, "pid": os.getpid(), "api": True})
-        assign = self.next_order({WorkerOp.ASSIGN})
-        self.rank, self.world_size = assign["rank"], assign["world_size"]
-        self.local_rank = int(assign.get("local_rank", local_rank))   # a standby learns it here (agents/standby.py)
-        self.master_addr, self.master_port = assign["master_addr"], int(assign["master_port"])
-        self.generation = assign["generation"]
-        self.store_prefix = assign.get("store_prefix")
-        self.restore_step = assign["restore_step"]
-        self.reshard: dict | None = assign.get("reshard")   # a shrink or grow's restart (runtime/reshard.py)
+        assign = self.next_order(worker_orders.Assign)
+        assert isinstance(assign, worker_orders.Assign)
+        self.rank, self.world_size = assign.rank, assign.world_size
+        self.local_rank = assign.local_rank        # a standby learns it here (agents/standby.py)
+        self.master_addr, self.master_port = assign.master_addr, int(assign.master_port)
+        self.generation = assign.generation
+        self.store_prefix = assign.store_prefix
+        self.restore_step = assign.restore_step
+        self.reshard: dict | None = assign.reshard   # a shrink or grow's restart (runtime/reshard.py)
         settings = WorkerSettings.from_env()
         self.timeout = timedelta(seconds=settings.collective_timeout)
         # a warm spare learns its identity only now: give the script what torchrun would have
         os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank),
-                           "WORLD_SIZE": str(self.world_size), "GROUP_RANK": str(assign["slot"]), "ROLE_RANK": str(self.rank),
-                           "ROLE_WORLD_SIZE": str(self.world_size), "PHOENIXRUN_SLOT": str(assign["slot"])})
+                           "WORLD_SIZE": str(self.world_size), "GROUP_RANK": str(assign.slot), "ROLE_RANK": str(self.rank),
+                           "ROLE_WORLD_SIZE": str(self.world_size), "PHOENIXRUN_SLOT": str(assign.slot)})
         # every generation of the groups' backends: created, aborted and destroyed by one lifecycle
         self.gens = Generations(generation_kind(settings.backend), self.master_addr, self.master_port, self.rank,
                                 self.world_size, self.timeout, GROUPS)
@@ -338,13 +341,14 @@ class _Runtime:
         gen = self.gens.current
         return gen is None or gen.generation < self.link.quiesce_generation
 
-    def next_order(self, ops: set[str]) -> dict:
+    def next_order(self, *kinds: type[WorkerOrder]) -> WorkerOrder:
+        """The agent's next order of one of `kinds` (the others are moot by now)."""
         while True:
-            msg = self.link.orders.get()
-            if msg.get("op") == WorkerOp.AGENT_GONE:
+            order = self.link.orders.get()
+            if isinstance(order, worker_orders.ChannelClosed):
                 raise AgentGone("the node agent went away")
-            if msg.get("op") in ops:
-                return msg
+            if isinstance(order, kinds):
+                return order
 
     def _on_quiesce(self, generation: int) -> None:
         # called on the reader thread: unblock whatever the training thread is stuck in, and refuse its next

@@ -18,6 +18,7 @@ from torch._C._distributed_c10d import Reducer
 from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.protocol.timings import Timings
+from phoenixrun.protocol.worker_orders import Quiesce, Rebuild
 from phoenixrun.runtime.protection import Protection, Quiesced
 from phoenixrun.runtime.reshard import reshard
 
@@ -85,23 +86,23 @@ class RecoveryClient:
             if g > self.rt.generation and g > reported:
                 self.link.send({"op": WorkerOp.QUIESCED, "generation": g, "next_step": self.next_step()})
                 reported = g
-            order = self.rt.next_order({WorkerOp.REBUILD, WorkerOp.QUIESCE})
-            if order["op"] == WorkerOp.QUIESCE or order["generation"] < self.link.quiesce_generation:
+            order = self.rt.next_order(Rebuild, Quiesce)
+            if not isinstance(order, Rebuild) or order.generation < self.link.quiesce_generation:
                 continue
             log.warning("rank %d: rejoining as generation %d, restoring step %d", self.rt.rank,
-                        order["generation"], order["restore_step"])
+                        order.generation, order.restore_step)
             try:
                 t1 = time.time()
-                self.rt.connect(order["generation"], order.get("store_prefix"), order.get("master_addr"),
-                                order.get("master_port"))
+                self.rt.connect(order.generation, order.store_prefix, order.master_addr,
+                                order.master_port)
                 t2 = time.time()
-                self.protection.restore(order["restore_step"])
+                self.protection.restore(order.restore_step)
                 t3 = time.time()
             except (RuntimeError, ValueError) as e:
-                log.warning("rejoin of generation %s failed (%s); waiting for the next", order["generation"], e)
+                log.warning("rejoin of generation %s failed (%s); waiting for the next", order.generation, e)
                 continue
-            self.restored(order["restore_step"])
-            self.link.send({"op": WorkerOp.RESUMED, "generation": order["generation"], "timings": Timings(
+            self.restored(order.restore_step)
+            self.link.send({"op": WorkerOp.RESUMED, "generation": order.generation, "timings": Timings(
                 rebuild_s=t2 - t1, state_s=t3 - t2, worker_recovery_s=t3 - t0).to_wire()})
             return
 
