@@ -12,6 +12,7 @@ from phoenixrun.agents.agent import Agent, AgentConfig
 from phoenixrun.agents.ipc import WorkerChannelServer
 from phoenixrun.agents.standby import IdleBudget, NodeView, Tend, after_exit, over_budget, tend, usable
 from phoenixrun.agents.workers import Placement, WorkerSpec, standby_env, worker_env
+from phoenixrun.protocol.timings import Timings
 
 ON = dict(enabled=True, api=True, active=True, have=False, current=True, settled=True, finishing=False)
 
@@ -158,8 +159,8 @@ def test_a_dead_workers_rank_goes_to_the_standby_which_is_then_replenished(node,
         assert not sup.standby.alive
     with a.node.lock:                                         # the recovery is over; the standby steps as rank 3
         a.slots.frozen = False
-        a.phases.resumed(0, {})
-        a.phases.resumed(1, {})
+        a.phases.resumed(0, Timings())
+        a.phases.resumed(1, Timings())
     _watch_until(a, lambda: sup.standby.alive, "a new standby once the node trains again")
     assert sup.standby.worker.pid not in (standby, keep) and sup.workers[1].rank == 3
 
