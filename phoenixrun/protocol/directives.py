@@ -14,26 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Union
 
 from phoenixrun.protocol.codec import int_keys
+from phoenixrun.protocol.fields import optional as _absent
+from phoenixrun.protocol.fields import wire_fields
 from phoenixrun.protocol.names import Command
 from phoenixrun.protocol.restore import RankSource
-
-_OPTIONAL = {"optional": True}
-
-
-def _absent() -> Any:
-    """A field left off the wire when not given (None)."""
-    return field(default=None, metadata=_OPTIONAL)
-
-
-def _wire(obj: Any) -> dict[str, Any]:
-    """A dataclass's fields as JSON-ready values (optional ones only when given)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if value is None and f.metadata.get("optional"):
-            continue
-        out[f.name] = value
-    return out
 
 
 def _opt_int(m: Mapping[str, Any], name: str) -> int | None:
@@ -103,7 +87,7 @@ class Order:
     COMMAND: ClassVar[Command]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"command": self.COMMAND.value, **_wire(self)}
+        return {"command": self.COMMAND.value, **wire_fields(self)}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,18 +6,12 @@ other field is always written (null when unknown), so the five places that detec
 Pure data: no I/O. `fields()` is what goes to the log (with `t`, `event` and `generation` added by the log)."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from phoenixrun.protocol.fields import optional as _absent
+from phoenixrun.protocol.fields import renamed, wire_fields
 from phoenixrun.protocol.names import Event
-
-_OPTIONAL = {"optional": True}
-
-
-def _absent() -> Any:
-    """A field the record leaves out when not given (None)."""
-    return field(default=None, metadata=_OPTIONAL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,13 +20,7 @@ class EventRecord:
 
     def fields(self) -> dict[str, Any]:
         """The record's fields as the log writes them (optional ones only when given)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.metadata.get("optional"):
-                continue
-            out[f.metadata.get("key", f.name)] = value
-        return out
+        return wire_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,7 +203,7 @@ class FaultDetected(EventRecord):
     rank: int | None
     returncode: int | None
     detail: str
-    fault_class: str = field(metadata={"key": "class"})
+    fault_class: str = renamed("class")
     action: str
     step: int | None
     verdict: str | None = _absent()
