@@ -38,7 +38,7 @@ from phoenixrun.config import WorkerSettings
 from phoenixrun.protocol import worker_orders
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.protocol.worker_orders import WorkerOrder
-from phoenixrun.runtime import layout_check, process_group
+from phoenixrun.runtime import boundaries, layout_check, process_group
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.collective_check import CHECKS
 from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, RunPosition, StatefulObjects
@@ -433,6 +433,8 @@ class Job:
         # leave behind for the replay; there the quiesce waits for the next forward, optimizer step or collective wait
         from torch.distributed.fsdp import FSDPModule
         rt.refuse_on_quiesce = not any(isinstance(m, FSDPModule) for m in model.modules())
+        if rt.refuse_on_quiesce:   # and at every layer's forward and every gradient: a survivor stops at once
+            boundaries.install(model, self._check_quiesce)
         if rt.restore_step is not None and rt.reshard is not None:
             self.recovery.reshape(rt.generation, rt.restore_step, rt.reshard)
         elif rt.restore_step is not None:
