@@ -1,6 +1,6 @@
 """Which backend carries the workers' CUDA tensors, and the one line that says so at start (issue 29).
 
-The workers' rebuilt process groups use gloo unless PHOENIXRUN_BACKEND=nccl (runtime/process_group.py). On a GPU
+The workers' rebuilt process groups use gloo unless PHOENIXRUN_BACKEND=nccl (runtime/generations.py). On a GPU
 node that default moved CUDA tensors over gloo without a word; now the launcher (and `phoenixrun agent`) prints
 one line naming the backend and why whenever a CUDA device is visible or the variable is set. gloo stays the
 default: the NCCL path has not run on a GPU yet (docs/api.md, "GPU": `tools/gpu_check.sh` is the check).

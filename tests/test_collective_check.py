@@ -10,7 +10,7 @@ import torch
 
 from phoenixrun.runtime.collective_check import (CHECKS, FROM_CPP, RECORD_BYTES, CollectiveMismatch, Issued,
                                                  call_site, decode, encode, mismatch)
-from phoenixrun.runtime.process_group import GlooGeneration
+from phoenixrun.runtime.generations import GlooGeneration
 from tests.test_generations import both, members, store  # noqa: F401 - the fixture
 
 

@@ -1,4 +1,4 @@
-"""The generation lifecycle of the reconfigurable groups (runtime/process_group.py), on CPU.
+"""The generation lifecycle of the reconfigurable groups (runtime/generations.py), on CPU.
 
 The same `Generations` logic drives gloo and NCCL generations. Here it runs with real gloo backends and a real
 TCPStore, two ranks as threads of this process; the NCCL generation runs with a stand-in for the one NCCL-specific
@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from phoenixrun.config import WorkerSettings
-from phoenixrun.runtime.process_group import (DeviceRouted, GlooGeneration, GroupRegistry, Generations,
-                                              NcclGeneration, ReconfigurableProcessGroup, generation_kind, nccl_env)
+from phoenixrun.runtime.generations import (DeviceRouted, GlooGeneration, Generations, NcclGeneration,
+                                           generation_kind, nccl_env)
+from phoenixrun.runtime.process_group import GroupRegistry, ReconfigurableProcessGroup
 
 TIMEOUT = timedelta(seconds=20)   # a hang the abort failed to end fails the test in 20 s instead of wedging it
 

@@ -222,8 +222,8 @@ def test_snapshot_of_a_large_model_hides_behind_the_next_step_and_restores_bit_e
 def test_nccl_generation_cycle_on_one_rank():
     """create -> abort mid-collective from another thread -> recreate -> a collective succeeds, with the real
     ProcessGroupNCCL and the same Generations lifecycle the runtime uses."""
-    from phoenixrun.runtime.process_group import (DeviceRouted, Generations, GroupRegistry, NcclGeneration,
-                                                  ReconfigurableProcessGroup)
+    from phoenixrun.runtime.generations import DeviceRouted, Generations, NcclGeneration
+    from phoenixrun.runtime.process_group import GroupRegistry, ReconfigurableProcessGroup
     assert dist.is_nccl_available()
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, use_libuv=True)
     reg = GroupRegistry()

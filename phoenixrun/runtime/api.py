@@ -44,8 +44,8 @@ from phoenixrun.runtime.collective_check import CHECKS
 from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, RunPosition, StatefulObjects
 from phoenixrun.runtime.protection import Protection, Quiesced
 from phoenixrun.runtime.recovery_client import RecoveryClient, recoverable_cause
-from phoenixrun.runtime.process_group import (GROUPS, Generations, ReconfigurableProcessGroup, generation_kind,
-                                              install_default_group)
+from phoenixrun.runtime.generations import Generations, generation_kind
+from phoenixrun.runtime.process_group import GROUPS, ReconfigurableProcessGroup, install_default_group
 from phoenixrun.topology import Coords, Layout
 
 log = logging.getLogger("phoenixrun.runtime")
