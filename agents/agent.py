@@ -30,6 +30,7 @@ from phoenixrun.config import AgentConfig
 from phoenixrun.protocol.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, poll_all
 from phoenixrun.protocol import ReportKind
+from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S
 from phoenixrun.agents.drills import FaultDrills
 from phoenixrun.agents.executor import DirectiveExecutor
 from phoenixrun.agents.ipc import WorkerChannelServer
@@ -37,6 +38,7 @@ from phoenixrun.agents.master_link import MasterLink
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerServer
+from phoenixrun.agents.relay import ParentLink, RelayCache
 from phoenixrun.agents.persister import PersistConfig, Persister
 from phoenixrun.agents.phases import PhaseAcks
 from phoenixrun.agents.replicator import Replicator
@@ -101,7 +103,9 @@ class Agent:
     # ------------------------------------------------------------------ startup
     def run(self) -> int:
         self.channel = WorkerChannelServer(self.sock_path, self.worker_ops.on_message, self.worker_ops.on_close)
-        self.peer_server = PeerServer(self.cfg.host, self.cfg.secret, self.replicator.peer_handlers(),
+        relay = RelayCache()       # its directive fan-out part (agents/relay.py)
+        self.peer_server = PeerServer(self.cfg.host, self.cfg.secret,
+                                      {**self.replicator.peer_handlers(), RELAY_OP: relay.serve},
                                       sinks=self.replicator.peer_sinks())
         self.drills = FaultDrills(self.node, self.life, self.supervisor, self.injected, self.cut, self.peer_server,
                                   self.peers)
@@ -113,7 +117,8 @@ class Agent:
                           # only this process holds it: proves a retried registration or a rejoin is ours
                           "nonce": secrets.token_hex(16)},
             heartbeat_interval=self.cfg.heartbeat_interval, node_state=self._heartbeat_state,
-            rejoin_state=self._rejoin_state, on_inject=self.drills.inject)
+            rejoin_state=self._rejoin_state, on_inject=self.drills.inject,
+            parent=ParentLink(GatedPeerClient(self.cfg.secret, self.cut, io_timeout=RELAY_POLL_S + 3)), relay=relay)
         try:
             reg = self.link.register(node_rank=self.cfg.node_rank)
         except ControlError as e:

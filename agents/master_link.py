@@ -17,7 +17,10 @@ from typing import Callable
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.protocol.directives import Directive, decode
 from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
+from phoenixrun.protocol.relay import FALLBACK_POLL_S
 from phoenixrun.agents.node import Lifecycle, NodeState
+from phoenixrun.agents.peer import PeerError
+from phoenixrun.agents.relay import ParentLink, RelayCache
 
 log = logging.getLogger("phoenixrun.agent")
 
@@ -25,16 +28,23 @@ log = logging.getLogger("phoenixrun.agent")
 class MasterLink:
     def __init__(self, node: NodeState, life: Lifecycle, client: ControlClient, registration: dict,
                  heartbeat_interval: float, node_state: Callable[[], dict], rejoin_state: Callable[[], dict],
-                 on_inject: Callable[[str], None]):
+                 on_inject: Callable[[str], None], parent: ParentLink | None = None,
+                 relay: RelayCache | None = None):
         """registration: what this node tells the master about itself (host, addresses, nproc_per_node...);
         node_state: the heartbeat's view of the node; rejoin_state: what a restarted master learns from us;
-        on_inject: a fault the master asks this node to inject (`phoenixrun inject`)."""
+        on_inject: a fault the master asks this node to inject (`phoenixrun inject`); parent: how it polls a relay
+        (agents/relay.py: the master's heartbeat replies say which; without one it always polls the master); relay:
+        what it holds for its children when it is a relay."""
         self.node, self.life, self.client, self.registration = node, life, client, registration
         self.heartbeat_interval = heartbeat_interval
         self.node_state, self.rejoin_state, self.on_inject = node_state, rejoin_state, on_inject
         self.directives: queue.Queue[Directive] = queue.Queue()
         self._version = -1
         self.epoch = 0          # the highest master epoch seen (0: masters without a lease)
+        self.parent, self.relay = parent, relay or RelayCache()
+        self.parent_addr: str | None = None   # the relay this node polls (None: the master)
+        self.serves = False                   # it is a relay: its polls speak for its children
+        self._direct_until = 0.0              # its relay failed: poll the master directly until then
 
     def current_master(self, reply: dict) -> bool:
         """Is `reply` from a master this node may listen to? A newer epoch is a new master: its directive versions
@@ -90,12 +100,19 @@ class MasterLink:
                     f" (slot {reply['slot']})" if reply.get("slot") is not None else "")
 
     def poll_directives(self) -> None:
-        """Thread: long-poll the master for orders until the agent stops."""
+        """Thread: long-poll the master (or this node's relay) for orders until the agent stops."""
         while not self.life.stopping:
+            addr, token = self.parent_addr, self.node.token
+            if addr and token and self.parent is not None and time.monotonic() >= self._direct_until:
+                self._poll_relay(addr, token)
+                continue
+            direct = time.monotonic() < self._direct_until
+            payload = {"node_id": self.node.node_id, "token": token, "version": self._version,
+                       "timeout": FALLBACK_POLL_S if direct else DIRECTIVE_POLL_S}
+            if self.serves:
+                payload["relay"] = self.relay.state()
             try:
-                d = self.client.post("/v1/directive", {"node_id": self.node.node_id, "token": self.node.token,
-                                                       "version": self._version, "timeout": DIRECTIVE_POLL_S},
-                                     timeout=DIRECTIVE_POLL_S + 5)
+                d = self.client.post("/v1/directive", payload, timeout=payload["timeout"] + 5)
             except ControlError as e:
                 log.debug("directive poll failed: %s", e)
                 time.sleep(0.2)
@@ -103,12 +120,39 @@ class MasterLink:
             if not self.current_master(d):
                 time.sleep(0.2)
                 continue
-            if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
-                self._version = d["version"]
-                try:
-                    self.directives.put(decode(d))     # the typed order: protocol/directives.py
-                except ValueError as e:
-                    log.error("directive %s from the master is malformed, ignored: %s", d["version"], e)
+            if d.get("bundle") == 1:          # a relay's answer: its children's directives, and its own
+                self.relay.store(d)
+                d = d.get("own") or {}
+            self._take(d)
+
+    def _poll_relay(self, addr: str, token: str) -> None:
+        try:
+            d = self.parent.poll(addr, self.node.node_id, token, self._version) if self.parent else None
+        except PeerError as e:
+            log.info("relay %s failed (%s): polling the master directly", addr, e)
+            self._direct_until = time.monotonic() + FALLBACK_POLL_S
+            return
+        epoch = d.get("master_epoch") if d else None
+        if d is None or (isinstance(epoch, int) and epoch < self.epoch):   # a relay replaying a deposed master's
+            return
+        if self.current_master(d):
+            self._take(d)
+
+    def _take(self, d: dict) -> None:
+        if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
+            self._version = d["version"]
+            try:
+                self.directives.put(decode(d))     # the typed order: protocol/directives.py
+            except ValueError as e:
+                log.error("directive %s from the master is malformed, ignored: %s", d["version"], e)
+
+    def follow(self, relay: object) -> None:
+        """The tree as the master's heartbeat reply gives it: this node's relay, and whether it is one."""
+        if not isinstance(relay, dict):
+            return
+        parent = relay.get("parent")
+        self.parent_addr = parent if isinstance(parent, str) and parent else None
+        self.serves = relay.get("serves") is True
 
     def heartbeat(self) -> None:
         """Thread: tell the master this node is alive (and what it holds) until the agent stops."""
@@ -120,6 +164,7 @@ class MasterLink:
                     if reply.get("fenced"):    # replaced while it was away: never rejoin
                         self.life.fenced(reply.get("reason"), reply.get("exit_code", 0))
                         return
+                    self.follow(reply.get("relay"))
                     for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
                         self.on_inject(fault)
             except ControlError as e:

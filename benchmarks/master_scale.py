@@ -7,7 +7,7 @@ are the control plane's own times) - each broadcast both until the master sent i
 agent and until the load generator read it there. Goal: <= 1 core in steady state, plan +
 broadcast < 1 s.
 
-    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--fault kill|silent] [--json out.json]
+    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--fault kill|silent] [--relay-threshold N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def main() -> int:
     p.add_argument("--fault", choices=FAULTS, default="kill",
                    help="kill: the failed agent's connections close and its port refuses, as when its process dies; "
                         "silent: a hung host, connections open, it just stops answering")
+    p.add_argument("--relay-threshold", type=int, default=None,
+                   help="the master's --relay-threshold (default: its own; 0: every agent polls the master)")
     p.add_argument("--json", default=None)
     p.add_argument("--run-dir", default=None, help="keep the master's log and events here (default: a temp dir)")
     args = p.parse_args()
@@ -40,7 +42,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="phoenixrun-scale-") as tmp:
         cfg = LoadTestConfig(run_dir=Path(args.run_dir or tmp), nodes=args.nodes, nproc_per_node=args.nproc,
                              heartbeat_s=args.heartbeat, node_timeout_s=args.node_timeout, steady_s=args.steady,
-                             hb_connections=args.hb_connections, fault=args.fault)
+                             hb_connections=args.hb_connections, fault=args.fault,
+                             relay_threshold=args.relay_threshold)
         try:
             r = run_load_test(cfg)
         except LoadTestError as e:
@@ -64,6 +67,10 @@ def main() -> int:
     print(f"  plan + broadcasts {rec['plan_and_broadcasts_sent_s']:.3f} s sent by the master, "
           f"{rec['plan_and_broadcasts_s']:.3f} s read by every agent (goal < 1 s); fault -> every agent resumed "
           f"{rec['fault_to_all_resumed_s']:.3f} s; master {rec['master_cores_during']:.2f} cores meanwhile")
+    print(f"  fan-out: {rec['relays']} relays serving {rec['relayed_children']} agents; the master wrote "
+          f"{rec['master_directive_writes']} directive answers from the fault to the last resume "
+          f"({rec['master_writes_per_broadcast']:g} per broadcast); the failed node "
+          f"{'was' if rec['victim_was_relay'] else 'was not'} a relay")
     if r["errors"]:
         print(f"errors: {r['errors']}")
     if r["generator_stalls"]:

@@ -153,7 +153,8 @@ _job_shape = _options(*(_field(MasterConfig, n) for n in ("replicas", "tp", "pp"
 _recovery_policy = _options(
     _field(MasterConfig, "max_restarts", env="PET_MAX_RESTARTS"),
     *(_field(MasterConfig, n) for n in ("join_timeout", "node_timeout", "spare_wait", "on_no_spare", "recovery_timeout", "max_local_resets",
-                                        "straggler_ratio", "straggler_window", "replace_stragglers")))
+                                        "straggler_ratio", "straggler_window", "replace_stragglers",
+                                        "relay_threshold")))
 # what the agents watch: `phoenixrun` and `phoenixrun agent`
 _agent_timeouts = _options(_field(AgentConfig, "heartbeat_interval"), _field(AgentConfig, "hang_timeout"))
 _persistence = _options(*(_field(MasterConfig, n) for n in ("persist_every", "persist_dir", "persist_keep",

@@ -345,6 +345,10 @@ class RecoveryPolicy(_Settings):
         0.5, min=0, doc="Seconds the master waits for more reports of a fault before it decides.")
     max_local_resets: int = setting(
         3, flag="--max-local-resets", min=0, doc="Local resets of one node before it is replaced instead.")
+    relay_threshold: int = setting(
+        256, flag="--relay-threshold", min=0,
+        doc="From this many nodes on, directives and their acks go through ~sqrt(N) relay agents, so a broadcast "
+            "costs the master O(sqrt N) writes (0: every agent polls the master).")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phoenixrun.control.relay_tree import Member, Tree, plan, relay_count, reparent, route, spread, update
+from phoenixrun.control.relay_tree import (Member, Tree, changed_relays, plan, relay_count, reparent, route, spread,
+                                          update)
 
 
 def members(n: int, hosts: int = 0, domains: int = 1) -> list[Member]:
@@ -136,3 +137,13 @@ def test_every_live_node_reached_once_at_depth_two_through_deaths_and_joins(n, h
         live[m.node_id] = m
     t = update(t, live.values(), threshold)
     check(t, set(live))
+
+
+def test_changed_relays_are_those_whose_children_changed():
+    t = plan(members(100), 16)
+    dead = t.relays[3]
+    after = reparent(t, {dead})
+    moved_to = {after.parent[c] for c in t.children(dead)}
+    assert changed_relays(t, after) == sorted(moved_to)
+    assert changed_relays(t, t) == []
+    assert changed_relays(Tree({"a": None, "b": None}), plan(members(4), 4)) == list(plan(members(4), 4).relays)

@@ -34,6 +34,7 @@ from phoenixrun.control.monitor import HeartbeatMonitor
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.recovery import Acks, Recoveries
+from phoenixrun.control.relaying import RelayDesk, expand
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.roster import Roster
 from phoenixrun.control.server import ControlServer
@@ -68,6 +69,7 @@ class Master:
         self.coordinator = Coordinator(self.job, self.orders, self.events, self._inbox, self.recovery,
                                        probe=unreachable)
         self.monitor = HeartbeatMonitor(self.job, self.events, self._inbox)
+        self.relays = RelayDesk(self.job, cfg.recovery.relay_threshold)   # the directive fan-out tree (relaying.py)
         self.lease_id = master_id()
         self.lease_dir = LeaseDir(self.run_dir) if cfg.lease.lease_ttl else None
         self.acquired: Acquired | None = None
@@ -132,7 +134,8 @@ class Master:
         self.store_port = self.store.port
         _raise_fd_limit()   # two connections per agent (heartbeat, directive poll)
         self.http = ControlServer(self, self.cfg.listen.host, self.cfg.listen.port)
-        self.orders.wake = self.http.wake
+        self.orders.wake = lambda node_ids: self.http.wake(self.relays.route(node_ids))
+        self.relays.wake = self.http.wake
         self.monitor.transport = self.http
         self.http.start()
         self.endpoint = f"{self.cfg.listen.host}:{self.http.server_address[1]}"
@@ -173,7 +176,9 @@ class Master:
         return self.handlers.register(p)
 
     def heartbeat(self, p: dict) -> dict:
-        return self.handlers.heartbeat(p)
+        reply = self.handlers.heartbeat(p)
+        link = self.relays.link(p["node_id"]) if reply.get("ok") else None
+        return reply if link is None else {**reply, "relay": link}
 
     def report(self, p: dict) -> dict:
         return self.handlers.report(p)
@@ -188,10 +193,10 @@ class Master:
         return self.handlers.poll_intake(p)
 
     def answer_polls(self, polls: list[dict]) -> list[Directive | None]:
-        return self.handlers.answer_polls(polls)
+        return self.relays.answer(polls, self.handlers.answer_polls)
 
     def directives_sent(self, sent: list[Directive]) -> None:
-        self.handlers.directives_sent(sent)
+        self.handlers.directives_sent(expand(sent))
 
     def state(self) -> dict:
         state = self.handlers.state()

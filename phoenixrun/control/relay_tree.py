@@ -141,6 +141,21 @@ def update(tree: Tree, members: Iterable[Member], threshold: int) -> Tree:
     return Tree(parent)
 
 
+def groups(tree: Tree) -> dict[str, frozenset[str]]:
+    """relay -> its children, in one pass."""
+    out: dict[str, set[str]] = {}
+    for node, p in tree.parent.items():
+        if p is not None:
+            out.setdefault(p, set()).add(node)
+    return {r: frozenset(c) for r, c in out.items()}
+
+
+def changed_relays(old: Tree, new: Tree) -> list[str]:
+    """The relays of `new` whose children are not those they had in `old` (they must hear of the change)."""
+    before, after = groups(old), groups(new)
+    return sorted(r for r, kids in after.items() if before.get(r) != kids)
+
+
 def route(tree: Tree, node_ids: Iterable[str]) -> set[str]:
     """The polls to wake for directives set for node_ids: each node's own (it may be polling the master
     directly: a fallback) and its relay's."""

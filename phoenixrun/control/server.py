@@ -40,6 +40,7 @@ from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_BODY, MAX
                                            MAX_UNAUTHENTICATED, READ_TIMEOUT_S)
 from phoenixrun.protocol.messages import MessageError
 from phoenixrun.protocol.names import Command, Endpoint
+from phoenixrun.protocol.relay import parse_relay_state
 from phoenixrun.protocol.status import REASON_PHRASES, Status
 
 if TYPE_CHECKING:
@@ -530,8 +531,10 @@ class ControlServer:
                 poll = self.master.poll_intake(payload)
                 if poll.node_id in self.master.job.nodes:   # a registered node's link (its token checked)
                     conn.node_id, self._polled_at[poll.node_id] = poll.node_id, time.time()
+                relay = {"relay": parse_relay_state(payload["relay"])} if "relay" in payload else {}  # relay_tree.py
+                timeout = self.master.relays.poll_timeout(poll.node_id, poll.timeout)
                 self._answer_or_park([_Poll(conn, {"node_id": poll.node_id, "version": poll.version,
-                                                   "timeout": poll.timeout}, poll.version)])
+                                                   "timeout": timeout, **relay}, poll.version)])
                 return
             conn.respond(Status.OK, wire.dumps(fn(payload)))
         except (ValueError, KeyError, TypeError, RecursionError) as e:

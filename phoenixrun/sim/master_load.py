@@ -23,7 +23,8 @@ import psutil
 
 from phoenixrun.control.events import read_events
 from phoenixrun.control.server import new_event_loop
-from phoenixrun.sim.swarm import Swarm, SwarmConfig
+from phoenixrun.protocol.relay import FALLBACK_POLL_S
+from phoenixrun.sim.swarm import SimAgent, Swarm, SwarmConfig
 
 
 @dataclass
@@ -38,6 +39,7 @@ class LoadTestConfig:
     hb_connections: int = 1024
     phase_timeout_s: float = 300.0
     fault: str = "kill"           # swarm.FAULTS: a killed agent (its connections close) or a silent (hung) host
+    relay_threshold: int | None = None   # the master's --relay-threshold (None: its default; 0: no relays)
 
 
 class LoadTestError(Exception):
@@ -49,6 +51,8 @@ def start_master(cfg: LoadTestConfig) -> tuple[subprocess.Popen, dict, str]:
     cmd = [str(Path(sys.executable).parent / "phoenixrun"), "master", "--nnodes", str(cfg.nodes),
            "--nproc-per-node", str(cfg.nproc_per_node), "--run-dir", str(cfg.run_dir), "--port", "0",
            "--node-timeout", str(cfg.node_timeout_s), "--recovery-timeout", str(cfg.phase_timeout_s)]
+    if cfg.relay_threshold is not None:
+        cmd += ["--relay-threshold", str(cfg.relay_threshold)]
     for stale in ("master.json", "secret", "events.jsonl"):   # a reused --run-dir: never read the last run's
         (cfg.run_dir / stale).unlink(missing_ok=True)
     log = open(cfg.run_dir / "master.log", "w")
@@ -75,6 +79,12 @@ def run_load_test(cfg: LoadTestConfig) -> dict:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _tree(swarm: Swarm) -> dict:
+    """The fan-out tree the agents were following (from the master's heartbeat replies)."""
+    relays = sorted({r for r in swarm.relays.parent.values()})
+    return {"relays": len(relays), "relayed_children": len(swarm.relays.parent), "relay_ids": relays[:64]}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -128,8 +138,9 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
         await reached("run", 0, cfg.nodes, "job start")
         out["start_s"] = time.time() - t
 
-        # steady state: every agent heartbeating and parked in a directive poll
-        await asyncio.sleep(max(2.0, 2 * cfg.heartbeat_s))
+        # steady state: every agent heartbeating and parked in a directive poll (a relay's child: at its relay,
+        # once the master has answered the direct poll it made before it knew its relay, within FALLBACK_POLL_S)
+        await asyncio.sleep(max(2.0, 2 * cfg.heartbeat_s) + (FALLBACK_POLL_S + 1 if swarm.relays.parent else 0))
         hb0, lat0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency)
         m0, s0, w0 = master.cpu_times(), me.cpu_times(), time.time()
         await asyncio.sleep(cfg.steady_s)
@@ -147,15 +158,29 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
 
         last_hb = victim.last_heartbeat
         m0 = master.cpu_times()
+        writes0, tree = swarm.relays.master_writes, _tree(swarm)
         t_fail = await swarm.fail(victim, cfg.fault)
         survivors = [a for a in swarm.agents if a.slot is not None and a is not victim]
         await reached("quiesce", 1, len(survivors), "quiesce broadcast")
         await reached("restore", 1, cfg.nodes, "restore broadcast")
         await reached("run", 1, cfg.nodes, "resume broadcast")
         m1, t_end = master.cpu_times(), time.time()
+        writes = swarm.relays.master_writes - writes0
     finally:
         await swarm.stop()
 
+    out["recovery"] = _recovery(cfg, swarm, victim, last_hb, t_fail, t_end, m1.user + m1.system - m0.user - m0.system,
+                                writes, tree)
+    out["errors"] = swarm.errors[:10]
+    out["generator_stalls"] = swarm.stalls[:20]
+    out["heartbeat_latency_median_ms"] = round(1e3 * statistics.median(swarm.heartbeat_latency), 2) \
+        if swarm.heartbeat_latency else None
+    return out
+
+
+def _recovery(cfg: LoadTestConfig, swarm: Swarm, victim: SimAgent, last_hb: float, t_fail: float, t_end: float,
+              master_cpu: float, writes: int, tree: dict) -> dict:
+    """The recovery's figures, from the master's events and the load generator's arrivals."""
     ev = read_events(cfg.run_dir / "events.jsonl")
     first = lambda name: next(e for e in ev if e["event"] == name)  # noqa: E731
     fault, started, plan, done = (first(n) for n in ("fault_detected", "recovery_started", "recovery_plan",
@@ -174,8 +199,12 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
         "resume_broadcast_s": round(latest("run") - done["t"], 4),
         "recovery_s": done["duration_s"],
         "fault_to_all_resumed_s": round(latest("run") - fault["t"], 4),
-        "master_cores_during": round((m1.user + m1.system - m0.user - m0.system) / (t_end - t_fail), 3),
+        "master_cores_during": round(master_cpu / (t_end - t_fail), 3),
         "replaced_slots": done["replaced_slots"],
+        # the fan-out (protocol/relay.py): what the master wrote from the fault until every agent resumed, over the
+        # recovery's three broadcasts (quiesce, restore, resume); the tree as it stood at the fault
+        "master_directive_writes": writes, "master_writes_per_broadcast": round(writes / 3, 1), **tree,
+        "victim_was_relay": victim.node_id in tree["relay_ids"],
         # every node the master declared lost until the last agent resumed: the victim alone, or live ones too
         "lost_nodes": sorted({e["node"] for e in ev if e["event"] == "fault_detected" and e["t"] <= t_end}),
     }
@@ -193,9 +222,4 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
     if all(rec[f"{n}_sent_s"] is not None for n in ("quiesce", "restore", "resume")):
         rec["plan_and_broadcasts_sent_s"] = round(rec["quiesce_sent_s"] + rec["plan_s"] + rec["restore_sent_s"]
                                                   + rec["resume_sent_s"], 4)
-    out["recovery"] = rec
-    out["errors"] = swarm.errors[:10]
-    out["generator_stalls"] = swarm.stalls[:20]
-    out["heartbeat_latency_median_ms"] = round(1e3 * statistics.median(swarm.heartbeat_latency), 2) \
-        if swarm.heartbeat_latency else None
-    return out
+    return rec

@@ -30,6 +30,7 @@ from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
 from phoenixrun.protocol.directives import decode
 from phoenixrun.protocol.names import Command, Endpoint, ReportKind
 from phoenixrun.protocol.status import Status
+from phoenixrun.sim.swarm_relay import SwarmRelays
 from phoenixrun.topology import Layout, place_replicas
 
 
@@ -193,6 +194,7 @@ class Swarm:
                 self.holds.setdefault(h, []).append(rank)
         n = cfg.nnodes + cfg.spares
         self.agents = [SimAgent(i, f"sim{i:05d}") for i in range(n)]
+        self.relays = SwarmRelays(self.agents)        # the directive fan-out (sim/swarm_relay.py)
         self.step = 1
         self.recovering = False       # from the first quiesce to the resume: no step completes (as in a job)
         self.heartbeats_ok = 0
@@ -338,6 +340,7 @@ class Swarm:
             if f.exception() is not None:     # the next one goes out on a new connection, as the agent's would
                 self.errors.append(f"heartbeat {a.node_id}: {f.exception()}")
             elif f.result()[0] == Status.OK:
+                self.relays.follow(a, f.result()[1])
                 a.last_heartbeat = time.time()
                 self.heartbeats_ok += 1
                 self.heartbeat_latency.append(time.monotonic() - t0)
@@ -347,13 +350,24 @@ class Swarm:
         conn.send(self._raw(Endpoint.HEARTBEAT, payload)).add_done_callback(done)
 
     async def _poll_loop(self, a: SimAgent) -> None:
-        conn = self._polls[a.index]
+        conn, relays = self._polls[a.index], self.relays
 
         def poll() -> asyncio.Future:
-            return conn.send(self._raw(Endpoint.DIRECTIVE, {
-                "node_id": a.node_id, "token": a.token, "version": a.version, "timeout": self.cfg.poll_timeout_s}))
-        pending = poll()
+            payload = {"node_id": a.node_id, "token": a.token, "version": a.version,
+                       "timeout": relays.poll_timeout(a, self.cfg.poll_timeout_s)}
+            state = relays.state(a)
+            if state is not None:
+                payload["relay"] = state
+            return conn.send(self._raw(Endpoint.DIRECTIVE, payload))
+        pending: asyncio.Future | None = None
         while a.alive and not self._stop.is_set():
+            relay = relays.relay_of(a) if pending is None else None
+            if relay is not None:          # a child polls its relay (in-process: sim/swarm_relay.py)
+                got = await relays.next_relayed(a, relay)
+                if got is not None and a.alive and got[0].get("version", -1) > a.version:
+                    self._act(a, *got)
+                continue
+            pending = pending or poll()
             try:   # the agent's client gives a poll its timeout + 5 s, then drops the connection and redials
                 status, body = await asyncio.wait_for(pending, self.cfg.poll_timeout_s + 5)
             except (ConnectionError, asyncio.TimeoutError) as e:
@@ -367,39 +381,48 @@ class Swarm:
                 if status:
                     self.errors.append(f"poll {a.node_id}: HTTP {status}")
                 await asyncio.sleep(0.2)
-                pending = poll()
+                pending = None
                 continue
-            d = json.loads(body)
+            d, pending = json.loads(body), None
             if not a.alive:
                 return
+            if d.get("bundle") == 1:
+                relays.master_writes += 1
+                d = relays.forward(a, d, conn.answered_at)
+            elif d.get("version", -1) > a.version:
+                relays.master_writes += 1
             if d.get("version", -1) <= a.version:
-                pending = poll()
                 continue
-            a.version = d["version"]
             # the next poll goes out before the directive is acted on, as the real agent's poll thread hands
             # the directive to another thread and polls again at once
-            order = decode(d)     # as the real agent decodes it (protocol/directives.py)
-            cmd, g = order.command, a.generation if order.generation is None else order.generation
-            pending = poll() if cmd != Command.STOP else None
+            if d["command"] != Command.STOP and relays.relay_of(a) is None:
+                pending = poll()
             # when the bytes arrived, not when this task got its turn: the swarm's own backlog (it
             # shares the machine's cores with the master) is not the master's broadcast time
-            a.received.setdefault((cmd, g), conn.answered_at)
-            a.generation = g
-            if order.own.slot is not None:
-                a.slot = order.own.slot
-            if cmd == Command.QUIESCE:
-                self.recovering = True
-                self._report(a, {"kind": ReportKind.QUIESCED, "generation": g, "slot": a.slot, **self._inventory(a),
-                                 "next_step": self.step + 1})
-            elif cmd == Command.RESTORE:
-                self._report(a, {"kind": ReportKind.RESUMED, "generation": g, "slot": a.slot, "timings": {}})
-            elif cmd == Command.RUN:
-                a.role = "active"
-                if d.get("resume"):
-                    self.recovering = False
-            elif cmd == Command.STOP:
-                a.alive = False
-            self._arrived((cmd, g))
+            self._act(a, d, conn.answered_at)
+
+    def _act(self, a: SimAgent, d: dict, at: float) -> None:
+        """Do what the directive says, as a node whose workers obey at once would."""
+        a.version = d["version"]
+        order = decode(d)     # as the real agent decodes it (protocol/directives.py)
+        cmd, g = order.command, a.generation if order.generation is None else order.generation
+        a.received.setdefault((cmd, g), at)
+        a.generation = g
+        if order.own.slot is not None:
+            a.slot = order.own.slot
+        if cmd == Command.QUIESCE:
+            self.recovering = True
+            self._report(a, {"kind": ReportKind.QUIESCED, "generation": g, "slot": a.slot, **self._inventory(a),
+                             "next_step": self.step + 1})
+        elif cmd == Command.RESTORE:
+            self._report(a, {"kind": ReportKind.RESUMED, "generation": g, "slot": a.slot, "timings": {}})
+        elif cmd == Command.RUN:
+            a.role = "active"
+            if d.get("resume"):
+                self.recovering = False
+        elif cmd == Command.STOP:
+            a.alive = False
+        self._arrived((cmd, g))
 
     def _arrived(self, key: tuple[str, int]) -> None:
         self.arrivals[key] += 1
@@ -433,6 +456,7 @@ class Swarm:
         if fault not in FAULTS:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {fault!r}")
         a.alive = False
+        self.relays.fail(a, fault)
         if fault == "kill":
             srv = self._victim_server.pop(a.index, None)
             if srv is not None:

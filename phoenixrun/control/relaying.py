@@ -1,0 +1,139 @@
+"""The master's side of the directive fan-out (protocol/relay.py; the tree itself: control/relay_tree.py).
+
+The desk keeps the tree over the job's live members (re-planned at most every REFRESH_S, from the transport's
+heartbeat path), tells each agent its relay (in the heartbeat reply), answers a relay's long-poll with a bundle
+of its children's directives, each sealed with the child's token, and maps a wake-up for a node to its relay's
+parked poll as well as its own (a child whose relay failed polls the master directly meanwhile).
+Below `threshold` members (or with threshold 0) the tree is flat: every agent polls the master, as without it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from phoenixrun.control import relay_tree
+from phoenixrun.control.directives import Directive
+from phoenixrun.control.jobstate import JobState
+from phoenixrun.control.relay_tree import Member, Tree
+from phoenixrun.control.state import Role
+from phoenixrun.protocol.relay import FALLBACK_POLL_S, poll_key, seal
+
+REFRESH_S = 0.25       # the tree follows the membership this closely (a relay's children do not wait for it:
+                       # they poll the master directly the moment their relay fails)
+Answer = Callable[[list[dict[str, Any]]], list[Directive | None]]
+
+
+@dataclass
+class Bundle(Directive):
+    """A relay's answer: its own directive (if newer) and its children's. `parts`: every directive it carries
+    (they count as sent once the bundle is)."""
+    parts: list[Directive] = field(default_factory=list)
+
+
+class RelayDesk:
+    def __init__(self, job: JobState, threshold: int):
+        self.job, self.threshold = job, threshold
+        self.tree = Tree()
+        self.ever = False                 # the tree had relays once: agents must hear when it goes flat
+        self._members: frozenset[str] = frozenset()
+        self._addr: dict[str, str] = {}   # relay -> its peer address
+        self._keys: dict[str, tuple[str, str]] = {}   # node -> (token, poll key)
+        self._at = 0.0
+        self.wake: Callable[[list[str]], None] = lambda node_ids: None   # the transport's, unrouted
+
+    # ------------------------------------------------------------------ the tree
+    def refresh(self, now: float | None = None) -> None:
+        """Follow the membership (at most every REFRESH_S; any thread)."""
+        now = time.monotonic() if now is None else now
+        if self.threshold <= 0 or now - self._at < REFRESH_S:
+            return
+        self._at = now
+        with self.job.cv:
+            live = [n for n in self.job.nodes.values() if n.role in (Role.ACTIVE, Role.SPARE)]
+            ids = frozenset(n.node_id for n in live)
+            if ids == self._members:
+                return
+            members = [Member(n.fault_domain, n.host, n.node_id) for n in live]
+            old, tree = self.tree, relay_tree.update(self.tree, members, self.threshold)
+            self._addr = {r: self.job.nodes[r].peer_addr for r in tree.relays}
+            self._members, self.tree = ids, tree
+            self.ever = self.ever or bool(tree.relays)
+        # a relay parked in its poll learns its new children (their poll keys) now, not when its poll expires:
+        # a child sent to it would be refused meanwhile (measured: 20 s of refusals, a real job, issue 32)
+        self.wake(relay_tree.changed_relays(old, tree))
+
+    def link(self, node_id: str) -> dict[str, object] | None:
+        """What a heartbeat reply tells the node of the tree: its relay's address (None: the master) and whether
+        it serves children; None while relaying has never been on (the reply stays as it was)."""
+        self.refresh()
+        if not self.ever:
+            return None
+        tree = self.tree
+        parent = tree.parent.get(node_id)
+        return {"parent": self._addr.get(parent) if parent else None, "via": parent, "serves": node_id in self._addr}
+
+    def poll_timeout(self, node_id: str, asked: float) -> float:
+        """How long to park a node's direct poll: short for a node that has a relay (it polls the master only
+        while its relay fails, and must move back to the relay soon after), as asked otherwise."""
+        return min(asked, FALLBACK_POLL_S) if self.tree.parent.get(node_id) is not None else asked
+
+    def route(self, node_ids: Iterable[str]) -> list[str]:
+        """The parked polls to wake for directives set for node_ids (theirs and their relays')."""
+        ids = list(node_ids)
+        return ids if not self.tree.relays else list(relay_tree.route(self.tree, ids))
+
+    # ------------------------------------------------------------------ answering relays
+    def answer(self, polls: list[dict[str, Any]], answer: Answer) -> list[Directive | None]:
+        """Directive polls, some of them relays' (with a `relay` field): plain ones as `answer` answers them,
+        a relay's with a Bundle (None: nothing new for it or its children: park it)."""
+        if not any("relay" in p for p in polls):
+            return answer(polls)
+        out: list[Directive | None] = []
+        for p in polls:
+            if "relay" not in p:
+                out.extend(answer([p]))
+                continue
+            out.append(self._bundle(p, answer))
+        return out
+
+    def _bundle(self, p: dict[str, Any], answer: Answer) -> Directive | None:
+        relay, known = p["node_id"], p.get("version", -1)
+        state: dict[str, tuple[int, int]] = p["relay"]
+        kids = self.tree.children(relay)
+        acks = [{"node_id": c, "version": state[c][1]} for c in kids if c in state and state[c][1] >= 0]
+        asked = [{"node_id": relay, "version": known}] + [
+            {"node_id": c, "version": state.get(c, (-1, -1))[0]} for c in kids]
+        got = answer(acks + asked)[len(acks):]     # the acks first: answering a held version records it
+        own, theirs = got[0], list(zip(kids, got[1:]))
+        children = {c: d for c, d in theirs if d is not None}
+        keyed = [c for c in kids if c not in state]    # children the relay does not know yet
+        if own is None and not children and not keyed:
+            return None
+        with self.job.cv:
+            tokens = {c: self.job.tokens.get(c, "") for c in kids}
+        entries = ", ".join(f"{json.dumps(c)}: {self._entry(tokens[c], d)}" for c, d in children.items())
+        keys = ", ".join(f"{json.dumps(c)}: {json.dumps(self._key(c, tokens[c]))}" for c in kids)
+        body = (f'{{"bundle": 1, "master_epoch": {int(self.job.master_epoch)}, "version": '
+                f'{own.version if own else known}, "children": {{{entries}}}, "keys": {{{keys}}}, "own": ').encode() \
+            + (own.body if own else b"null") + b"}"
+        parts = ([own] if own else []) + list(children.values())
+        return Bundle(own.version if own else known, {}, body, parts=parts)
+
+    @staticmethod
+    def _entry(token: str, d: Directive) -> str:
+        gen = d.fields.get("generation")
+        return (f'{{"v": {d.version}, "g": {gen if isinstance(gen, int) else -1}, '
+                f'"d": {json.dumps(d.body.decode())}, "mac": "{seal(token, d.body)}"}}')
+
+    def _key(self, node: str, token: str) -> str:
+        held = self._keys.get(node)
+        if held is None or held[0] != token:
+            held = self._keys[node] = (token, poll_key(token))
+        return held[1]
+
+
+def expand(sent: list[Directive]) -> list[Directive]:
+    """The directives a batch of answers delivered (a bundle delivers its parts)."""
+    return [p for d in sent for p in (d.parts if isinstance(d, Bundle) else [d])]

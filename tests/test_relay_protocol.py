@@ -1,0 +1,170 @@
+"""The relay protocol's parts (protocol/relay.py, agents/relay.py, control/relaying.py) over real sockets: a relay
+serves its children what the master sealed for them and nothing else; a child refuses what the master did not
+seal; the master's desk answers a relay with a bundle and maps wake-ups to relays. The tree: test_relay_tree.py;
+a relay killed in a real job: test_e2e_relay.py."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
+from phoenixrun.agents.relay import ParentLink, RelayCache
+from phoenixrun.config import MasterConfig
+from phoenixrun.control.directives import DirectiveBoard
+from phoenixrun.control.jobstate import JobState
+from phoenixrun.control.relaying import Bundle, RelayDesk, expand
+from phoenixrun.control.state import NodeRecord, Role
+from phoenixrun.protocol.messages import MessageError
+from phoenixrun.protocol.relay import RELAY_OP, parse_relay_state, poll_key, seal, sealed
+
+SECRET = "s3cret"
+
+
+def entry(token: str, version: int, fields: dict, generation: int = 0) -> dict:
+    body = json.dumps({**fields, "version": version}).encode()
+    return {"v": version, "g": generation, "d": body.decode(), "mac": seal(token, body)}
+
+
+@pytest.fixture
+def relay():
+    cache = RelayCache()
+    server = PeerServer("127.0.0.1", SECRET, {RELAY_OP: cache.serve})
+    yield cache, server.addr
+    server.close()
+
+
+def test_seal_binds_the_bytes_and_the_token():
+    body = b'{"command": "run", "version": 3}'
+    mac = seal("tok-a", body)
+    assert sealed("tok-a", body, mac)
+    assert not sealed("tok-b", body, mac)                       # another node's token
+    assert not sealed("tok-a", body.replace(b"run", b"stop"), mac)
+    assert not sealed("tok-a", body, None) and poll_key("tok-a") != poll_key("tok-b") != "tok-b"
+
+
+@pytest.mark.parametrize("value, ok", [
+    ({}, True), ({"n1": [3, 2]}, True), ({"n1": [-1, -1]}, True),
+    ([], False), ({"n1": [3]}, False), ({"n1": ["3", 2]}, False), ({"n1": [3, -2]}, False),
+    ({"n1": [True, 2]}, False), ({f"n{i}": [1, 1] for i in range(4097)}, False),
+])
+def test_relay_state_is_validated_whole(value, ok):
+    if ok:
+        assert parse_relay_state(value) == {k: tuple(v) for k, v in value.items()}
+    else:
+        with pytest.raises(MessageError):
+            parse_relay_state(value)
+
+
+def test_a_child_gets_its_sealed_directive_through_the_relay(relay):
+    cache, addr = relay
+    child = ParentLink(PeerClient(SECRET, io_timeout=8))
+    cache.store({"keys": {"c1": poll_key("tok1")}, "children": {"c1": entry("tok1", 5, {"command": "run"})}})
+    assert child.poll(addr, "c1", "tok1", 4) == {"command": "run", "version": 5}
+    t0 = time.monotonic()
+    assert child.poll(addr, "c1", "tok1", 5) is None            # nothing newer: a noop after the relay poll
+    assert time.monotonic() - t0 >= 1.0
+    assert cache.state() == {"c1": [5, 5]}                      # its ack, for the relay's next poll
+
+
+def test_a_parked_child_is_answered_when_the_bundle_arrives(relay):
+    cache, addr = relay
+    cache.store({"keys": {"c1": poll_key("tok1")}, "children": {}})
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(ParentLink(PeerClient(SECRET, io_timeout=8)).poll(
+        addr, "c1", "tok1", -1)))
+    t.start()
+    time.sleep(0.3)
+    cache.store({"keys": {"c1": poll_key("tok1")}, "children": {"c1": entry("tok1", 7, {"command": "quiesce"})}})
+    t.join(5)
+    assert got == [{"command": "quiesce", "version": 7}]
+
+
+def test_a_forged_or_foreign_directive_is_refused_by_the_child(relay):
+    cache, addr = relay
+    child = ParentLink(PeerClient(SECRET, io_timeout=8))
+    forged = entry("tok1", 9, {"command": "stop"})
+    forged["d"] = forged["d"].replace("stop", "run ")           # the relay altered the bytes
+    cache.store({"keys": {"c1": poll_key("tok1"), "c2": poll_key("tok2")},
+                 "children": {"c1": forged, "c2": entry("tok1", 9, {"command": "stop"})}})   # c2's sealed for c1
+    for node, token in (("c1", "tok1"), ("c2", "tok2")):
+        with pytest.raises(PeerError, match="did not seal"):
+            child.poll(addr, node, token, -1)
+
+
+def test_a_stranger_or_an_unknown_child_gets_nothing(relay):
+    cache, addr = relay
+    cache.store({"keys": {"c1": poll_key("tok1")}, "children": {"c1": entry("tok1", 5, {"command": "run"})}})
+    with pytest.raises(PeerError, match="not a child"):
+        ParentLink(PeerClient(SECRET, io_timeout=8)).poll(addr, "c1", "wrong-token", -1)
+    with pytest.raises(PeerError, match="not a child"):
+        ParentLink(PeerClient(SECRET, io_timeout=8)).poll(addr, "c9", "tok9", -1)
+    with pytest.raises(PeerError, match="unauthorized"):         # the job secret first, as for every peer op
+        ParentLink(PeerClient("wrong", io_timeout=8)).poll(addr, "c1", "tok1", -1)
+
+
+def test_an_older_directive_never_replaces_a_newer_one_in_the_relay(relay):
+    cache, _ = relay
+    cache.store({"keys": {"c1": "k"}, "children": {"c1": entry("tok1", 8, {"command": "run"})}})
+    cache.store({"keys": {"c1": "k"}, "children": {"c1": entry("tok1", 6, {"command": "quiesce"})}})
+    assert cache.state()["c1"][0] == 8
+
+
+# ------------------------------------------------------------------ the master's desk
+def job_with(n: int, threshold: int) -> tuple[JobState, RelayDesk]:
+    job = JobState(MasterConfig(run_dir="/tmp/unused", nnodes=n, nproc_per_node=1))
+    for i in range(n):
+        nid = f"n{i:02d}"
+        job.nodes[nid] = NodeRecord(nid, "127.0.0.1", 0, f"127.0.0.1:{9000 + i}", "", Role.ACTIVE, slot=i)
+        job.tokens[nid] = f"tok{i}"
+    desk = RelayDesk(job, threshold)
+    desk.refresh(now=1e9)
+    return job, desk
+
+
+def answerer(board: DirectiveBoard):
+    return lambda polls: [board.answer(p["node_id"], p["version"]) for p in polls]
+
+
+def test_below_the_threshold_nobody_is_told_of_a_tree():
+    _, desk = job_with(3, 4)
+    assert desk.link("n00") is None and desk.route(["n01"]) == ["n01"]
+
+
+def test_the_desk_bundles_a_relays_children_sealed_for_each():
+    job, desk = job_with(9, 4)
+    relay = desk.tree.relays[0]
+    kids = desk.tree.children(relay)
+    assert desk.link(relay) == {"parent": None, "via": None, "serves": True}
+    assert desk.link(kids[0]) == {"parent": job.nodes[relay].peer_addr, "via": relay, "serves": False}
+    board = DirectiveBoard(first_version=100)
+    board.set(job.nodes, command="quiesce", generation=1)
+    assert set(desk.route([kids[0]])) == {kids[0], relay}
+
+    poll = {"node_id": relay, "version": -1, "relay": {}}
+    (b,) = desk.answer([poll], answerer(board))
+    assert isinstance(b, Bundle) and {d.version for d in expand([b])} == {101}
+    got = json.loads(b.body)
+    assert got["own"]["command"] == "quiesce" and set(got["children"]) == set(kids) == set(got["keys"])
+    for c in kids:
+        e = got["children"][c]
+        assert sealed(job.tokens[c], e["d"].encode(), e["mac"]) and e["v"] == 101 and e["g"] == 1
+        assert got["keys"][c] == poll_key(job.tokens[c])
+    # everything held, nothing new: parked; the children's acks recorded on the board
+    held = {"node_id": relay, "version": 101, "relay": {c: (101, 101) for c in kids}}
+    assert desk.answer([held], answerer(board)) == [None]
+    assert all(board.get(c).acked for c in kids)
+
+
+def test_a_dead_relays_children_are_handed_to_another_and_it_is_woken():
+    job, desk = job_with(9, 4)
+    woken: list[str] = []
+    desk.wake = woken.extend
+    dead = desk.tree.relays[0]
+    orphans = desk.tree.children(dead)
+    job.nodes[dead].role = Role.FAILED
+    desk.refresh(now=2e9)
+    new = {desk.tree.parent[c] for c in orphans}
+    assert dead not in desk.tree.parent and None not in new and set(woken) == new
