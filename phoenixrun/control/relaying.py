@@ -39,6 +39,7 @@ class RelayDesk:
         self.ever = False                 # the tree had relays once: agents must hear when it goes flat
         self._members: frozenset[str] = frozenset()
         self._addr: dict[str, str] = {}   # relay -> its peer address
+        self._kids: dict[str, tuple[str, ...]] = {}   # relay -> its children (Tree.children is O(N) a call)
         self._keys: dict[str, tuple[str, str]] = {}   # node -> (token, poll key)
         self._at = 0.0
         self.wake: Callable[[list[str]], None] = lambda node_ids: None   # the transport's, unrouted
@@ -58,6 +59,7 @@ class RelayDesk:
             members = [Member(n.fault_domain, n.host, n.node_id) for n in live]
             old, tree = self.tree, relay_tree.update(self.tree, members, self.threshold)
             self._addr = {r: self.job.nodes[r].peer_addr for r in tree.relays}
+            self._kids = {r: tuple(sorted(c)) for r, c in relay_tree.groups(tree).items()}
             self._members, self.tree = ids, tree
             self.ever = self.ever or bool(tree.relays)
         # a relay parked in its poll learns its new children (their poll keys) now, not when its poll expires:
@@ -82,7 +84,7 @@ class RelayDesk:
     def route(self, node_ids: Iterable[str]) -> list[str]:
         """The parked polls to wake for directives set for node_ids (theirs and their relays')."""
         ids = list(node_ids)
-        return ids if not self.tree.relays else list(relay_tree.route(self.tree, ids))
+        return ids if not self._addr else list(relay_tree.route(self.tree, ids))
 
     # ------------------------------------------------------------------ answering relays
     def answer(self, polls: list[dict[str, Any]], answer: Answer) -> list[Directive | None]:
@@ -101,7 +103,7 @@ class RelayDesk:
     def _bundle(self, p: dict[str, Any], answer: Answer) -> Directive | None:
         relay, known = p["node_id"], p.get("version", -1)
         state: dict[str, tuple[int, int]] = p["relay"]
-        kids = self.tree.children(relay)
+        kids = self._kids.get(relay, ())
         acks = [{"node_id": c, "version": state[c][1]} for c in kids if c in state and state[c][1] >= 0]
         asked = [{"node_id": relay, "version": known}] + [
             {"node_id": c, "version": state.get(c, (-1, -1))[0]} for c in kids]
