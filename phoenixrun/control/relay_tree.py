@@ -127,14 +127,13 @@ def update(tree: Tree, members: Iterable[Member], threshold: int) -> Tree:
     relays while the relay count stays within [sqrt(n)/2, 2 sqrt(n)] of its ideal; a fresh plan otherwise (or
     when the membership crosses the threshold either way)."""
     ms = {m.node_id: m for m in members}
-    fresh = plan(ms.values(), threshold)
-    if not fresh.relays or not tree.relays:
-        return fresh
+    if threshold <= 0 or len(ms) < max(threshold, 2) or not any(p is not None for p in tree.parent.values()):
+        return plan(ms.values(), threshold)      # (a fresh plan only when needed: it sorts every member)
     kept = reparent(tree, set(tree.parent) - set(ms))
     loads = kept.loads()
     ideal = relay_count(len(ms))
     if not ideal / 2 <= len(loads) <= 2 * ideal:
-        return fresh
+        return plan(ms.values(), threshold)
     parent = dict(kept.parent)
     for node in sorted(set(ms) - set(parent)):
         parent[node] = _least_loaded(loads)
