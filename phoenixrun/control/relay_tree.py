@@ -63,31 +63,40 @@ def spread(members: Sequence[Member], k: int) -> list[Member]:
     """k members taken round-robin over domains, and within a domain over its hosts (first member of each host
     first): relays land on as many racks and hosts as there are."""
     domains: dict[str, dict[str, list[Member]]] = {}
-    for m in sorted(members):
+    for m in sorted(members, key=_key):
         domains.setdefault(m.domain, {}).setdefault(m.host, []).append(m)
-    # per domain: its members in host-round-robin order
-    per_domain = [_round_robin(list(hosts.values())) for _, hosts in sorted(domains.items())]
-    return _round_robin(per_domain)[:k]
+    # per domain: its first k members in host-round-robin order (no domain gives more than k)
+    per_domain = [_round_robin(list(hosts.values()), k) for _, hosts in sorted(domains.items())]
+    return _round_robin(per_domain, k)
 
 
-def _round_robin(queues: list[list[Member]]) -> list[Member]:
+def _key(m: Member) -> tuple[str, str, str]:
+    """(domain, host, id): the order relays are spread in and children are blocked by (a key function: the
+    dataclass's own comparisons build two tuples per comparison)."""
+    return (m.domain, m.host, m.node_id)
+
+
+def _round_robin(queues: list[list[Member]], limit: int) -> list[Member]:
+    """The first `limit` of: each queue's first, then each one's second, ..."""
     out: list[Member] = []
     depth = max((len(q) for q in queues), default=0)
     for i in range(depth):
         out.extend(q[i] for q in queues if i < len(q))
-    return out
+        if len(out) >= limit:
+            break
+    return out[:limit]
 
 
 def plan(members: Iterable[Member], threshold: int) -> Tree:
     """The tree for `members`: flat (everyone polls the master) below `threshold` members (or with threshold
     <= 0: relaying off), else ceil(sqrt(n)) relays with the others shared out in balanced contiguous blocks."""
-    ms = sorted(set(members))
+    ms = sorted(set(members), key=_key)
     if threshold <= 0 or len(ms) < max(threshold, 2):
         return Tree({m.node_id: None for m in ms})
     relays = spread(ms, relay_count(len(ms)))
     chosen = {r.node_id for r in relays}
     rest = [m for m in ms if m.node_id not in chosen]
-    order = sorted(relays)          # blocks follow the same (domain, host, id) order: children near their relay
+    order = sorted(relays, key=_key)   # blocks follow the same (domain, host, id) order: children near their relay
     parent: dict[str, str | None] = {r.node_id: None for r in relays}
     k = len(order)
     for i, m in enumerate(rest):
@@ -102,14 +111,14 @@ def reparent(tree: Tree, dead: Iterable[str]) -> Tree:
     loads = {r: n for r, n in tree.loads().items() if r not in gone}
     parent: dict[str, str | None] = {}
     orphans: list[str] = []
-    for node, p in sorted(tree.parent.items()):
+    for node, p in tree.parent.items():
         if node in gone:
             continue
         if p is not None and p in gone:
             orphans.append(node)
         else:
             parent[node] = p
-    for node in orphans:
+    for node in sorted(orphans):
         parent[node] = _least_loaded(loads)
     return Tree(parent)
 
