@@ -15,14 +15,16 @@ import re
 import statistics
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from phoenixrun.control.state import NodeRecord, PlanError, RankSource, RecoveryPlan, Role, restore_step
-from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, classify
+from phoenixrun.control.state import NodeRecord, PlanError, RecoveryPlan, Role, restore_step
+from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, SignalKind, classify
 from phoenixrun.faults.escalate import Escalation
 from phoenixrun.faults.taxonomy import ACTION_PRECEDENCE
 from phoenixrun.protocol.events import FaultDetected
 from phoenixrun.protocol.names import Command, ReportKind
+from phoenixrun.protocol.restore import RankSource
 from phoenixrun.topology import Layout
 
 K = ReportKind
@@ -43,29 +45,33 @@ class JobEnd:
     reason: str
 
 
-def signal_of(ev: dict, slot: int | None) -> Signal:
+def signal_of(ev: dict[str, Any], slot: int | None) -> Signal:
     """The fault signal a report (an inbox event) carries, filed under the reporting node's slot."""
     kind = ev.get("kind")
     t = ev.get("t", 0.0)
     if kind == ReportKind.NODE_LOST:
-        return Signal(kind="node_heartbeat_lost", node=slot, detail=ev.get("detail", ""), timestamp=t)
+        return Signal(kind=SignalKind.NODE_HEARTBEAT_LOST, node=slot, detail=ev.get("detail", ""), timestamp=t)
     if kind == ReportKind.LEFT:
-        return Signal(kind="node_unreachable", node=slot, detail=ev.get("detail", ""), timestamp=t)
+        return Signal(kind=SignalKind.NODE_UNREACHABLE, node=slot, detail=ev.get("detail", ""), timestamp=t)
     if kind == ReportKind.HEALTH:
         return Signal.from_dict({**ev["signal"], "node": slot})
     if kind == ReportKind.NAN_LOSS:
-        return Signal(kind="nan_loss", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
+        return Signal(kind=SignalKind.NAN_LOSS, node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
+                      timestamp=t)
     if kind == ReportKind.WORKER_ERROR:
-        return Signal(kind="user_exception", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
+        return Signal(kind=SignalKind.USER_EXCEPTION, node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
+                      timestamp=t)
     if kind == ReportKind.WORKER_HANG:
-        return Signal(kind="worker_hang", node=slot, rank=ev.get("rank"), detail=ev.get("detail", ""), timestamp=t)
+        return Signal(kind=SignalKind.WORKER_HANG, node=slot, rank=ev.get("rank"), detail=ev.get("detail", ""),
+                      timestamp=t)
     if kind == ReportKind.WORKER_EXIT:
-        return Signal(kind="worker_exit", node=slot, rank=ev.get("rank"), code=ev.get("returncode"),
+        return Signal(kind=SignalKind.WORKER_EXIT, node=slot, rank=ev.get("rank"), code=ev.get("returncode"),
                       detail=ev.get("text") or ev.get("detail", ""), timestamp=t)
-    return Signal(kind="collective_error", node=slot, rank=ev.get("rank"), detail=ev.get("text", ""), timestamp=t)
+    return Signal(kind=SignalKind.COLLECTIVE_ERROR, node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
+                  timestamp=t)
 
 
-def is_definite(ev: dict, slot: int | None, max_local_resets: int) -> bool:
+def is_definite(ev: dict[str, Any], slot: int | None, max_local_resets: int) -> bool:
     """The report names its node's fault by itself (no need to wait for the rest of the incident)."""
     if slot is None:
         return False
@@ -73,15 +79,15 @@ def is_definite(ev: dict, slot: int | None, max_local_resets: int) -> bool:
     return c.root_cause and not c.ambiguous
 
 
-def exit_code_of(ev: dict) -> int | None:
+def exit_code_of(ev: dict[str, Any]) -> int | None:
     """The exit code a failing worker's report implies for the job (a signal n: 128 - n, as a shell)."""
-    rc = ev.get("returncode")
+    rc: int | None = ev.get("returncode")
     if rc is None:
         return None
     return 128 - rc if rc < 0 else rc
 
 
-def detail_of(ev: dict) -> str:
+def detail_of(ev: dict[str, Any]) -> str:
     """A report's description, as events record it."""
     return (ev.get("detail") or ev.get("text") or "")[:300]
 
@@ -117,16 +123,18 @@ def carried_out_first(corr: Correlation) -> NodeDecision | None:
         return None
     if corr.external_fallback:
         return next(d for d in acted if d.action is Action.EXTERNAL_FALLBACK)
-    return max(acted, key=lambda d: ACTION_PRECEDENCE[d.action])   # max keeps the first of equals
+    return max(acted, key=lambda d: ACTION_PRECEDENCE[d.acted_action])   # max keeps the first of equals
 
 
-def fault_text(c: Classification, ev: dict) -> str:
+def fault_text(c: Classification, ev: dict[str, Any]) -> str:
     """A node's "last fault" as `status` shows it: the class and what the report said. Pure."""
     return f"{c.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
 
 
 def escalated(c: Classification, e: Escalation) -> Classification:
     """The classification with the escalation's action and reason (call only when e does not stop the job)."""
+    if e.action is None:
+        raise ValueError(f"a stopping escalation has no action to carry out: {e.reason}")
     if e.action is c.action:
         return c
     return Classification(c.fault_class, e.action, c.root_cause, e.reason, c.ambiguous)
@@ -156,13 +164,13 @@ def respond(hot_swap_capable: bool, action: Action, report_kind: str | None) -> 
                     fence=replace and report_kind in STILL_UP)
 
 
-def fallback_reason(c: Classification, ev: dict, slot: int | None) -> str:
+def fallback_reason(c: Classification, ev: dict[str, Any], slot: int | None) -> str:
     """Why the job falls back to its persistent checkpoint (or stops), as events and the exit reason say."""
     what = f"{c.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") else c.reason
     return f"{what} (rank {ev.get('rank')} on slot {slot})"
 
 
-def loss_verdict(ev: dict, slot: int, max_local_resets: int) -> Classification:
+def loss_verdict(ev: dict[str, Any], slot: int, max_local_resets: int) -> Classification:
     """How a node loss found while a recovery or a restart is under way is filed: by the classifier, as the
     same report outside a recovery (node_lost: a vanished or silent agent, a node that said it leaves); either
     way its slot goes to a spare."""
@@ -350,7 +358,7 @@ class Midway(str, Enum):
 MIDWAY_WORKER_ACTION = Action.LOCAL_RESET
 
 
-def midway(ev: dict, in_play: bool, generation: int) -> Midway:
+def midway(ev: dict[str, Any], in_play: bool, generation: int) -> Midway:
     """How a report is handled while a recovery of `generation` waits for acks; `in_play`: it comes from an active
     node whose slot is not lost already. A refused restore counts from any node. Pure."""
     kind = ev.get("kind")
@@ -369,7 +377,7 @@ def midway(ev: dict, in_play: bool, generation: int) -> Midway:
     return Midway.IGNORE
 
 
-def mismatch_reason(ev: dict, step: int | None, persist_dir) -> str:
+def mismatch_reason(ev: dict[str, Any], step: int | None, persist_dir: Path | None) -> str:
     """The job's end reason when a rank refused the restored state's layout. Pure."""
     where = f"checkpoint step {step} in {persist_dir}" if step is not None and persist_dir else "the restored state"
     return (f"{where} does not match the script (rank {ev.get('rank')}: {ev.get('reason')}): it was written by "

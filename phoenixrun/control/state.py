@@ -9,7 +9,7 @@ import heapq
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Container, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Container, Iterable, Iterator, Mapping, TypeVar
 
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.redundancy import PeerSet
@@ -76,13 +76,13 @@ class NodeRecord:
     # rank -> steps of intact snapshots in this agent's own slots / its replica store
     snapshots: dict[int, list[int]] = field(default_factory=dict)
     replicas: dict[int, list[int]] = field(default_factory=dict)
-    protection: dict[int, dict] = field(default_factory=dict)  # rank -> figures for status
+    protection: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> figures for status
     api: bool = False          # its workers use the phoenixrun API (hot-swap capable)
     warm_ready: bool = False   # a spare whose pre-started workers are all up (its agent says so)
     draining: str | None = None   # a drain of this node is under way (or done: role drained): its reason
     straggler: float | None = None   # how many times slower than its peers, while it is a straggler
 
-    def to_json(self, now: float) -> dict:
+    def to_json(self, now: float) -> dict[str, Any]:
         d = asdict(self)
         d["role"] = self.role.value
         d["heartbeat_age_s"] = round(now - self.last_heartbeat, 3)
@@ -235,17 +235,17 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
         options = {step: (private[step], peers) for step, peers in shared.items() if peers}
         available.add(tuple(options))
         candidates[rank] = options
-    step = restore_step(available)
-    if step is None:
+    chosen = restore_step(available)
+    if chosen is None:
         raise PlanError("no snapshot step is available on every rank")
-    fetch = {rank: RankSource(private=tuple(opts[step][0]), shared=tuple(opts[step][1]))
+    fetch = {rank: RankSource(private=tuple(opts[chosen][0]), shared=tuple(opts[chosen][1]))
              for rank, opts in candidates.items()}
     new_slots = dict(slots)
     new_slots.update(replacements)
-    return RecoveryPlan(restore_step=step, slots=new_slots, fetch=fetch, replaced_slots=dict(replacements))
+    return RecoveryPlan(restore_step=chosen, slots=new_slots, fetch=fetch, replaced_slots=dict(replacements))
 
 
-def fence_reply(node: NodeRecord | None) -> dict | None:
+def fence_reply(node: NodeRecord | None) -> dict[str, Any] | None:
     """What the master answers a node that is no longer part of the job, whatever it asked; None otherwise.
 
     A node that was declared lost and replaced (or a spare declared lost) may come back: a healed partition, a

@@ -135,7 +135,8 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-def _c(fc: FaultClass, action: Action, reason: str, *, root_cause: bool = True, ambiguous: bool = False):
+def _c(fc: FaultClass, action: Action, reason: str, *, root_cause: bool = True,
+       ambiguous: bool = False) -> Classification:
     return Classification(fc, action, root_cause, reason, ambiguous)
 
 

@@ -41,6 +41,13 @@ class NodeDecision:
     def reason(self) -> str:
         return f"{self.verdict.value}: {self.classification.reason}"
 
+    @property
+    def acted_action(self) -> Action:
+        """The action of a decision acted on (a root cause or a transient; a symptom has none)."""
+        if self.action is None:
+            raise ValueError(f"node {self.node}: a symptom carries no action")
+        return self.action
+
 
 @dataclass(frozen=True)
 class Correlation:

@@ -184,7 +184,7 @@ class NvmlHealthSource(HealthSource):
             if wait is None:
                 raise AttributeError(self._wait_name)
             return wait(self._event_set, timeout)
-        except (AttributeError, *_missing(nv)) as e:
+        except _absent(nv) as e:
             if self._wait_name == "nvmlEventSetWait_v2" and getattr(nv, "nvmlEventSetWait", None) is not None:
                 log.info("NVML: nvmlEventSetWait_v2 unavailable (%s); using nvmlEventSetWait", e)
                 self._wait_name = "nvmlEventSetWait"
@@ -239,7 +239,7 @@ class NvmlHealthSource(HealthSource):
             if g.remap_probe:
                 try:
                     _corr, _unc, pending, failure = nv.nvmlDeviceGetRemappedRows(g.handle)
-                except (AttributeError, *_missing(nv)):
+                except _absent(nv):
                     g.remap_probe = False  # pre-Ampere (no row remapper), or a driver without the call
                 else:
                     if failure and not g.remap_failed:
@@ -268,7 +268,7 @@ class NvmlHealthSource(HealthSource):
             return None
         try:
             fv = nv.nvmlDeviceGetFieldValues(g.handle, [field_id])[0]
-        except (AttributeError, *_missing(nv)):
+        except _absent(nv):
             return None
         if fv.nvmlReturn != nv.NVML_SUCCESS:
             return None  # the driver does not know the field
@@ -297,13 +297,13 @@ class NvmlHealthSource(HealthSource):
             try:
                 row["ecc_uncorrected"] = nv.nvmlDeviceGetTotalEccErrors(
                     g.handle, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
-            except (AttributeError, *_missing(nv)):
+            except _absent(nv):
                 row["ecc_uncorrected"] = "unsupported"
             try:
                 corr, unc, pending, failure = nv.nvmlDeviceGetRemappedRows(g.handle)
                 row["remapped_rows"] = {"correctable": corr, "uncorrectable": unc, "pending": bool(pending),
                                         "failure": bool(failure)}
-            except (AttributeError, *_missing(nv)):
+            except _absent(nv):
                 row["remapped_rows"] = "unsupported"
             value = self._read_recovery_action(g)
             row["recovery_action"] = "unsupported" if value is None else value
@@ -337,6 +337,11 @@ class NvmlHealthSource(HealthSource):
         if nv is not None:
             self._free_event_set(nv)
             self._shutdown(nv)
+
+
+def _absent(nv: Any) -> tuple[type[BaseException], ...]:
+    """A call the binding lacks (AttributeError) or a probe that is not there (see _missing)."""
+    return (AttributeError, *_missing(nv))
 
 
 def _missing(nv: Any) -> tuple[type[BaseException], ...]:
