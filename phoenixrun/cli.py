@@ -11,13 +11,14 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import MISSING
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any, Callable
 
 import click
 
 from phoenixrun import auth, config, netaddr, runid
-from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConfig
+from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConfig, TorchrunFlags
 from phoenixrun.protocol.client import split_endpoints
 from phoenixrun.protocol.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
@@ -36,13 +37,15 @@ def _opt(*names, env: str | None = None, **kw):
     return click.option(*decls, **kw)
 
 
-def _field(cls: type, name: str, *, help: str | None = None, env: str | None = None, alias: bool = True):
+def _field(cls: type, name: str, *, help: str | None = None, env: str | None = None, alias: bool = True,
+           launch: bool = False):
     """The click option of a config field: its flag, type and bounds, default and help all come from the field's
     Setting (phoenixrun/config.py), so the command line and the config cannot drift. `help` only where the
-    flag means more on this command (the launcher's --node-rank also decides who runs the master)."""
+    flag means more on this command (the launcher's --node-rank also decides who runs the master); `launch`:
+    the launcher's option, with the field's launch default (the launcher derives --rdzv-id when it is absent)."""
     f = cls.settings()[name]
     s, k = config.setting_of(f), config.kind(f)
-    default = config.cli_default(f)
+    default = config.launch_default(f) if launch else config.cli_default(f)
     kw: dict = {"help": help or s.doc}
     if k == "bool":
         kw["is_flag"] = True
@@ -54,7 +57,8 @@ def _field(cls: type, name: str, *, help: str | None = None, env: str | None = N
         else:
             kw["default"] = default
             kw["show_default"] = default not in (None, "") and "[default:" not in kw["help"]
-    return _opt(s.flag, env=env, **kw) if alias else click.option(s.flag, envvar=env, **kw)
+    names = s.spellings or (s.flag,)
+    return _opt(*names, env=env, **kw) if alias else click.option(*names, envvar=env, show_envvar=bool(env), **kw)
 
 
 class _Ranks(click.ParamType):
@@ -148,17 +152,20 @@ def _options(*opts):
     return apply
 
 
-# The job's shape and the master's recovery policy: `phoenixrun` (which runs a master) and `phoenixrun master`.
-_job_shape = _options(*(_field(MasterConfig, n) for n in ("replicas", "tp", "pp")))
-_recovery_policy = _options(
-    _field(MasterConfig, "max_restarts", env="PET_MAX_RESTARTS"),
-    *(_field(MasterConfig, n) for n in ("join_timeout", "node_timeout", "spare_wait", "on_no_spare", "recovery_timeout", "max_local_resets",
-                                        "straggler_ratio", "straggler_window", "replace_stragglers",
-                                        "relay_threshold")))
+def _component(cls: type, **env: str) -> Callable[[Any], Any]:
+    """The options of one MasterConfig component, in its field order: the CLI's groups of flags are the config's
+    components (phoenixrun/config.py), shared by the commands that take them."""
+    return _options(*(_field(cls, f.name, env=env.get(f.name)) for f in fields(cls) if config.setting_of(f).flag))
+
+
+# The job's shape, the master's recovery policy, its straggler detector and persistence: `phoenixrun` (which runs
+# a master) and `phoenixrun master`.
+_job_shape = _component(config.JobShape)
+_recovery_policy = _component(config.RecoveryPolicy, max_restarts="PET_MAX_RESTARTS")
+_stragglers = _component(config.StragglerPolicy)
+_persistence = _component(config.Persistence)
 # what the agents watch: `phoenixrun` and `phoenixrun agent`
 _agent_timeouts = _options(_field(AgentConfig, "heartbeat_interval"), _field(AgentConfig, "hang_timeout"))
-_persistence = _options(*(_field(MasterConfig, n) for n in ("persist_every", "persist_dir", "persist_keep",
-                                                            "max_fallbacks")))
 
 
 def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) -> Path | None:
@@ -169,49 +176,39 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 
 @click.command("phoenixrun", context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
                epilog="Subcommands: phoenixrun master|agent|status|simulate --help")
-@_opt("--nnodes", default="1", show_default=True, env="PET_NNODES", help="Active nodes (N; N:N also accepted).")
-@_opt("--nproc-per-node", default="1", show_default=True, env="PET_NPROC_PER_NODE",
-      help="Workers per node (a number, or auto/cpu/gpu).")
-@_opt("--standalone", is_flag=True, env="PET_STANDALONE",
-      help="Run the master and nnodes + spares agents on this machine (each agent simulates one node).")
-@_opt("--rdzv-endpoint", default="", env="PET_RDZV_ENDPOINT", help="host:port of the phoenixrun master.")
-@_opt("--rdzv-id", default="", env="PET_RDZV_ID", help="Job id (TORCHELASTIC_RUN_ID).")
-@_opt("--rdzv-backend", default="c10d", show_default=True, env="PET_RDZV_BACKEND",
-      help="c10d or static; both mean phoenixrun's own master.")
-@_opt("--rdzv-conf", default="", env="PET_RDZV_CONF", help="Accepted for compatibility; ignored.")
+@_field(TorchrunFlags, "nnodes", env="PET_NNODES", alias=False)
+@_field(TorchrunFlags, "nproc_per_node", env="PET_NPROC_PER_NODE")
+@_field(LaunchConfig, "standalone", env="PET_STANDALONE", alias=False)
+@_field(AgentConfig, "endpoint", env="PET_RDZV_ENDPOINT", launch=True, help="host:port of the phoenixrun master.")
+@_field(MasterConfig, "run_id", env="PET_RDZV_ID", launch=True)
+@_field(TorchrunFlags, "rdzv_backend", env="PET_RDZV_BACKEND")
+@_field(TorchrunFlags, "rdzv_conf", env="PET_RDZV_CONF")
 @_field(AgentConfig, "node_rank", env="PET_NODE_RANK",
         help="Rank of this node: its slot, whatever the order nodes join in; node 0 also runs the master "
              "[default: slots in order of joining; the rendezvous host runs the master].")
-@_opt("--master-addr", default="127.0.0.1", show_default=True, env="PET_MASTER_ADDR",
-      help="Master address when no --rdzv-endpoint is given.")
-@_opt("--master-port", type=click.IntRange(0, 65535), default=29500, show_default=True, env="PET_MASTER_PORT",
-      help="Master port when no --rdzv-endpoint is given.")
-@_opt("--local-addr", default=None, env="PET_LOCAL_ADDR",
-      help="Address other nodes use to reach this node's agent [default: the local address that routes to the "
-           "master].")
+@_field(TorchrunFlags, "master_addr", env="PET_MASTER_ADDR")
+@_field(TorchrunFlags, "master_port", env="PET_MASTER_PORT")
+@_field(TorchrunFlags, "local_addr", env="PET_LOCAL_ADDR")
 @_field(AgentConfig, "log_dir", env="PET_LOG_DIR")
-@_opt("--tee", "-t", default=None, env="PET_TEE", help="With --log-dir, also print worker output (torchrun: 0-3).")
-@_opt("--redirects", "-r", default=None, env="PET_REDIRECTS", help="With --log-dir, only write files (torchrun: 0-3).")
-@_opt("--monitor-interval", type=click.FloatRange(min=0.01), default=0.1, show_default=True,
-      env="PET_MONITOR_INTERVAL", help="Accepted for compatibility (agents watch workers every 50 ms).")
+@_field(TorchrunFlags, "tee", env="PET_TEE")
+@_field(TorchrunFlags, "redirects", env="PET_REDIRECTS")
+@_field(TorchrunFlags, "monitor_interval", env="PET_MONITOR_INTERVAL")
 @_field(AgentConfig, "local_ranks_filter", env="PET_LOCAL_RANKS_FILTER")
-@_opt("--start-method", type=click.Choice(["spawn", "fork", "forkserver"]), default="spawn", show_default=True,
-      env="PET_START_METHOD", help="Accepted for compatibility: workers are always fresh processes.")
+@_field(TorchrunFlags, "start_method", env="PET_START_METHOD")
 @_field(AgentConfig, "shutdown_timeout", env="PET_SHUTDOWN_TIMEOUT")
-@click.option("-m", "--module", is_flag=True, help="Run the entry point as a Python module (python -m).")
-@_opt("--no-python", is_flag=True, help="Run the entry point as an executable, not with python.")
-@_opt("--spares", type=click.IntRange(min=0), default=0, show_default=True,
-      help="Warm spare nodes: with --standalone started here; on a cluster, the nodes beyond --nnodes that join "
-           "(more are told they are not needed and exit 0).")
-@_opt("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-      help="Events, master.json and the job secret go here [default: .phoenixrun/RUN_ID]; naming it names the "
-           "run (its id is the directory's name unless --rdzv-id is given): the same directory again resumes it.")
+@_field(TorchrunFlags, "module", alias=False)
+@_field(TorchrunFlags, "no_python")
+@_field(LaunchConfig, "spares", alias=False)
+@_field(MasterConfig, "run_dir", launch=True,
+        help="Events, master.json and the job secret go here [default: .phoenixrun/RUN_ID]; naming it names the "
+             "run (its id is the directory's name unless --rdzv-id is given): the same directory again resumes it.")
 @_field(LaunchConfig, "resume")
 @_field(AgentConfig, "fault_domain")
 @_field(AgentConfig, "collective_timeout")
 @_field(AgentConfig, "standby_worker")
 @_job_shape
 @_recovery_policy
+@_stragglers
 @_agent_timeouts
 @_persistence
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
@@ -267,14 +264,15 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
     """The launcher's config from its parsed options (click's params) and SCRIPT [ARGS]; UsageError if bad."""
     from phoenixrun.agents.workers import WorkerSpec
 
-    n = _parse_nnodes(o["nnodes"])
+    t: TorchrunFlags = TorchrunFlags.from_options(o)
+    n = _parse_nnodes(t.nnodes)
     standalone = o["standalone"]
     spares = o["spares"]
-    nproc = _parse_nproc(o["nproc_per_node"])
-    if o["rdzv_backend"] not in ("c10d", "static"):
-        raise click.BadParameter(f"{o['rdzv_backend']!r} is not supported: phoenixrun runs its own rendezvous "
+    nproc = _parse_nproc(t.nproc_per_node)
+    if t.rdzv_backend not in ("c10d", "static"):
+        raise click.BadParameter(f"{t.rdzv_backend!r} is not supported: phoenixrun runs its own rendezvous "
                                  "master; use c10d (the default) or static", param_hint="--rdzv-backend")
-    if not o["module"] and not o["no_python"] and not Path(entry[0]).is_file():
+    if not t.module and not t.no_python and not Path(entry[0]).is_file():
         raise click.UsageError(f"training script {entry[0]!r} not found")
     try:
         ident = runid.identity(o["rdzv_id"], o["run_dir"], o["resume"], standalone, os.environ.get("SLURM_JOB_ID"),
@@ -282,7 +280,7 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
     except runid.RunIdError as e:
         raise click.UsageError(str(e)) from None
     run_id, run_dir = ident.run_id, ident.run_dir
-    endpoint = o["rdzv_endpoint"] or f"{o['master_addr']}:{o['master_port']}"
+    endpoint = o["rdzv_endpoint"] or f"{t.master_addr}:{t.master_port}"
     host, _, port = ("127.0.0.1:0" if standalone else endpoint).rpartition(":")
     if not port.isdigit():
         raise click.BadParameter(f"{endpoint!r} is not host:port", param_hint="--rdzv-endpoint")
@@ -305,11 +303,12 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
         spares=None if standalone else spares)   # standalone: spares started by hand may join too
     agent = AgentConfig.from_options(
         o, endpoint="", secret="", nproc_per_node=nproc,   # the master's endpoint and the secret: at run time
-        spec=WorkerSpec(entry[0], tuple(entry[1:]), module=o["module"], no_python=o["no_python"]),
-        host="127.0.0.1" if standalone else netaddr.node_addr(o["local_addr"], endpoint),
-        node_rank=None if standalone else o["node_rank"], tee=_tee(o["tee"], o["redirects"]))
+        spec=WorkerSpec(entry[0], tuple(entry[1:]), module=t.module, no_python=t.no_python),
+        host="127.0.0.1" if standalone else netaddr.node_addr(t.local_addr, endpoint),
+        node_rank=None if standalone else o["node_rank"], tee=_tee(t.tee, t.redirects))
     return LaunchConfig(master=master, agent=agent, standalone=standalone, spares=spares,
-                        endpoint=None if standalone else endpoint, host_master=host_master, resume=o["resume"])
+                        endpoint=None if standalone else endpoint, host_master=host_master, resume=o["resume"],
+                        torchrun=t)
 
 
 @click.group("phoenixrun")
@@ -330,6 +329,7 @@ def commands():
 @_field(MasterConfig, "max_clock_skew")
 @_job_shape
 @_recovery_policy
+@_stragglers
 @_persistence
 def master_cmd(**o):
     """Run the rendezvous master (control plane) in the foreground."""

@@ -48,6 +48,8 @@ class Setting:
     negate: bool = False              # a boolean field set by a flag that turns it off (--no-tee)
     travels: str = ""                 # how a field without a flag reaches a process started with to_argv()
     choices: tuple[str, ...] = ()     # the values a str field may take (empty: any)
+    spellings: tuple[str, ...] = ()   # every spelling of the flag, in order, where it has a short one (-m, --module)
+    launch_default: Any = _SAME       # the launcher's default, where it derives the value when the flag is absent
 
 
 def setting(default: Any = MISSING, *, doc: str, factory: Any = MISSING, **kw: Any) -> Any:
@@ -105,6 +107,13 @@ def cli_default(f: Field[Any]) -> Any:
     """The flag's default: the field's, unless the command line deliberately defaults otherwise."""
     s = setting_of(f)
     return default_of(f) if s.cli_default is _SAME else s.cli_default
+
+
+def launch_default(f: Field[Any]) -> Any:
+    """The default of the flag on the launcher (`phoenixrun`): the command line's, unless the launcher derives
+    the value itself when the flag is absent (--rdzv-id: from --run-dir, $SLURM_JOB_ID or a new id)."""
+    s = setting_of(f)
+    return cli_default(f) if s.launch_default is _SAME else s.launch_default
 
 
 def where(cls: type, f: Field[Any]) -> str:
@@ -414,11 +423,12 @@ class MasterConfig(_Settings):
     """The job as the master runs it, one component per group of flags. `phoenixrun master` takes these as flags;
     `phoenixrun` builds one. `MasterConfig.build(nnodes=2, node_timeout=3.0, ...)` takes every setting by name."""
     run_dir: Path = setting(
-        flag="--run-dir", doc="Events, master.json and the job secret go here.")
+        flag="--run-dir", launch_default=None, doc="Events, master.json and the job secret go here.")
     nnodes: int = setting(flag="--nnodes", min=1, doc="Active nodes.")
     nproc_per_node: int = setting(flag="--nproc-per-node", min=1, doc="Workers per node.")
+    # the launcher's default "": it names the run itself (runid.identity); `phoenixrun master` needs no name
     run_id: str = setting(
-        "phoenixrun", flag="--rdzv-id", doc="Job id (TORCHELASTIC_RUN_ID).")
+        "phoenixrun", flag="--rdzv-id", launch_default="", doc="Job id (TORCHELASTIC_RUN_ID).")
     spares: int | None = setting(
         None, flag="--spares", min=0,
         doc="Spare nodes admitted at a time; more are told they are not needed [default: any number].")
@@ -441,7 +451,7 @@ class MasterConfig(_Settings):
 class AgentConfig(_Settings):
     """One node's agent. `phoenixrun agent` takes these as flags (the secret from a file or the environment)."""
     endpoint: str = setting(
-        flag="--rdzv-endpoint",
+        flag="--rdzv-endpoint", launch_default="",
         doc="host:port of the master; HOST:PORT,HOST:PORT for a master and its standby (the agent uses whichever "
             "holds the lease).")
     secret: str = setting(travels="the environment", doc="The job secret ($PHOENIXRUN_SECRET or --secret-file).")
@@ -495,6 +505,43 @@ class AgentConfig(_Settings):
 
 
 @dataclass(frozen=True)
+class TorchrunFlags(_Settings):
+    """The launcher's torchrun flags that no master or agent setting holds, as given: launch_config()
+    (phoenixrun/cli.py) reads the world, the master's endpoint and the workers' entry point from them."""
+    nnodes: str = setting("1", flag="--nnodes", doc="Active nodes (N; N:N also accepted).")
+    nproc_per_node: str = setting(
+        "1", flag="--nproc-per-node", doc="Workers per node (a number, or auto/cpu/gpu).")
+    rdzv_backend: str = setting(
+        "c10d", flag="--rdzv-backend", doc="c10d or static; both mean phoenixrun's own master.")
+    rdzv_conf: str = setting("", flag="--rdzv-conf", doc="Accepted for compatibility; ignored.")
+    master_addr: str = setting(
+        "127.0.0.1", flag="--master-addr", doc="Master address when no --rdzv-endpoint is given.")
+    master_port: int = setting(
+        29500, flag="--master-port", min=0, max=65535, doc="Master port when no --rdzv-endpoint is given.")
+    local_addr: str | None = setting(
+        None, flag="--local-addr",
+        doc="Address other nodes use to reach this node's agent [default: the local address that routes to the "
+            "master].")
+    tee: str | None = setting(
+        None, flag="--tee", spellings=("--tee", "-t"),
+        doc="With --log-dir, also print worker output (torchrun: 0-3).")
+    redirects: str | None = setting(
+        None, flag="--redirects", spellings=("--redirects", "-r"),
+        doc="With --log-dir, only write files (torchrun: 0-3).")
+    monitor_interval: float = setting(
+        0.1, flag="--monitor-interval", min=0.01,
+        doc="Accepted for compatibility (agents watch workers every 50 ms).")
+    start_method: str = setting(
+        "spawn", flag="--start-method", choices=("spawn", "fork", "forkserver"),
+        doc="Accepted for compatibility: workers are always fresh processes.")
+    module: bool = setting(
+        False, flag="--module", spellings=("-m", "--module"),
+        doc="Run the entry point as a Python module (python -m).")
+    no_python: bool = setting(
+        False, flag="--no-python", doc="Run the entry point as an executable, not with python.")
+
+
+@dataclass(frozen=True)
 class LaunchConfig(_Settings):
     """What `phoenixrun` starts on this machine: a master (standalone, node rank 0 or the rendezvous host) and
     this node's agent(s). The torchrun flags are parsed into it by phoenixrun/cli.py."""
@@ -503,8 +550,12 @@ class LaunchConfig(_Settings):
         doc="This node's agent, as the launcher starts it (the endpoint is replaced by the master's once it is "
             "up; standalone agents get fault domains local0, local1, ... when none is given).")
     standalone: bool = setting(
-        False, doc="Run the master and nnodes + spares agents on this machine (each agent simulates one node).")
-    spares: int = setting(0, min=0, doc="Warm spare agents started here (standalone).")
+        False, flag="--standalone",
+        doc="Run the master and nnodes + spares agents on this machine (each agent simulates one node).")
+    spares: int = setting(
+        0, flag="--spares", min=0,
+        doc="Warm spare nodes: with --standalone started here; on a cluster, the nodes beyond --nnodes that join "
+            "(more are told they are not needed and exit 0).")
     endpoint: str | None = setting(None, doc="host:port of the master (not standalone).")
     host_master: bool = setting(
         False, doc="Run the master here (standalone, node rank 0, or the rendezvous host).")
@@ -514,6 +565,7 @@ class LaunchConfig(_Settings):
         doc="Resume an earlier run: the one --rdzv-id or --run-dir names, else the newest under .phoenixrun/ "
             "(an error if it holds no events or checkpoints). Without it, a launch that names no run "
             "(--rdzv-id, --run-dir, $SLURM_JOB_ID) starts a new one in a new run directory.")
+    torchrun: TorchrunFlags = group(TorchrunFlags, doc="The torchrun flags as given.")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -289,3 +289,33 @@ def test_master_config_is_nested_as_the_cli_groups_its_flags():
     assert (moved.listen.port, moved.nnodes, moved.shape.tp) == (7, 4, 2) and m.listen.port == 0
     with pytest.raises(TypeError):
         MasterConfig.build(run_dir="/r", nnodes=1, nproc_per_node=1, no_such_setting=1)
+
+
+def test_every_launcher_flag_is_a_config_field():
+    """Each option of `phoenixrun` is generated from a config field (none written by hand with a default of its
+    own): its help is the field's doc unless the launcher says more, its default the field's launch default."""
+    by_flag: dict[str, list] = {}
+    for cls in (MasterConfig, AgentConfig, LaunchConfig):
+        for f in cls.flag_fields():
+            by_flag.setdefault(config.setting_of(f).flag, []).append(f)
+    for p in launch.params:
+        if not isinstance(p, click.Option) or p.name == "help":
+            continue
+        long = next(n for n in p.opts if n.startswith("--"))
+        assert long in by_flag, f"{long}: the launcher's option is no config field"
+        if p.is_flag:     # off unless given; the field's default is what absent means (on, for --no-tee's tee)
+            assert all(config.kind(f) == "bool" for f in by_flag[long]), long
+            continue
+        defaults = [config.launch_default(f) for f in by_flag[long]]
+        assert p.get_default(click.Context(launch), call=False) in defaults, (long, defaults)
+    run_id = MasterConfig.settings()["run_id"]
+    assert config.launch_default(run_id) == "" and config.cli_default(run_id) == "phoenixrun"
+
+
+def test_launch_config_keeps_the_torchrun_flags_as_given(tmp_path):
+    argv = ["--standalone", "--nnodes", "2:2", "--master-port", "29511", "--tee", "3", "--start-method", "fork",
+            "--run-dir", str(tmp_path / "run"), str(EXAMPLE)]
+    c = launch_config(launch.make_context("phoenixrun", argv).params, (str(EXAMPLE),))
+    t = c.torchrun
+    assert (t.nnodes, t.master_port, t.tee, t.start_method, t.module) == ("2:2", 29511, "3", "fork", False)
+    assert c.master.nnodes == 2 and c.agent.tee
