@@ -8,12 +8,13 @@ signs of life (`progress`, `pong`).
 """
 from __future__ import annotations
 
+import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from phoenixrun.faults import Signal
 from phoenixrun.protocol import ReportKind, WorkerOp
-from phoenixrun.protocol.timings import Timings
+from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import PhaseAcks
@@ -22,7 +23,9 @@ from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import LocalSlots, SlotError, SlotSpaceError
 from phoenixrun.agents.supervisor import WorkerSupervisor
 
-Handler = Callable[[WorkerConn, dict], None]
+log = logging.getLogger("phoenixrun.agent")
+
+Handler = Callable[[WorkerConn, Any], None]     # each takes its op's message (protocol/worker_messages.py)
 # ops that show the worker is alive and making progress (a pong: alive, just waiting on a peer): the hang
 # watchdog restarts its clock
 PROGRESS_OPS = frozenset({WorkerOp.PROGRESS, WorkerOp.WRITE, WorkerOp.WRITTEN, WorkerOp.RESUMED, WorkerOp.PONG})
@@ -48,15 +51,20 @@ class WorkerOps:
             WorkerOp.PROGRESS: self._progress, WorkerOp.PONG: self._alive,
         }
 
-    def on_message(self, conn: WorkerConn, msg: dict) -> None:
-        op = msg.get("op")
-        if not isinstance(op, str):
+    def on_message(self, conn: WorkerConn, msg: dict[str, Any]) -> None:
+        """A line off the channel: decoded into its message type here, at the edge, then to its op's handler."""
+        try:
+            m = wm.decode(msg)
+        except ValueError as e:
+            log.warning("worker message ignored: %s", e)
             return
-        if conn.local_rank is not None and op in PROGRESS_OPS:
+        if m is None:
+            return        # no such op: ignored, the channel goes on
+        if conn.local_rank is not None and m.OP in PROGRESS_OPS:
             self.supervisor.progressed(conn.local_rank)
-        handler = self.handlers.get(op)
+        handler = self.handlers.get(m.OP)
         if handler is not None:
-            handler(conn, msg)
+            handler(conn, m)
 
     def on_close(self, conn: WorkerConn) -> None:
         self.supervisor.unwatch(conn)
@@ -64,28 +72,28 @@ class WorkerOps:
     def _rank(self, conn: WorkerConn) -> int:
         return self.node.rank(conn.local_rank)
 
-    def _report_observed(self, kind: ReportKind, conn: WorkerConn, msg: dict) -> None:
-        self.reporter.report({"kind": kind, "rank": self._rank(conn), "text": msg.get("text", ""),
-                              "step": msg.get("step"), "t": time.time()})
+    def _report_observed(self, kind: ReportKind, conn: WorkerConn, m: wm.Observed) -> None:
+        self.reporter.report({"kind": kind, "rank": self._rank(conn), "text": m.text, "step": m.step, "t": time.time()})
 
     # ------------------------------------------------------------------ handlers
-    def _hello(self, conn: WorkerConn, msg: dict) -> None:
-        lr = int(msg["local_rank"])
+    def _hello(self, conn: WorkerConn, m: wm.Hello) -> None:
+        lr = int(m.local_rank)
         with self.node.lock:
-            conn.local_rank, conn.pid = lr, msg.get("pid")
-            self.node.api = self.node.api or bool(msg.get("api"))
+            conn.local_rank, conn.pid = lr, m.pid
+            self.node.api = self.node.api or bool(m.api)
             self.supervisor.hello(conn, lr)
 
-    def _request(self, conn: WorkerConn, msg: dict) -> None:
+    def _request(self, conn: WorkerConn, m: wm.Request) -> None:
         """alloc / slots / write: answered with a reply carrying the request's id."""
-        op, rank = msg["op"], self._rank(conn)
+        rank = self._rank(conn)
         try:
-            if op == WorkerOp.ALLOC:
-                reply = {"paths": self.slots.allocate(rank, int(msg["nbytes"]))}
-            elif op == WorkerOp.SLOTS:
+            if isinstance(m, wm.Alloc):
+                reply = {"paths": self.slots.allocate(rank, int(m.nbytes))}
+            elif isinstance(m, wm.Slots):
                 reply = {"paths": self.slots.paths(rank)}
             else:   # the slot to write, grown first if the snapshot needs more (then at a new path)
-                idx = self.slots.begin_write(rank, int(msg.get("nbytes", 0)))
+                assert isinstance(m, wm.Write)
+                idx = self.slots.begin_write(rank, int(m.nbytes))
                 path, size = self.slots.path(rank, idx)
                 reply = {"slot": idx, "path": path, "nbytes": size}
         except SlotSpaceError as e:
@@ -96,20 +104,20 @@ class WorkerOps:
                 kind="snapshot_space", node=self.node.slot, rank=rank, detail=str(e)).to_dict()})
         except SlotError as e:
             reply = {"error": str(e)}
-        conn.send({"op": WorkerOp.REPLY, "id": msg["id"], **reply})
+        conn.send({"op": WorkerOp.REPLY, "id": m.id, **reply})
 
-    def _written(self, conn: WorkerConn, msg: dict) -> None:
-        self.replicator.commit(conn, int(msg["slot"]), int(msg["step"]), msg.get("stats", {}))
+    def _written(self, conn: WorkerConn, m: wm.Written) -> None:
+        self.replicator.commit(conn, int(m.slot), int(m.step), m.stats)
 
-    def _quiesced(self, conn: WorkerConn, msg: dict) -> None:
+    def _quiesced(self, conn: WorkerConn, m: wm.Quiesced) -> None:
         with self.node.lock:
-            self.phases.quiesced(conn.local_rank, int(msg.get("next_step", 0)))
+            self.phases.quiesced(conn.local_rank, int(m.next_step))
         self.on_quiesce_ack()
 
-    def _resumed(self, conn: WorkerConn, msg: dict) -> None:
+    def _resumed(self, conn: WorkerConn, m: wm.Resumed) -> None:
         with self.node.lock:
-            timings = self.phases.resumed(conn.local_rank, Timings.from_wire(msg.get("timings") or {}))
-            if msg.get("generation") == self.node.generation:
+            timings = self.phases.resumed(conn.local_rank, m.timings)
+            if m.generation == self.node.generation:
                 # This worker rejoined the recovery's generation, so every rank of the world is past its restore (a
                 # replacement rendezvouses only once its agent fetched its state; survivors read only their own
                 # committed slots, which a write never touches): this node's snapshots may be taken again now.
@@ -120,35 +128,35 @@ class WorkerOps:
         if timings is not None:
             self.reporter.report({"kind": ReportKind.RESUMED, "timings": timings.to_wire()})
 
-    def _comm_error(self, conn: WorkerConn, msg: dict) -> None:
-        self._report_observed(ReportKind.COMM_ERROR, conn, msg)
+    def _comm_error(self, conn: WorkerConn, m: wm.CommError) -> None:
+        self._report_observed(ReportKind.COMM_ERROR, conn, m)
 
-    def _nan_loss(self, conn: WorkerConn, msg: dict) -> None:
+    def _nan_loss(self, conn: WorkerConn, m: wm.NanLoss) -> None:
         """The script handed a non-finite loss to job.observe_loss()."""
-        self.supervisor.error_text[conn.local_rank] = msg.get("text", "")
-        self._report_observed(ReportKind.NAN_LOSS, conn, msg)
+        self.supervisor.error_text[conn.local_rank] = m.text
+        self._report_observed(ReportKind.NAN_LOSS, conn, m)
 
-    def _error(self, conn: WorkerConn, msg: dict) -> None:
+    def _error(self, conn: WorkerConn, m: wm.ScriptError) -> None:
         """The script's own exception, before the worker exits: report it now."""
-        self.supervisor.error_text[conn.local_rank] = msg.get("text", "")
-        self._report_observed(ReportKind.WORKER_ERROR, conn, msg)
+        self.supervisor.error_text[conn.local_rank] = m.text
+        self._report_observed(ReportKind.WORKER_ERROR, conn, m)
 
-    def _protection_mode(self, conn: WorkerConn, msg: dict) -> None:
-        self.reporter.report({"kind": ReportKind.PROTECTION_MODE, "rank": self._rank(conn), "every": msg.get("every"),
-                              "step": msg.get("step")})
+    def _protection_mode(self, conn: WorkerConn, m: wm.ProtectionMode) -> None:
+        self.reporter.report({"kind": ReportKind.PROTECTION_MODE, "rank": self._rank(conn), "every": m.every,
+                              "step": m.step})
 
-    def _layout(self, conn: WorkerConn, msg: dict) -> None:
-        self.reporter.report({"kind": ReportKind.LAYOUT, "peers": msg.get("peers")})
+    def _layout(self, conn: WorkerConn, m: wm.Layout) -> None:
+        self.reporter.report({"kind": ReportKind.LAYOUT, "peers": m.peers})
 
-    def _stats(self, conn: WorkerConn, msg: dict) -> None:
+    def _stats(self, conn: WorkerConn, m: wm.Stats) -> None:
         with self.node.lock:
-            self.node.protection[self._rank(conn)] = msg.get("stats", {})
+            self.node.protection[self._rank(conn)] = m.stats
 
-    def _progress(self, conn: WorkerConn, msg: dict) -> None:
+    def _progress(self, conn: WorkerConn, m: wm.Progress) -> None:
         """A step began; `step_s`: the longest step since the worker's last progress (the quiesce grace's input)."""
-        if conn.local_rank is not None and msg.get("step_s") is not None:
+        if conn.local_rank is not None and m.step_s is not None:
             with self.node.lock:
-                self.supervisor.stepped(conn.local_rank, msg["step_s"])
+                self.supervisor.stepped(conn.local_rank, m.step_s)
 
-    def _alive(self, conn: WorkerConn, msg: dict) -> None:
+    def _alive(self, conn: WorkerConn, m: wm.Pong) -> None:
         """Nothing to do beyond restarting the hang clock (PROGRESS_OPS)."""

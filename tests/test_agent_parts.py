@@ -21,6 +21,7 @@ from phoenixrun.agents.workers import WorkerSpec
 from phoenixrun.protocol import WorkerOp
 from phoenixrun.protocol.directives import World, decode
 from phoenixrun.protocol.restore import RankSource
+from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.protocol.worker_orders import Assign
 from phoenixrun.runtime.agent_link import AgentLink
@@ -232,10 +233,11 @@ def test_peer_addr_of():
 
 
 def _ops_the_runtime_sends() -> set[str]:
+    """The ops of the worker messages (protocol/worker_messages.py, imported as `wm`) the runtime builds."""
     ops = set()
     for path in RUNTIME.glob("*.py"):
-        ops |= {WorkerOp[name].value
-                for name in re.findall(r'(?:send|request)\(\{"op": WorkerOp\.(\w+)', path.read_text())}
+        ops |= {wm.MESSAGES[m.OP.value].OP.value for name in re.findall(r'\bwm\.(\w+)\(', path.read_text())
+                if isinstance(m := getattr(wm, name, None), type) and issubclass(m, wm.WorkerMessage)}
     return ops
 
 

@@ -7,17 +7,39 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Mapping, TypeVar, Union
 
 from phoenixrun.protocol.names import WorkerOp
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerOrder:
+class ChannelMessage:
+    """A message of the worker channel, either way (protocol/worker_messages.py: the worker's to its agent)."""
     OP: ClassVar[WorkerOp]
 
     def to_wire(self) -> dict[str, Any]:
         return {"op": self.OP.value, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+M = TypeVar("M", bound=ChannelMessage)
+
+
+def decode_from(table: Mapping[str, type[M]], msg: Mapping[str, Any]) -> M | None:
+    """`msg` as the type `table` names for its op; None for another op. Unknown fields are ignored, a missing
+    one is a ValueError naming the message."""
+    cls = table.get(str(msg.get("op")))
+    if cls is None:
+        return None
+    known = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in msg.items() if k in known})
+    except TypeError as e:
+        raise ValueError(f"worker channel {msg.get('op')!r}: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerOrder(ChannelMessage):
+    """An agent's order to its worker."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,11 +101,4 @@ AnyWorkerOrder = Union[Assign, Rebuild, Quiesce, ChannelClosed]
 
 def decode(msg: Mapping[str, Any]) -> WorkerOrder | None:
     """An order off the channel as its type; None for an op that is not one of these orders."""
-    cls = ORDERS.get(str(msg.get("op")))
-    if cls is None:
-        return None
-    known = {f.name for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in msg.items() if k in known})
-    except TypeError as e:
-        raise ValueError(f"worker order {msg.get('op')!r}: {e}") from None
+    return decode_from(ORDERS, msg)

@@ -11,10 +11,11 @@ import json
 import queue
 import socket
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from phoenixrun.protocol.names import WorkerOp
-from phoenixrun.protocol.worker_orders import ChannelClosed, Quiesce, WorkerOrder, decode
+from phoenixrun.protocol.worker_messages import Pong, Request
+from phoenixrun.protocol.worker_orders import ChannelClosed, ChannelMessage, Quiesce, WorkerOrder, decode
 
 
 class AgentGone(RuntimeError):
@@ -52,27 +53,29 @@ class AgentLink:
         self._reader.join(timeout=2.0)
         self.sock.close()
 
-    def send(self, msg: dict) -> None:
-        data = (json.dumps(msg) + "\n").encode()
+    def send(self, msg: dict[str, Any] | ChannelMessage) -> None:
+        """One JSON line; a message (protocol/worker_messages.py) is encoded here, at the edge."""
+        data = (json.dumps(msg.to_wire() if isinstance(msg, ChannelMessage) else msg) + "\n").encode()
         with self._wlock:
             try:
                 self.sock.sendall(data)
             except OSError as e:
                 raise AgentGone(f"lost the node agent: {e}") from None
 
-    def request(self, msg: dict, timeout: float = 60.0) -> dict:
+    def request(self, msg: dict[str, Any] | Request, timeout: float = 60.0) -> dict[str, Any]:
         rid = next(self._ids)
         q: queue.Queue = queue.Queue()
         self._replies[rid] = q
-        self.send({**msg, "id": rid})
+        wire = msg.to_wire() if isinstance(msg, Request) else msg
+        self.send({**wire, "id": rid})
         try:
             reply = q.get(timeout=timeout)
         except queue.Empty:
-            raise AgentGone(f"node agent did not answer {msg.get('op')} within {timeout}s") from None
+            raise AgentGone(f"node agent did not answer {wire.get('op')} within {timeout}s") from None
         finally:
             self._replies.pop(rid, None)
         if reply.get("error"):
-            raise RuntimeError(f"node agent refused {msg.get('op')}: {reply['error']}")
+            raise RuntimeError(f"node agent refused {wire.get('op')}: {reply['error']}")
         return reply
 
     def _read(self) -> None:
@@ -94,7 +97,7 @@ class AgentLink:
                             self.commit_error = msg.get("error", "replication failed")
                         self.cv.notify_all()
                 elif op == WorkerOp.PING:                  # liveness for the agent's hang watchdog
-                    self.send({"op": WorkerOp.PONG})
+                    self.send(Pong())
                 elif op == WorkerOp.ABORT_COMM:            # `phoenixrun inject --fault comm-timeout|partition`
                     self.on_abort()
                 elif op == WorkerOp.POISON_LOSS:           # `phoenixrun inject --fault nan`

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from phoenixrun.config import WorkerSettings
+from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol import worker_orders
-from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.protocol.worker_orders import WorkerOrder
 from phoenixrun.runtime import boundaries, layout_check, process_group
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
@@ -180,7 +180,7 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
     GROUPS.sealed = True
     if fresh and ctx.rank == 0:   # the master plans shared fetches from this peer set (or the DP ring: None)
         ps = decided.dtensor_peers
-        _runtime.link.send({"op": WorkerOp.LAYOUT, "peers": ps.to_wire() if ps is not None else None})
+        _runtime.link.send(wm.Layout(peers=ps.to_wire() if ps is not None else None))
     return Job(_runtime, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared,
                dtensor_shared=decided.dtensor_peers is not None, position=position)
 
@@ -308,7 +308,7 @@ class _Runtime:
         self.drain_at: tuple[int, int] | None = None   # (generation, step boundary) of a drain's quiesce
         self.running_step = -1            # the step the training thread has set out to run (under link.cv)
         self.final_step = 1 << 62         # job.steps()'s total: its end is the last boundary a drain can stop at
-        self.link.send({"op": WorkerOp.HELLO, "local_rank": local_rank, "pid": os.getpid(), "api": True})
+        self.link.send(wm.Hello(local_rank=local_rank, pid=os.getpid(), api=True))
         assign = self.next_order(worker_orders.Assign)
         assert isinstance(assign, worker_orders.Assign)
         self.rank, self.world_size = assign.rank, assign.world_size
@@ -554,10 +554,10 @@ class _StepScope:
         job._enter_t = now
         if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog and quiesce grace
             job._last_ping = now
-            msg = {"op": WorkerOp.PROGRESS, "step": self.k}
+            step_s = None
             if job._longest_step_s:
-                msg["step_s"], job._longest_step_s = round(job._longest_step_s, 4), 0.0
-            job.link.send(msg)
+                step_s, job._longest_step_s = round(job._longest_step_s, 4), 0.0
+            job.link.send(wm.Progress(step=self.k, step_s=step_s))
         t0 = time.perf_counter()
         if job.link.slow_factor > 1 and job._base_compute_s:
             time.sleep((job.link.slow_factor - 1) * job._base_compute_s)   # fault drill: a straggler's compute
@@ -576,7 +576,7 @@ class _StepScope:
                 exc = lost
         if isinstance(exc, DataPositionLost):
             log.error("rank %d: %s", job.rt.rank, exc)
-            job.link.send({"op": WorkerOp.ERROR, "text": f"DataPositionLost: {exc}"[:2000], "step": self.k})
+            job.link.send(wm.ScriptError(text=f"DataPositionLost: {exc}"[:2000], step=self.k))
             if exc_type is None:
                 raise exc
             return False
@@ -588,11 +588,11 @@ class _StepScope:
             job.protection.snapshot(self.k + 1, job.compute_s)
             return False
         if isinstance(exc, NonFiniteLoss):   # never snapshotted; the job must stop, not hot-swap
-            job.link.send({"op": WorkerOp.NAN_LOSS, "text": str(exc), "step": self.k})
+            job.link.send(wm.NanLoss(text=str(exc), step=self.k))
             return False
         if exc is not None and not job.rt.quiesce_pending and recoverable_cause(exc) is None:
             # the script's own error: not ours to hide; tell the agent what it was (classification)
-            job.link.send({"op": WorkerOp.ERROR, "text": f"{type(exc).__name__}: {exc}"[:2000], "step": self.k})
+            job.link.send(wm.ScriptError(text=f"{type(exc).__name__}: {exc}"[:2000], step=self.k))
             return False
         job._recover(exc)
         return True

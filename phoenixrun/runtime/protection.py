@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from phoenixrun.config import WorkerSettings
-from phoenixrun.protocol.names import WorkerOp
+from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.runtime.data import RunPosition
@@ -131,7 +131,7 @@ class Protection:
                         self.rank, every, current)
             self.every = every
             self._samples.clear()
-            self.link.send({"op": WorkerOp.PROTECTION_MODE, "every": every, "step": current})
+            self.link.send(wm.ProtectionMode(every=every, step=current))
 
     # ---------------------------------------------------------------- after a step
     def snapshot(self, step: int, compute_s: float | None) -> None:
@@ -169,13 +169,13 @@ class Protection:
 
         def copy() -> None:
             # the agent hands out the non-committed slot, grown first if this layout needs more room
-            reply = link.request({"op": WorkerOp.WRITE, "nbytes": nbytes})
+            reply = link.request(wm.Write(nbytes=nbytes))
             idx = reply["slot"]
             if slots[idx].path != reply["path"] or slots[idx].nbytes < nbytes:   # grown: a new file
                 writer.copier.release(slots[idx])
                 slots[idx] = SlotMap(reply["path"], reply["nbytes"])
             writer.write_encoded(slots[idx], step, meta, meta_cap, ready)
-            link.send({"op": WorkerOp.WRITTEN, "slot": idx, "step": step, "stats": stats})
+            link.send(wm.Written(slot=idx, step=step, stats=stats))
         self.awaited_step = step
         self.copier.submit(copy)
 
@@ -192,7 +192,7 @@ class Protection:
             log.info("rank %d: optimizer state changed: snapshot tensors now %d + %d bytes", self.rank,
                      self.writer.private_len, self.writer.shared_len)
         if not self.slots:
-            paths = self.link.request({"op": WorkerOp.ALLOC, "nbytes": self.writer.total_len})["paths"]
+            paths = self.link.request(wm.Alloc(nbytes=self.writer.total_len))["paths"]
             self.slots = [SlotMap(p) for p in paths]   # each as large as its file (slots grow one at a time)
 
     # ---------------------------------------------------------------- recovery
@@ -203,7 +203,7 @@ class Protection:
 
     def restore(self, step: int) -> None:
         """Model, optimizer, `state` and the run's position from this node's snapshot of `step`."""
-        paths = self.link.request({"op": WorkerOp.SLOTS})["paths"]
+        paths = self.link.request(wm.Slots())["paths"]
         for p in paths:
             slot = SlotMap(p)
             found = read_slot(slot, step)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Reducer
 
 from phoenixrun.faults.classify import collective_cause
-from phoenixrun.protocol.names import WorkerOp
+from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.protocol.worker_orders import Quiesce, Rebuild
 from phoenixrun.runtime.protection import Protection, Quiesced
@@ -49,7 +49,7 @@ class RecoveryClient:
         t0 = time.time()
         if not self.rt.quiesce_pending:
             cause = recoverable_cause(exc) or exc
-            self.link.send({"op": WorkerOp.COMM_ERROR, "text": f"{type(cause).__name__}: {cause}"[:2000], "step": current})
+            self.link.send(wm.CommError(text=f"{type(cause).__name__}: {cause}"[:2000], step=current))
             self.rt.abort()   # let peers blocked on us fail now instead of at their timeout
         self.protection.wait_idle()
         model, optimizer = self.protection.model, self.protection.optimizer
@@ -84,7 +84,7 @@ class RecoveryClient:
         while True:
             g = self.link.quiesce_generation
             if g > self.rt.generation and g > reported:
-                self.link.send({"op": WorkerOp.QUIESCED, "generation": g, "next_step": self.next_step()})
+                self.link.send(wm.Quiesced(generation=g, next_step=self.next_step()))
                 reported = g
             order = self.rt.next_order(Rebuild, Quiesce)
             if not isinstance(order, Rebuild) or order.generation < self.link.quiesce_generation:
@@ -102,8 +102,8 @@ class RecoveryClient:
                 log.warning("rejoin of generation %s failed (%s); waiting for the next", order.generation, e)
                 continue
             self.restored(order.restore_step)
-            self.link.send({"op": WorkerOp.RESUMED, "generation": order.generation, "timings": Timings(
-                rebuild_s=t2 - t1, state_s=t3 - t2, worker_recovery_s=t3 - t0).to_wire()})
+            self.link.send(wm.Resumed(generation=order.generation, timings=Timings(
+                rebuild_s=t2 - t1, state_s=t3 - t2, worker_recovery_s=t3 - t0)))
             return
 
     def join(self, generation: int, restore_step: int) -> None:
@@ -121,8 +121,8 @@ class RecoveryClient:
             return
         self.restored(restore_step)
         t2 = time.time()
-        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": Timings(
-            state_s=t1 - t0, rebuild_s=t2 - t1, worker_recovery_s=t2 - t0).to_wire()})
+        self.link.send(wm.Resumed(generation=generation, timings=Timings(
+            state_s=t1 - t0, rebuild_s=t2 - t1, worker_recovery_s=t2 - t0)))
 
     def reshape(self, generation: int, step: int, info: dict) -> None:
         """A new worker of a shrunk or grown world (control/reshape.py): join the new world, then re-partition the
@@ -144,5 +144,5 @@ class RecoveryClient:
         p.restarted_at(step)
         self.restored(step)
         t2 = time.time()
-        self.link.send({"op": WorkerOp.RESUMED, "generation": generation, "timings": Timings(
-            rebuild_s=t1 - t0, reshard_s=t2 - t1, worker_recovery_s=t2 - t0).to_wire()})
+        self.link.send(wm.Resumed(generation=generation, timings=Timings(
+            rebuild_s=t1 - t0, reshard_s=t2 - t1, worker_recovery_s=t2 - t0)))
