@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
+from phoenixrun.protocol.fields import optional
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.protocol.worker_orders import ChannelMessage, decode_from
@@ -66,13 +67,7 @@ class Progress(WorkerMessage):
     """A step began; `step_s`: the longest step since the last progress (the quiesce grace's input)."""
     OP = WorkerOp.PROGRESS
     step: int
-    step_s: float | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        out = super().to_wire()
-        if self.step_s is None:
-            del out["step_s"]
-        return out
+    step_s: float | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, TypeVar, Union
 
+from phoenixrun.protocol.fields import optional, wire_fields
 from phoenixrun.protocol.names import WorkerOp
 
 
@@ -18,7 +19,7 @@ class ChannelMessage:
     OP: ClassVar[WorkerOp]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": self.OP.value, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        return {"op": self.OP.value, **wire_fields(self)}
 
 
 M = TypeVar("M", bound=ChannelMessage)
@@ -80,13 +81,7 @@ class Quiesce(WorkerOrder):
     """Recovery phase 1: stop after the current step (a drain's: at step boundary `at_step`)."""
     OP = WorkerOp.QUIESCE
     generation: int
-    at_step: int | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        out = super().to_wire()
-        if self.at_step is None:
-            del out["at_step"]
-        return out
+    at_step: int | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
