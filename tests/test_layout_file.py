@@ -17,19 +17,19 @@ def _master(run_dir, run_id="job-a", nnodes=2):
 
 def test_a_restarted_master_has_the_peer_set_its_predecessor_was_told(tmp_path):
     first = _master(tmp_path)
-    assert first.job.peer_set is None
+    assert first.job.course.peer_set is None
     first.recovery.absorb({"kind": ReportKind.LAYOUT, "peers": HSDP.to_wire(), "node_id": "n0"})
-    assert first.job.peer_set == HSDP
+    assert first.job.course.peer_set == HSDP
     again = _master(tmp_path)
-    assert again.job.peer_set == HSDP
-    assert list(again.job.peer_set.peers(2)) == [0]          # the replica across nodes, as before the restart
+    assert again.job.course.peer_set == HSDP
+    assert list(again.job.course.peer_set.peers(2)) == [0]          # the replica across nodes, as before the restart
 
 
 def test_a_job_without_dtensor_peers_overwrites_the_set(tmp_path):
     first = _master(tmp_path)
     first.recovery.absorb({"kind": ReportKind.LAYOUT, "peers": HSDP.to_wire(), "node_id": "n0"})
     first.recovery.absorb({"kind": ReportKind.LAYOUT, "peers": None, "node_id": "n0"})   # a new start of the job
-    assert _master(tmp_path).job.peer_set is None
+    assert _master(tmp_path).job.course.peer_set is None
 
 
 def test_another_runs_or_shapes_or_a_damaged_file_is_ignored(tmp_path):
@@ -37,7 +37,7 @@ def test_another_runs_or_shapes_or_a_damaged_file_is_ignored(tmp_path):
     assert layout_file.load(tmp_path, "job-a", 4) == HSDP
     assert layout_file.load(tmp_path, "job-b", 4) is None          # another run in the same directory
     assert layout_file.load(tmp_path, "job-a", 8) is None          # a mesh that is not this job's world
-    assert _master(tmp_path, nnodes=4).job.peer_set is None
+    assert _master(tmp_path, nnodes=4).job.course.peer_set is None
     (tmp_path / layout_file.NAME).write_text('{"run_id": "job-a", "peers": {"names": ["x"]}}')
     assert layout_file.load(tmp_path, "job-a", 4) is None
     (tmp_path / layout_file.NAME).write_text("{not json")

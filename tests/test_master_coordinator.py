@@ -42,7 +42,7 @@ def test_a_finished_job_ends_with_exit_code_0(tmp_path):
     assert m.report({"node_id": "b", "token": tokens["b"], "kind": "workers_done", "generation": 0})["ok"]
     assert m.job.stopped.wait(60)
     controller.join(60)
-    assert (m.job.exit_code, m.job.reason, m.phase.value) == (0, "all workers finished", "finished")
+    assert (m.job.course.exit_code, m.job.course.reason, m.phase.value) == (0, "all workers finished", "finished")
     m.events.close()
     end = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "job_finished"]
     assert [(e["exit_code"], e["reason"]) for e in end] == [(0, "all workers finished")]
@@ -97,7 +97,7 @@ def test_a_restart_waiting_for_a_spare_outlives_the_survivors_faults(tmp_path):
     with pytest.raises(Stop) as e:
         m.recovery.restart(lost, 1, "node lost")
     assert e.value.exit_code == 75 and "no spare registered within --spare-wait" in e.value.reason
-    assert lost == {a, b} and m.job.restart_count == 0
+    assert lost == {a, b} and m.job.course.restart_count == 0
     m.events.close()
 
 
@@ -109,10 +109,10 @@ def test_a_hot_swap_cascade_keeps_its_promoted_spares_and_its_spare_wait(tmp_pat
     from phoenixrun.control.hotswap import HotSwap
     from phoenixrun.control.recovery import Cascade, Stop
     m = _waiting(tmp_path, 3, spares=1, spare_wait=30.0)
-    m.job.phase = Phase.RUNNING            # the job runs: a hot swap starts from there (state.PHASE_MOVES)
+    m.job.course.phase = Phase.RUNNING            # the job runs: a hot swap starts from there (state.PHASE_MOVES)
     lost = {1, 2}
     swap = HotSwap(m.recovery.cycle, lost, time.time(), time.time())
-    g = m.job.generation + 1
+    g = m.job.course.generation + 1
     m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g, "next_step": 5})
     m._inbox.put({"kind": "worker_exit", "node_id": "a", "generation": g, "rank": 0, "returncode": 1})
     with pytest.raises(Cascade, match="died during recovery"):
@@ -147,7 +147,7 @@ def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_sur
     m.coordinator.probe = m.recovery.flight.probe = lambda addrs, timeout, silent_is_dead: dead & set(addrs)
     m.coordinator._dispatch({"kind": "worker_exit", "node_id": "a", "generation": 0, "rank": 0, "returncode": 1,
                              "detail": "rank 0 exited with code 1", "t": time.time()})
-    assert m.job.restart_count == 1 and m.nodes["s0"].slot == 1
+    assert m.job.course.restart_count == 1 and m.nodes["s0"].slot == 1
     assert m.nodes["a"].last_fault is None
     assert m.nodes["b"].last_fault == "node_lost: agent unreachable"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("incident:")]
@@ -193,7 +193,7 @@ def test_a_job_ends_once_and_its_controller_then_stops(tmp_path):
     m = _master(tmp_path, 2)
     m._finish(0, "test over")
     m._finish(1, "a later failure")
-    assert (m.job.exit_code, m.job.reason, m.phase.value) == (0, "test over", "finished")
+    assert (m.job.course.exit_code, m.job.course.reason, m.phase.value) == (0, "test over", "finished")
     m._inbox.put({"kind": "node_lost", "node_id": "a", "t": time.time(), "detail": "gone"})
     controller = threading.Thread(target=m.coordinator.run, daemon=True)
     controller.start()

@@ -123,8 +123,8 @@ def _running(tmp_path, spares: int = 0, warm: bool = True) -> Master:
     for nid in ("a", "b", *(f"s{i}" for i in range(spares))):
         m.register({"node_id": nid, "host": "127.0.0.1", "agent_pid": 1, "peer_addr": "127.0.0.1:1"})
     with m.cv:
-        m.job.phase = Phase.RUNNING
-        m.job.api_mode = True
+        m.job.course.phase = Phase.RUNNING
+        m.job.course.api_mode = True
         for r, nid in enumerate(("a", "b")):
             m.nodes[nid].snapshots = {r: [3, 4]}
         for i in range(spares):
@@ -213,11 +213,11 @@ def test_compute_samples_one_per_step_and_start_again_after_a_recovery(tmp_path)
     beat(2, 0.1, 0.3)
     beat(2, 0.1, 0.9)                       # the same committed step again: not a new sample
     beat(3, 0.2, 0.1)
-    assert list(m.job.compute["b"]) == [0.3, 0.2]          # one per step, the node's slowest rank
-    m.job.generation += 1                   # a recovery
+    assert list(m.job.telemetry.compute["b"]) == [0.3, 0.2]          # one per step, the node's slowest rank
+    m.job.course.generation += 1                   # a recovery
     beat(4, 0.7, 0.7)
     beat(5, 0.4, 0.4)
-    assert list(m.job.compute["b"]) == [0.4]
+    assert list(m.job.telemetry.compute["b"]) == [0.4]
 
 
 def test_a_drain_whose_restore_fails_its_checksum_becomes_a_hot_swap(tmp_path, monkeypatch):
@@ -227,7 +227,7 @@ def test_a_drain_whose_restore_fails_its_checksum_becomes_a_hot_swap(tmp_path, m
     swaps = []
     monkeypatch.setattr(m.recovery, "hot_swap", lambda lost, node, ev, action, code, fresh=None:
                         swaps.append((set(lost), node.node_id, dict(fresh or {}))))
-    g = m.job.generation + 1
+    g = m.job.course.generation + 1
     for r, nid in enumerate(("a", "b")):
         m._inbox.put({"kind": "quiesced", "node_id": nid, "generation": g, "next_step": 5,
                       "snapshots": {str(r): [3, 4]}})

@@ -71,7 +71,7 @@ def test_rejoins_rebuild_slots_roles_and_generation(tmp_path):
     assert fresh["role"] == "spare"
     # a rejoin retried (its reply was lost) gets the same answer, with its nonce only
     again = _rejoin(m, "a", "active", 0, 4)
-    assert again["slot"] == 0 and again["token"] == m.job.tokens["a"]
+    assert again["slot"] == 0 and again["token"] == m.job.members.tokens["a"]
     with pytest.raises(MessageError) as e:
         _rejoin(m, "a", "active", 0, 4, with_nonce=False)
     assert e.value.code == 403
@@ -83,7 +83,7 @@ def test_of_two_claims_on_one_slot_the_older_generation_is_fenced(tmp_path):
     _previous_master(tmp_path, {0: "a", 1: "stale"}, spares=["spare-now-1", "older"], generation=2)
     m0 = _master(tmp_path)
     with m0.cv:
-        m0.job.roster.append(0, generation=3, slots={1: "spare-now-1"})
+        m0.job.members.roster.append(0, generation=3, slots={1: "spare-now-1"})
     m0.events.close()
     m = _master(tmp_path)
     reply = _rejoin(m, "stale", "active", 1, 2)
@@ -155,7 +155,7 @@ def test_nobody_rejoins_a_finished_job(tmp_path):
     _previous_master(tmp_path, {0: "a", 1: "b"}, generation=1)
     m0 = _master(tmp_path)
     with m0.cv:
-        m0.job.roster.append(0, finished=True)          # what Coordinator.finish writes
+        m0.job.members.roster.append(0, finished=True)          # what Coordinator.finish writes
     m0.events.close()
     m = _master(tmp_path)
     with pytest.raises(MessageError) as e:

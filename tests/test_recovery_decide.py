@@ -127,9 +127,9 @@ def test_the_job_state_refuses_an_illegal_phase(tmp_path):
     from phoenixrun.config import MasterConfig
     from phoenixrun.control.jobstate import JobState
     job = JobState(MasterConfig.build(run_dir=tmp_path, nnodes=1, nproc_per_node=1))
-    assert job.phase is W
+    assert job.course.phase is W
     with pytest.raises(PhaseError):
-        job.phase = Q
-    job.phase = R
-    job.phase = FI
-    assert job.phase is FI
+        job.course.phase = Q
+    job.course.phase = R
+    job.course.phase = FI
+    assert job.course.phase is FI

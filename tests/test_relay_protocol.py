@@ -117,8 +117,8 @@ def job_with(n: int, threshold: int) -> tuple[JobState, RelayDesk]:
     job = JobState(MasterConfig(run_dir="/tmp/unused", nnodes=n, nproc_per_node=1))
     for i in range(n):
         nid = f"n{i:02d}"
-        job.nodes[nid] = NodeRecord(nid, "127.0.0.1", 0, f"127.0.0.1:{9000 + i}", "", Role.ACTIVE, slot=i)
-        job.tokens[nid] = f"tok{i}"
+        job.members.nodes[nid] = NodeRecord(nid, "127.0.0.1", 0, f"127.0.0.1:{9000 + i}", "", Role.ACTIVE, slot=i)
+        job.members.tokens[nid] = f"tok{i}"
     desk = RelayDesk(job, threshold)
     desk.refresh(now=1e9)
     return job, desk
@@ -138,9 +138,9 @@ def test_the_desk_bundles_a_relays_children_sealed_for_each():
     relay = desk.tree.relays[0]
     kids = desk.tree.children(relay)
     assert desk.link(relay) == {"parent": None, "via": None, "serves": True}
-    assert desk.link(kids[0]) == {"parent": job.nodes[relay].peer_addr, "via": relay, "serves": False}
+    assert desk.link(kids[0]) == {"parent": job.members.nodes[relay].peer_addr, "via": relay, "serves": False}
     board = DirectiveBoard(first_version=100)
-    board.set(job.nodes, command="quiesce", generation=1)
+    board.set(job.members.nodes, command="quiesce", generation=1)
     assert set(desk.route([kids[0]])) == {kids[0], relay}
 
     poll = {"node_id": relay, "version": -1, "relay": {}}
@@ -150,8 +150,8 @@ def test_the_desk_bundles_a_relays_children_sealed_for_each():
     assert got["own"]["command"] == "quiesce" and set(got["children"]) == set(kids) == set(got["keys"])
     for c in kids:
         e = got["children"][c]
-        assert sealed(job.tokens[c], e["d"].encode(), e["mac"]) and e["v"] == 101 and e["g"] == 1
-        assert got["keys"][c] == poll_key(job.tokens[c])
+        assert sealed(job.members.tokens[c], e["d"].encode(), e["mac"]) and e["v"] == 101 and e["g"] == 1
+        assert got["keys"][c] == poll_key(job.members.tokens[c])
     # everything held, nothing new: parked; the children's acks recorded on the board
     held = {"node_id": relay, "version": 101, "relay": {c: (101, 101) for c in kids}}
     assert desk.answer([held], answerer(board)) == [None]
@@ -164,7 +164,7 @@ def test_a_dead_relays_children_are_handed_to_another_and_it_is_woken():
     desk.wake = woken.extend
     dead = desk.tree.relays[0]
     orphans = desk.tree.children(dead)
-    job.nodes[dead].role = Role.FAILED
+    job.members.nodes[dead].role = Role.FAILED
     desk.refresh(now=2e9)
     new = {desk.tree.parent[c] for c in orphans}
     assert dead not in desk.tree.parent and None not in new and set(woken) == new

@@ -41,9 +41,9 @@ class Coordinator:
             end = self._wait_for_start()
             while end is None:
                 ev = self.inbox.get()
-                if self.job.over:     # ended by another thread (as tests end a master): nothing is left to do
+                if self.job.course.over:     # ended by another thread (as tests end a master): nothing is left to do
                     return
-                generation = self.job.generation
+                generation = self.job.course.generation
                 # No cyclic collection while an event is handled, a recovery included: what a recovery
                 # allocates (16K acks, directives, polls) made the collector run full collections of the
                 # 16K-node heap, 0.2 s each, eight of them in one recovery (measured with gc.callbacks).
@@ -54,7 +54,7 @@ class Coordinator:
                     if end is None and self.job.shrunk:
                         self.recovery.grow()     # a spare registered (or was there): take it back in
                 finally:
-                    if self.job.generation != generation:
+                    if self.job.course.generation != generation:
                         gc.freeze()   # the new membership lives on (see _wait_for_start)
                     gc.enable()
         except Stop as s:
@@ -72,22 +72,22 @@ class Coordinator:
             try:
                 ev = self.inbox.get(timeout=0.2)
                 self.recovery.absorb(ev)
-                resumed_fault = job.resumed_at is not None and ev.get("kind") != "joined"
+                resumed_fault = job.course.resumed_at is not None and ev.get("kind") != "joined"
                 if resumed_fault or ev.get("interrupted"):
                     held.append(ev)
             except queue.Empty:
                 pass
             with job.cv:
-                if job.over:          # ended by another thread before it started
-                    return JobEnd(job.exit_code or 0, job.reason)
-                if len(job.slots) == self.cfg.nnodes:
+                if job.course.over:          # ended by another thread before it started
+                    return JobEnd(job.course.exit_code or 0, job.course.reason)
+                if len(job.members.slots) == self.cfg.nnodes:
                     break
-                if job.resumed_at is not None and time.time() > job.resumed_at + self.cfg.recovery.node_timeout:
+                if job.course.resumed_at is not None and time.time() > job.course.resumed_at + self.cfg.recovery.node_timeout:
                     break             # whoever has not rejoined by now is lost
-                if job.resumed_at is None and time.monotonic() - checked >= 0.2:   # O(nodes): not per join
+                if job.course.resumed_at is None and time.monotonic() - checked >= 0.2:   # O(nodes): not per join
                     now = checked = time.monotonic()
-                    joining = Joining(self.cfg.nnodes, tuple(job.slots), sum(
-                        n.role == Role.SPARE for n in job.nodes.values()), self.cfg.spares, now - t0,
+                    joining = Joining(self.cfg.nnodes, tuple(job.members.slots), sum(
+                        n.role == Role.SPARE for n in job.members.nodes.values()), self.cfg.spares, now - t0,
                         self.cfg.recovery.join_timeout)
                     reason = gave_up(joining)
                     if reason is not None:
@@ -99,12 +99,12 @@ class Coordinator:
         # long as the job. Out of the collector's sight: a full collection walked all of it, 0.3 s at 16K
         # nodes with the heartbeats stalled meanwhile, about once a second under 1 Hz heartbeats.
         gc.freeze()
-        if job.resumed_at is not None:
+        if job.course.resumed_at is not None:
             self._resume(held)
             return None
         with job.cv:
-            job.phase = Phase.RUNNING
-            self.events.emit(JobStarted(world_size=job.layout.world_size, slots=dict(job.slots)), job.generation)
+            job.course.phase = Phase.RUNNING
+            self.events.emit(JobStarted(world_size=job.course.layout.world_size, slots=dict(job.members.slots)), job.course.generation)
             resume = self.recovery.newest_checkpoint()
             if resume is None:
                 self.orders.direct_slots(cmd.Run(restart_count=0))
@@ -119,18 +119,18 @@ class Coordinator:
         while the master was down: it gets a stand-in record and the usual node-lost handling."""
         job = self.job
         with job.cv:
-            job.phase = Phase.RUNNING
-            missing = [s for s in range(self.cfg.nnodes) if s not in job.slots]
-            api = any(n.api for n in job.nodes.values())
+            job.course.phase = Phase.RUNNING
+            missing = [s for s in range(self.cfg.nnodes) if s not in job.members.slots]
+            api = any(n.api for n in job.members.nodes.values())
             for s in missing:
                 nid = f"lost-slot{s}"
-                job.nodes[nid] = NodeRecord(node_id=nid, host="?", agent_pid=0, peer_addr=job.peer_hint.get(s, ""),
+                job.members.nodes[nid] = NodeRecord(node_id=nid, host="?", agent_pid=0, peer_addr=job.members.peer_hint.get(s, ""),
                                             fault_domain=nid, role=Role.ACTIVE, slot=s, api=api)
                 if api:
-                    job.api_nodes.add(nid)
-                job.slots[s] = nid
-            self.events.emit(MasterRecovered(nodes=len(job.nodes) - len(missing), missing_slots=missing,
-                                             restart_count=job.restart_count), job.generation)
+                    job.members.api_nodes.add(nid)
+                job.members.slots[s] = nid
+            self.events.emit(MasterRecovered(nodes=len(job.members.nodes) - len(missing), missing_slots=missing,
+                                             restart_count=job.course.restart_count), job.course.generation)
         for s in missing:
             self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": f"lost-slot{s}", "t": time.time(),
                             "detail": "did not rejoin the restarted master"})
@@ -146,11 +146,11 @@ class Coordinator:
         self.recovery.absorb(ev)
         kind = ev.get("kind")
         with job.cv:
-            node = job.nodes.get(ev.get("node_id", ""))
+            node = job.members.nodes.get(ev.get("node_id", ""))
             active = node is not None and node.role == Role.ACTIVE and node.slot is not None
-        if kind == ReportKind.WORKERS_DONE and active and ev.get("generation") == job.generation:
-            job.done_nodes.add(node.node_id)
-            if all(nid in job.done_nodes for nid in job.slots.values()):
+        if kind == ReportKind.WORKERS_DONE and active and ev.get("generation") == job.course.generation:
+            job.members.done_nodes.add(node.node_id)
+            if all(nid in job.members.done_nodes for nid in job.members.slots.values()):
                 return JobEnd(0, "all workers finished")
             return None
         if kind == ReportKind.ATTEMPT_CHECK:
@@ -161,7 +161,7 @@ class Coordinator:
             return None
         if not active or kind not in FAULT_REPORTS:
             return None
-        if not job.hot_swap_capable() and ev.get("generation", job.generation) < job.generation:
+        if not job.hot_swap_capable() and ev.get("generation", job.course.generation) < job.course.generation:
             return None   # a worker of an attempt already restarted (reported after the restart's drain)
         incident = self._incident(ev)
         if incident is not None:
@@ -179,7 +179,7 @@ class Coordinator:
         with job.cv:
             refusal = job.drain_refusal(node.slot)
             self.events.emit(DrainRequested(node=node.node_id, slot=node.slot, reason=reason, by=by,
-                                            accepted=refusal is None, refusal=refusal or None), job.generation)
+                                            accepted=refusal is None, refusal=refusal or None), job.course.generation)
             if refusal is not None and by == "agent":
                 self.orders.direct([node.node_id], cmd.Stop(exit_code=128 + 15,
                                                             reason=f"drain refused ({refusal}): leaving as on SIGTERM"))
@@ -194,7 +194,7 @@ class Coordinator:
 
     def _slot_of(self, ev: dict) -> int | None:
         with self.job.cv:
-            node = self.job.nodes.get(ev.get("node_id", ""))
+            node = self.job.members.nodes.get(ev.get("node_id", ""))
         return None if node is None else node.slot
 
     def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification, dict] | None:
@@ -208,7 +208,7 @@ class Coordinator:
         job, resets = self.job, self.cfg.recovery.max_local_resets
         events = [ev]
         with job.cv:
-            actives = job.actives()
+            actives = job.members.actives()
         definite = is_definite(ev, self._slot_of(ev), resets)
         if not definite:
             for n in unreachable_nodes(self.probe, actives):
@@ -232,8 +232,8 @@ class Coordinator:
         for other in unrelated:              # not part of the incident: handled in turn afterwards
             self.inbox.put(other)
         with job.cv:
-            slot_of = {e["node_id"]: job.nodes[e["node_id"]].slot for e in events if e.get("node_id") in job.nodes}
-            history = {s: list(h) for s, h in job.fault_history.items()}
+            slot_of = {e["node_id"]: job.members.nodes[e["node_id"]].slot for e in events if e.get("node_id") in job.members.nodes}
+            history = {s: list(h) for s, h in job.course.fault_history.items()}
         pairs = [(signal_of(e, slot_of[e["node_id"]]), e) for e in events
                  if slot_of.get(e["node_id"]) is not None]
         # fault_history holds one signal per incident handled (this window gathers an incident's reports), so
@@ -245,9 +245,9 @@ class Coordinator:
         ev = next(e for sig, e in pairs if sig is d.signal)
         verdict = self._escalated(d.classification, ev)
         with job.cv:
-            node = job.nodes[ev["node_id"]]
+            node = job.members.nodes[ev["node_id"]]
             # recorded with the fault: how the window was decided and who reported what (nodes by id)
-            ids = {job.nodes[e["node_id"]].slot: e["node_id"] for _, e in pairs}
+            ids = {job.members.nodes[e["node_id"]].slot: e["node_id"] for _, e in pairs}
         context = {"verdict": d.verdict.value,
                    "reporters": sorted({ids[x.node] for x in corr.decisions}),
                    "symptoms": sorted({ids[x.node] for x in corr.symptoms})}
@@ -261,14 +261,14 @@ class Coordinator:
         with job.cv:
             if not job.hot_swap_capable():
                 return c
-            step = committed_step(job.newest_snapshots(), job.layout.world_size, job.restored_step)
-            e = escalate(c, step, job.attempts, Limits(local_resets=self.cfg.recovery.max_local_resets))
-            job.attempts = [*job.attempts[-63:], Attempt(step, e.action or c.action)]
+            step = committed_step(job.members.newest_snapshots(), job.course.layout.world_size, job.course.restored_step)
+            e = escalate(c, step, job.course.attempts, Limits(local_resets=self.cfg.recovery.max_local_resets))
+            job.course.attempts = [*job.course.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:
-                node = job.nodes.get(ev.get("node_id", ""))
+                node = job.members.nodes.get(ev.get("node_id", ""))
                 self.recovery.incidents.open(self.events.emit(fault_detected(
                     ev, ev.get("node_id"), node and node.slot, c, action="stop", step=step, repeats=e.repeats),
-                    job.generation))
+                    job.course.generation))
         if e.stop:
             raise Stop(exit_code_of(ev) or 1, e.reason)
         return escalated(c, e)
@@ -276,10 +276,10 @@ class Coordinator:
     def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification, context: dict | None = None) -> None:
         job = self.job
         with job.cv:
-            job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
+            job.course.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
             before, node.last_fault = node.last_fault, fault_text(verdict, ev)
             self.recovery.incidents.open(self.events.emit(
-                fault_detected(ev, node.node_id, node.slot, verdict, **(context or {})), job.generation))
+                fault_detected(ev, node.node_id, node.slot, verdict, **(context or {})), job.course.generation))
             response = respond(job.hot_swap_capable(), verdict.action, ev.get("kind"))
         failing_code = exit_code_of(ev)
         if response.remedy is Remedy.FALLBACK:
@@ -310,7 +310,7 @@ class Coordinator:
         time.sleep(self.cfg.recovery.correlation_window)
         losses = self.inbox.take(lambda e: e.get("kind") in NODE_LOSSES)
         with job.cv:
-            actives = [n for n in job.actives() if n.slot not in lost]
+            actives = [n for n in job.members.actives() if n.slot not in lost]
             reported = {e.get("node_id"): e for e in losses}
         gone = [n for n in actives if n.node_id in reported]
         # refusals only: a killed node's agent refuses at once, and on a loaded machine a live agent answering
@@ -328,7 +328,7 @@ class Coordinator:
                     n.last_fault = fault_text(c, loss)
                     rec = self.events.emit(fault_detected(loss, n.node_id, n.slot, c, signal=ReportKind.NODE_LOST,
                                                           detail="node lost with the failure", symptom_of_loss=True),
-                                           job.generation)
+                                           job.course.generation)
                     if n is gone[0] and not reporter_lost:    # the incident is the loss (what the console says)
                         first = self.recovery.incidents.current or rec
                         self.recovery.incidents.open({**rec, "detail": loss.get("detail") or rec["detail"],
@@ -345,23 +345,23 @@ class Coordinator:
     def finish(self, exit_code: int, reason: str) -> None:
         job = self.job
         with job.cv:
-            if job.over:      # a job ends once: one job_finished, one exit code
+            if job.course.over:      # a job ends once: one job_finished, one exit code
                 return
-            job.exit_code = exit_code
-            job.reason = reason
-            job.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED
+            job.course.exit_code = exit_code
+            job.course.reason = reason
+            job.course.phase = Phase.FINISHED if exit_code == 0 else Phase.FAILED
             # what an external restart could resume from: the newest step every rank has committed, and the
             # newest any rank has (a non-finite step must never appear here)
-            newest = job.newest_snapshots()
-            complete = len(newest) == job.layout.world_size
-            end = self.events.emit(JobFinished(exit_code=exit_code, reason=reason, restarts=job.restart_count,
-                                               recoveries=job.recoveries,
+            newest = job.members.newest_snapshots()
+            complete = len(newest) == job.course.layout.world_size
+            end = self.events.emit(JobFinished(exit_code=exit_code, reason=reason, restarts=job.course.restart_count,
+                                               recoveries=job.course.recoveries,
                                                committed_step=min(newest.values()) if complete else None,
-                                               newest_snapshot=max(newest.values(), default=None)), job.generation)
-            self.orders.direct([n.node_id for n in job.nodes.values() if n.role != Role.FAILED],
+                                               newest_snapshot=max(newest.values(), default=None)), job.course.generation)
+            self.orders.direct([n.node_id for n in job.members.nodes.values() if n.role != Role.FAILED],
                                cmd.Stop(exit_code=exit_code, reason=reason, job_end=True))
-            if job.roster is not None:     # nobody rejoins a finished job (control/roster.py)
-                job.roster.append(job.master_epoch, finished=True)
+            if job.members.roster is not None:     # nobody rejoins a finished job (control/roster.py)
+                job.members.roster.append(job.master_epoch, finished=True)
         # a fault ended it: one line, as for every incident (control/incident.py); else the plain reason
         if exit_code and not self.recovery.incidents.close(end, level=logging.ERROR):
             log.error("job failed (exit %d): %s", exit_code, reason)

@@ -185,9 +185,9 @@ class Cycle:
             q = p.quiesce()
             if q is None:
                 return None
-            job.generation += 1
-            g = job.generation
-            job.phase = Phase.QUIESCE
+            job.course.generation += 1
+            g = job.course.generation
+            job.course.phase = Phase.QUIESCE
             self.orders.direct(q.members, cmd.Quiesce(at_step=q.at_step))
         acks = Acks(ReportKind.QUIESCED, g, q.members, on_ack=self.flight.quiesced_inventory)
         self.flight.wait(acks, p.lost)
@@ -203,7 +203,7 @@ class Cycle:
                 expected = self._from_checkpoint(r)
             else:
                 expected = self._reshard(r)
-            g = self.job.generation
+            g = self.job.course.generation
         t = time.time()
         acks = Acks(ReportKind.RESUMED, g, expected)
         self.flight.wait(acks, lost)
@@ -214,12 +214,12 @@ class Cycle:
         with job.cv:
             res = p.resume(q, r, restored, attempt)
             if res.count:
-                job.recoveries += 1
-            job.phase = Phase.RUNNING
-            job.done_nodes.clear()
-            done = self.events.emit(res.done, job.generation)
+                job.course.recoveries += 1
+            job.course.phase = Phase.RUNNING
+            job.members.done_nodes.clear()
+            done = self.events.emit(res.done, job.course.generation)
             if res.run:   # one directive for every node: each got its slot and world with the restore order
-                self.orders.direct(job.slots.values(), cmd.Run(restart_count=job.restart_count, resume=True))
+                self.orders.direct(job.members.slots.values(), cmd.Run(restart_count=job.course.restart_count, resume=True))
             for nid, why in res.stop:
                 self.orders.direct([nid], cmd.Stop(exit_code=0, reason=why))
         if res.close:
@@ -229,45 +229,45 @@ class Cycle:
     # ---------------------------------------------------------------- the restore actions (job's lock held)
     def _from_memory(self, r: FromMemory) -> list[str]:
         job, plan = self.job, r.plan
-        job.phase = Phase.RESTORE
-        job.restored_step = plan.restore_step
-        job.attempts = settle(job.attempts, plan.restore_step)
+        job.course.phase = Phase.RESTORE
+        job.course.restored_step = plan.restore_step
+        job.course.attempts = settle(job.course.attempts, plan.restore_step)
         self.order_restore(plan, r.cause)
         return list(plan.slots.values())
 
     def _from_checkpoint(self, r: FromCheckpoint) -> list[str]:
         job = self.job
-        job.generation += 1
-        job.fallbacks += r.counted
-        job.restart_count += 1
-        job.phase = Phase.RESTORE
-        job.done_nodes.clear()
-        job.restored_step = r.step
-        self.events.emit(FallbackRestart(restore_step=r.step, reason=r.reason, fallbacks=job.fallbacks,
+        job.course.generation += 1
+        job.course.fallbacks += r.counted
+        job.course.restart_count += 1
+        job.course.phase = Phase.RESTORE
+        job.members.done_nodes.clear()
+        job.course.restored_step = r.step
+        self.events.emit(FallbackRestart(restore_step=r.step, reason=r.reason, fallbacks=job.course.fallbacks,
                                          checkpoint=str(persist.step_dir(self.cfg.persistence.persist_dir, r.step))),
-                         job.generation)
-        self.orders.direct_slots(cmd.Restart(restart_count=job.restart_count, restore_step=r.step))
-        return list(job.slots.values())
+                         job.course.generation)
+        self.orders.direct_slots(cmd.Restart(restart_count=job.course.restart_count, restore_step=r.step))
+        return list(job.members.slots.values())
 
     def _reshard(self, r: Reshard) -> list[str]:
         """Renumber the slots, relay the job out, restart every worker from memory with its `reshard` order
         (agents hand the old ranks' snapshots to the new workers, which re-partition them: runtime/reshard.py)."""
         job, plan = self.job, r.plan
-        job.generation += 1
-        renumbered = {plan.slot_map[s]: nid for s, nid in job.slots.items() if s in plan.slot_map}
+        job.course.generation += 1
+        renumbered = {plan.slot_map[s]: nid for s, nid in job.members.slots.items() if s in plan.slot_map}
         renumbered.update({s: n.node_id for s, n in r.joining.items()})
-        job.slots.clear()
-        job.slots.update(renumbered)
+        job.members.slots.clear()
+        job.members.slots.update(renumbered)
         for s, nid in renumbered.items():
-            n = job.nodes[nid]
+            n = job.members.nodes[nid]
             n.role, n.slot = Role.ACTIVE, s
             n.snapshots, n.replicas = {}, {}     # keyed by the old ranks: the new ones report theirs
         job.relayout(plan.new)
-        job.phase = Phase.RESTORE
-        job.restored_step = plan.restore_step
-        job.attempts = settle(job.attempts, plan.restore_step)
-        job.done_nodes.clear()
-        self.orders.direct_slots(cmd.Restart(restart_count=job.restart_count, restore_step=plan.restore_step),
+        job.course.phase = Phase.RESTORE
+        job.course.restored_step = plan.restore_step
+        job.course.attempts = settle(job.course.attempts, plan.restore_step)
+        job.members.done_nodes.clear()
+        self.orders.direct_slots(cmd.Restart(restart_count=job.course.restart_count, restore_step=plan.restore_step),
                                  own={s: cmd.Assignment(reshard=plan.reshard_for(s), nnodes=plan.new.nnodes)
                                       for s in renumbered})
         return list(renumbered.values())
@@ -278,15 +278,15 @@ class Cycle:
         job = self.job
         self.events.emit(RecoveryPlanned(restore_step=plan.restore_step, replaced_slots=dict(plan.replaced_slots),
                                          fetch={r: s.to_wire() for r, s in plan.fetch.items()}, cause=cause),
-                         job.generation)
+                         job.course.generation)
         fetch: dict[int, dict[int, RankSource]] = {}
         for r, src in plan.fetch.items():
-            fetch.setdefault(job.layout.slot_of(r), {})[r] = src
+            fetch.setdefault(job.course.layout.slot_of(r), {})[r] = src
         # a new world only where it changed: the slots filled in this recovery and the slots whose
         # replica holders they are (at 16K nodes: a few bodies to encode instead of 16K)
-        self.orders.direct_slots(cmd.Restore(restart_count=job.restart_count, restore_step=plan.restore_step),
+        self.orders.direct_slots(cmd.Restore(restart_count=job.course.restart_count, restore_step=plan.restore_step),
                                  own={s: cmd.Assignment(fetch=f) for s, f in fetch.items()},
-                                 world_for={c for s in plan.replaced_slots for c in job.needed_by.get(s, ())})
+                                 world_for={c for s in plan.replaced_slots for c in job.course.needed_by.get(s, ())})
 
     # ---------------------------------------------------------------- fetching spares
     def fill(self, lost: set[int], out: dict[int, str] | None = None, may_shrink: bool = False,
@@ -323,15 +323,15 @@ class Cycle:
         """A spare into `slot` (state.pick_spare: outside the failed node's fault domain first), if there is one."""
         job = self.job
         with job.cv:
-            failed_id = job.slots[slot]
-            failed = job.nodes[failed_id]
-            spare = pick_spare(job.nodes, avoid_domains=[failed.fault_domain])
+            failed_id = job.members.slots[slot]
+            failed = job.members.nodes[failed_id]
+            spare = pick_spare(job.members.nodes, avoid_domains=[failed.fault_domain])
             if spare is None:
                 return False
             failed.role, failed.slot = Role.FAILED, None
             spare.role, spare.slot = Role.ACTIVE, slot
-            job.slots[slot] = spare.node_id
-            job.fault_history.pop(slot, None)   # escalation history belongs to the old node
-            self.events.emit(SparePromoted(slot=slot, node=spare.node_id, replaces=failed_id), job.generation)
+            job.members.slots[slot] = spare.node_id
+            job.course.fault_history.pop(slot, None)   # escalation history belongs to the old node
+            self.events.emit(SparePromoted(slot=slot, node=spare.node_id, replaces=failed_id), job.course.generation)
             out[slot] = spare.node_id
             return True

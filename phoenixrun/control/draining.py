@@ -42,30 +42,30 @@ class Drain:
         """Everyone, at the step boundary decide.drain_step picks."""
         job, node = self.job, self.node
         node.draining = self.reason
-        newest = max(job.newest_snapshots().values(), default=0)
-        heard = min((n.last_heartbeat for n in job.actives()), default=self.started)
-        at_step = drain_step(newest, job.steps_per_s(), max(0.0, self.started - heard) + DRAIN_DELIVERY_S)
+        newest = max(job.members.newest_snapshots().values(), default=0)
+        heard = min((n.last_heartbeat for n in job.members.actives()), default=self.started)
+        at_step = drain_step(newest, job.telemetry.steps_per_s(), max(0.0, self.started - heard) + DRAIN_DELIVERY_S)
         self.cycle.events.emit(RecoveryStarted(failed_node=node.node_id, slot=self.slot, cause="drain", action="drain",
-                                               reason=self.reason, at_step=at_step), job.generation + 1)
-        return Quiesce(tuple(job.slots.values()), at_step)
+                                               reason=self.reason, at_step=at_step), job.course.generation + 1)
+        return Quiesce(tuple(job.members.slots.values()), at_step)
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> FromMemory:
         """decide.plan_drain; the spare takes the slot (none left: everyone resumes in place, the node stays)."""
         self.reached = quiesced.reached
         job, node = self.job, self.node
         with job.cv:
-            spare = pick_spare(job.nodes, avoid_domains=[node.fault_domain])
+            spare = pick_spare(job.members.nodes, avoid_domains=[node.fault_domain])
             try:
-                plan = plan_drain(job.layout, job.nodes, job.slots, self.slot, spare and spare.node_id)
+                plan = plan_drain(job.course.layout, job.members.nodes, job.members.slots, self.slot, spare and spare.node_id)
             except PlanError as e:
                 raise Cascade(f"drain plan impossible: {e}") from None
             if spare is not None:
                 spare.role, spare.slot = Role.ACTIVE, self.slot
                 node.role, node.slot = Role.DRAINED, None
-                job.slots[self.slot] = spare.node_id
-                job.fault_history.pop(self.slot, None)
+                job.members.slots[self.slot] = spare.node_id
+                job.course.fault_history.pop(self.slot, None)
                 self.cycle.events.emit(SparePromoted(slot=self.slot, node=spare.node_id, replaces=node.node_id),
-                                       job.generation)
+                                       job.course.generation)
                 self.fresh = dict(plan.replaced_slots)
             else:
                 node.draining = None     # no spare any more: everyone resumes in place, the node stays

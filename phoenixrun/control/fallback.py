@@ -27,7 +27,7 @@ def newest_checkpoint(job: JobState) -> int | None:
     """The newest complete persistent checkpoint not known to be bad (None: none, or no --persist-dir)."""
     if job.cfg.persistence.persist_dir is None:
         return None
-    return persist.newest_complete(job.cfg.persistence.persist_dir, job.layout.world_size, exclude=job.bad_checkpoints)
+    return persist.newest_complete(job.cfg.persistence.persist_dir, job.course.layout.world_size, exclude=job.course.bad_checkpoints)
 
 
 class Fallback:
@@ -58,7 +58,7 @@ class Fallback:
         """A checkpoint whose load failed (its ranks said so) is never tried again."""
         ev = getattr(error, "event", {})
         if ev.get("persist_step") == self.step:
-            self.job.bad_checkpoints.add(self.step)
+            self.job.course.bad_checkpoints.add(self.step)
             self.cycle.events.emit(CheckpointRejected(step=self.step, reason=ev.get("reason", "")),
-                                   self.job.generation)
+                                   self.job.course.generation)
         log.warning("fallback to checkpoint step %d interrupted: %s", self.step, error)

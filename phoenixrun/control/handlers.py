@@ -33,7 +33,7 @@ class Handlers:
     def __init__(self, job: JobState, orders: Orders, events: EventLog, inbox: Inbox, rejections: Rejections):
         self.cfg, self.job, self.orders, self.events, self.inbox = job.cfg, job, orders, events, inbox
         self.rejections = rejections
-        self._msg_job = messages.Job(self.cfg.nnodes, self.cfg.nproc_per_node, job.layout.world_size)
+        self._msg_job = messages.Job(self.cfg.nnodes, self.cfg.nproc_per_node, job.course.layout.world_size)
 
     # ---------------------------------------------------------------- API handlers (transport thread)
     # Every message is parsed by protocol/messages.py before anything of it is applied; a MessageError
@@ -53,32 +53,32 @@ class Handlers:
             fenced = self._fence(msg.node_id, "register")
             if fenced:
                 return fenced
-            known = self.job.nodes.get(msg.node_id)
+            known = self.job.members.nodes.get(msg.node_id)
             if known is not None:
                 return self._reregister(known, msg)
             if msg.rejoin is not None:
                 return self._readmit(msg, msg.rejoin)
-            role, slot = admit(self.job.phase != Phase.WAITING or bool(self.job.resumed_at), self.job.free_slots, self.job.slots,
+            role, slot = admit(self.job.course.phase != Phase.WAITING or bool(self.job.course.resumed_at), self.job.members.free_slots, self.job.members.slots,
                                msg.node_rank, self.cfg.nnodes)
             refused = self._refusal(role, msg.node_rank)
             if refused is not None:
                 self.events.emit(NodeRefused(node=msg.node_id, host=msg.host, node_rank=msg.node_rank,
-                                             reason=refused["reason"]), self.job.generation)
+                                             reason=refused["reason"]), self.job.course.generation)
                 return refused
             node = NodeRecord(node_id=msg.node_id, host=msg.host, agent_pid=msg.agent_pid,
                               peer_addr=msg.peer_addr, fault_domain=msg.fault_domain, role=role, slot=slot)
-            self.job.nodes[node.node_id] = node
-            self.job.heard[node.node_id] = None
-            self.job.heard.move_to_end(node.node_id)
+            self.job.members.nodes[node.node_id] = node
+            self.job.members.heard[node.node_id] = None
+            self.job.members.heard.move_to_end(node.node_id)
             if slot is not None:
-                self.job.slots[slot] = node.node_id
+                self.job.members.slots[slot] = node.node_id
             nonce = None
             if msg.nonce is not None:
-                nonce = self.job.nonces[node.node_id] = digest(msg.nonce)
+                nonce = self.job.members.nonces[node.node_id] = digest(msg.nonce)
             # in the run directory before the reply names the slot: a restarted master vouches for its rejoin
             self.job.save_roster({node.node_id: nonce} if nonce else None)
             self.events.emit(NodeJoined(node=node.node_id, host=node.host, role=role.value, slot=slot,
-                                        agent_pid=node.agent_pid, fault_domain=node.fault_domain), self.job.generation)
+                                        agent_pid=node.agent_pid, fault_domain=node.fault_domain), self.job.course.generation)
             if role == Role.SPARE:
                 self.orders.direct([node.node_id], cmd.Wait(warm=self.job.hot_swap_capable()))
             self.inbox.put({"kind": ReportKind.JOINED, "node_id": node.node_id})
@@ -89,10 +89,10 @@ class Handlers:
         agent process retrying (its reply was lost) gets the same answer, and it proves it is that process with
         the nonce it sent the first time - never with what /v1/state shows of the node (host, pid, address: anyone
         holding the job secret reads them). Anyone else is refused and the record stays as it was."""
-        expected = self.job.nonces.get(node.node_id)
+        expected = self.job.members.nonces.get(node.node_id)
         if expected is not None and msg.nonce is not None and hmac.compare_digest(expected, digest(msg.nonce)):
             return self._job_json(node.role, node.slot,
-                                  self.job.tokens.get(node.node_id) or self._new_token(node.node_id))
+                                  self.job.members.tokens.get(node.node_id) or self._new_token(node.node_id))
         if (node.agent_pid, node.peer_addr, node.host) == (msg.agent_pid, msg.peer_addr, msg.host):
             raise messages.MessageError(
                 f"node id {node.node_id!r} is registered, and this registration does not carry the nonce its agent "
@@ -106,10 +106,10 @@ class Handlers:
         """The answer to a registration the job has no place for (call with the lock held), else None."""
         if role == Role.FAILED:
             return {"role": Role.FAILED.value, "slot": None, "exit_code": 2,
-                    "reason": f"node rank {node_rank} is already taken by node {self.job.slots.get(node_rank)}: "
+                    "reason": f"node rank {node_rank} is already taken by node {self.job.members.slots.get(node_rank)}: "
                               "give every node its own --node-rank"}
         if role == Role.SPARE and self.cfg.spares is not None and \
-                sum(1 for n in self.job.nodes.values() if n.role == Role.SPARE) >= self.cfg.spares:
+                sum(1 for n in self.job.members.nodes.values() if n.role == Role.SPARE) >= self.cfg.spares:
             return {"role": Role.FAILED.value, "slot": None, "exit_code": 0,
                     "reason": f"the job has its {self.cfg.nnodes} nodes and {self.cfg.spares} spare(s) "
                               "(--nnodes, --spares): this node is not needed"}
@@ -119,7 +119,7 @@ class Handlers:
         """An agent of a job already running when this master started (it restarted): rebuild the
         job's state from what the agents report - membership, slots, generation, snapshots."""
         nid, gen, slot = msg.node_id, r.generation, r.slot
-        roster = self.job.roster
+        roster = self.job.members.roster
         # only what the run directory vouches for (control/roster.py): a master that took over a running job, the
         # agent process that registered (its nonce), a generation some master issued, the slot it was given
         if roster is None or not roster.restarted:
@@ -141,46 +141,46 @@ class Handlers:
             owner = roster.slots.get(slot)
             reason = (f"slot {slot} was given to {owner}" if owner is not None
                       else f"the run directory gives slot {slot} to no node")
-            self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.generation)
+            self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.course.generation)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
-        if gen > self.job.generation and self.job.phase != Phase.WAITING:
+        if gen > self.job.course.generation and self.job.course.phase != Phase.WAITING:
             # once running, this master issued every generation since: a newer one was never issued
             raise messages.MessageError(f"rejoin generation {gen} was never issued (the job is at generation "
-                                        f"{self.job.generation})", code=409, reason="generation_not_issued")
-        holder = self.job.slots.get(slot) if slot is not None else None
-        if holder not in (None, nid) and gen > self.job.rejoin_generation.get(holder, gen):
+                                        f"{self.job.course.generation})", code=409, reason="generation_not_issued")
+        holder = self.job.members.slots.get(slot) if slot is not None else None
+        if holder not in (None, nid) and gen > self.job.members.rejoin_generation.get(holder, gen):
             # two agents claim one slot: the one with the older generation missed a recovery while it
             # was away (a healed partition that got here first) - it is the one to fence
-            stale = self.job.nodes[holder]
+            stale = self.job.members.nodes[holder]
             stale.role, stale.slot = Role.FAILED, None      # fenced at its next call (_fence)
             stale.last_fault = f"slot {slot} was given to {nid} in generation {gen}"
-            del self.job.slots[slot]
+            del self.job.members.slots[slot]
             holder = None
         if holder not in (None, nid):
             reason = f"slot {slot} belongs to {holder}"
-            self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.generation)
+            self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.course.generation)
             return {"role": Role.FAILED.value, "slot": None, "reason": reason}
-        self.job.rejoin_generation[nid] = gen
-        self.job.nonces[nid] = roster.nonces[nid]
+        self.job.members.rejoin_generation[nid] = gen
+        self.job.members.nonces[nid] = roster.nonces[nid]
         role = Role.ACTIVE if slot is not None else Role.SPARE
         node = NodeRecord(node_id=nid, host=msg.host, agent_pid=msg.agent_pid, peer_addr=msg.peer_addr,
                           fault_domain=msg.fault_domain, role=role, slot=slot, api=r.api)
         node.snapshots = dict(r.snapshots)
         node.replicas = dict(r.replicas)
-        self.job.nodes[nid] = node
-        self.job.heard[nid] = None
-        self.job.heard.move_to_end(nid)
+        self.job.members.nodes[nid] = node
+        self.job.members.heard[nid] = None
+        self.job.members.heard.move_to_end(nid)
         if node.api:
-            self.job.api_nodes.add(nid)
+            self.job.members.api_nodes.add(nid)
         if slot is not None:
-            self.job.slots[slot] = nid
-        self.job.generation = max(self.job.generation, gen)
-        self.job.restart_count = max(self.job.restart_count, r.restart_count)
-        self.job.peer_hint.update(r.world_slots)
-        self.job.resumed_at = self.job.resumed_at or time.time()
+            self.job.members.slots[slot] = nid
+        self.job.course.generation = max(self.job.course.generation, gen)
+        self.job.course.restart_count = max(self.job.course.restart_count, r.restart_count)
+        self.job.members.peer_hint.update(r.world_slots)
+        self.job.course.resumed_at = self.job.course.resumed_at or time.time()
         self.job.save_roster()
         self.events.emit(NodeRejoined(node=nid, role=role.value, slot=slot, agent_generation=gen,
-                                      interrupted=r.frozen), self.job.generation)
+                                      interrupted=r.frozen), self.job.course.generation)
         if role == Role.SPARE:
             self.orders.direct([nid], cmd.Wait(warm=node.api))
         self.inbox.put({"kind": ReportKind.JOINED, "node_id": nid, "interrupted": r.frozen})
@@ -194,12 +194,12 @@ class Handlers:
 
     def _new_token(self, node_id: str) -> str:
         """The registration's token: the node's later calls carry it (messages are bound to their sender)."""
-        token = self.job.tokens[node_id] = secrets.token_hex(8)
+        token = self.job.members.tokens[node_id] = secrets.token_hex(8)
         return token
 
     def _check_token(self, node_id: str, token: str | None, via: str) -> None:
         """Call with the lock held, for a node this master knows."""
-        expected = self.job.tokens.get(node_id)
+        expected = self.job.members.tokens.get(node_id)
         if expected is None or token is None or not hmac.compare_digest(expected, token):
             raise messages.MessageError(
                 f"{via} for node {node_id!r} does not carry the token of its registration"
@@ -208,7 +208,7 @@ class Handlers:
     def heartbeat(self, p: dict) -> dict:
         msg = messages.parse_heartbeat(p, self._msg_job)
         with self.job.cv:
-            node = self.job.nodes.get(msg.node_id)
+            node = self.job.members.nodes.get(msg.node_id)
             if node is None:
                 raise messages.UnknownNode()     # a restarted master: the agent rejoins (Status.UNKNOWN_NODE)
             fenced = self._fence(node.node_id, "heartbeat")
@@ -216,18 +216,18 @@ class Handlers:
                 return self._epoch(fenced)
             self._check_token(node.node_id, msg.token, "heartbeat")
             node.last_heartbeat = time.time()
-            self.job.heard.move_to_end(node.node_id)
+            self.job.members.heard.move_to_end(node.node_id)
             node.worker_pids = msg.worker_pids
             node.snapshots = msg.snapshots
             node.replicas = msg.replicas
             node.protection = msg.protection
             node.warm_ready = msg.warm_ready
-            self.job.node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
+            self.job.telemetry.node_step[node.node_id] = min((max(s) for s in node.snapshots.values() if s), default=None)
             if msg.api and not node.api:
                 node.api = True
-                self.job.api_nodes.add(node.node_id)
+                self.job.members.api_nodes.add(node.node_id)
                 if self.job.hot_swap_capable():  # spares can now pre-start their workers (torch imported, waiting)
-                    cold = [n.node_id for n in self.job.nodes.values() if n.role == Role.SPARE
+                    cold = [n.node_id for n in self.job.members.nodes.values() if n.role == Role.SPARE
                             and not getattr(self.orders.board.get(n.node_id), "fields", {}).get("warm")]
                     if cold:
                         self.orders.direct(cold, cmd.Wait(warm=True))
@@ -235,17 +235,17 @@ class Handlers:
             self.job.note_compute(node)
             for n in self.job.new_stragglers():
                 self._straggler(n)
-            return {"ok": True, "role": node.role.value, "inject": self.job.injections.pop(node.node_id, []),
+            return {"ok": True, "role": node.role.value, "inject": self.job.members.injections.pop(node.node_id, []),
                     "master_epoch": self.job.master_epoch}
 
     def _straggler(self, node: NodeRecord) -> None:
         """A node became a straggler (call with the lock held): reported; with --replace-stragglers, drained."""
-        samples = list(self.job.compute.get(node.node_id, ()))
+        samples = list(self.job.telemetry.compute.get(node.node_id, ()))
         replace = self.cfg.stragglers.replace_stragglers and self.job.drain_refusal(node.slot) is None
         self.events.emit(Straggler(node=node.node_id, slot=node.slot, ratio=node.straggler,
                                    compute_s=round(sorted(samples)[len(samples) // 2], 5) if samples else None,
                                    window=self.cfg.stragglers.straggler_window, threshold=self.cfg.stragglers.straggler_ratio,
-                                   replace=replace), self.job.generation)
+                                   replace=replace), self.job.course.generation)
         if replace:
             self.inbox.put({"kind": ReportKind.DRAIN, "node_id": node.node_id, "by": "straggler", "t": time.time(),
                             "reason": f"straggler: {node.straggler}x slower than its peers"})
@@ -254,11 +254,11 @@ class Handlers:
         """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
         msg = messages.parse_inject(p, self._msg_job)
         with self.job.cv:
-            nid = self.job.slots.get(msg.slot)
-            if nid is None or self.job.nodes[nid].role != Role.ACTIVE:
+            nid = self.job.members.slots.get(msg.slot)
+            if nid is None or self.job.members.nodes[nid].role != Role.ACTIVE:
                 raise messages.MessageError(f"no active node in slot {msg.slot}", code=409, reason="no_such_node")
-            self.job.injections.setdefault(nid, []).append(msg.fault)
-            self.events.emit(FaultInjected(node=nid, slot=msg.slot, fault=msg.fault), self.job.generation)
+            self.job.members.injections.setdefault(nid, []).append(msg.fault)
+            self.events.emit(FaultInjected(node=nid, slot=msg.slot, fault=msg.fault), self.job.course.generation)
             return {"ok": True, "node": nid}
 
     def drain(self, p: dict) -> dict:
@@ -269,7 +269,7 @@ class Handlers:
             refusal = self.job.drain_refusal(msg.slot)
             if refusal is not None:
                 raise messages.MessageError(f"cannot drain slot {msg.slot}: {refusal}", code=409, reason="drain_refused")
-            nid = self.job.slots[msg.slot]
+            nid = self.job.members.slots[msg.slot]
         self.inbox.put({"kind": ReportKind.DRAIN, "node_id": nid, "reason": msg.reason, "by": "operator",
                         "t": time.time()})
         return {"ok": True, "node": nid, "slot": msg.slot}
@@ -277,7 +277,7 @@ class Handlers:
     def report(self, p: dict) -> dict:
         msg = messages.parse_report(p, self._msg_job, time.time())
         with self.job.cv:
-            node = self.job.nodes.get(msg.node_id)
+            node = self.job.members.nodes.get(msg.node_id)
             if node is None:
                 raise messages.UnknownNode()
             fenced = self._fence(msg.node_id, "report")
@@ -285,17 +285,17 @@ class Handlers:
                 return fenced
             self._check_token(msg.node_id, msg.token, "report")
             gen = msg.generation
-            if gen is not None and gen > self.job.generation:
+            if gen is not None and gen > self.job.course.generation:
                 raise messages.MessageError(f"report generation {gen} was never issued (the job is at generation "
-                                            f"{self.job.generation})", code=409, reason="generation_not_issued")
-            if messages.REPORT_KINDS[msg.kind] and gen is not None and gen < self.job.generation:
+                                            f"{self.job.course.generation})", code=409, reason="generation_not_issued")
+            if messages.REPORT_KINDS[msg.kind] and gen is not None and gen < self.job.course.generation:
                 # about workers of a generation already replaced: moot (a late or replayed report)
                 self.rejections.note(time.time(), node.host, "stale_generation", "/v1/report",
-                                     f"{msg.kind} of generation {gen} from {msg.node_id} (now {self.job.generation})")
-                return {"ok": True, "ignored": f"stale generation {gen} (now {self.job.generation})"}
+                                     f"{msg.kind} of generation {gen} from {msg.node_id} (now {self.job.course.generation})")
+                return {"ok": True, "ignored": f"stale generation {gen} (now {self.job.course.generation})"}
             if msg.kind == ReportKind.WORKERS_DONE and not self._may_be_done(node, gen):
                 raise messages.MessageError(
-                    f"workers_done from {msg.node_id}: it was not told to run workers in generation {self.job.generation}",
+                    f"workers_done from {msg.node_id}: it was not told to run workers in generation {self.job.course.generation}",
                     code=409, reason="not_running")
         self.inbox.put(msg.event)
         return {"ok": True}
@@ -303,20 +303,20 @@ class Handlers:
     def _may_be_done(self, node: NodeRecord, generation: int | None) -> bool:
         """A node's workers can have finished only if it holds a slot and, in this generation, was sent an
         order that runs workers (or rejoined this restarted master as an active node of it)."""
-        if node.role != Role.ACTIVE or node.slot is None or generation != self.job.generation:
+        if node.role != Role.ACTIVE or node.slot is None or generation != self.job.course.generation:
             return False
         d = self.orders.board.get(node.node_id)
         if d is not None and d.sent and d.fields.get("generation") == generation \
                 and d.fields.get("command") in RUNS_WORKERS:
             return True
-        return self.job.rejoin_generation.get(node.node_id) == generation
+        return self.job.members.rejoin_generation.get(node.node_id) == generation
 
     def poll_intake(self, p: dict) -> messages.Poll:
         """A directive long-poll as it arrives (the transport then answers or parks it): refused if it is
         malformed, holds a version this master never issued, or carries another registration's token."""
         with self.job.cv:
             msg = messages.parse_poll(p, self.orders.board.version)
-            if msg.node_id in self.job.nodes and self._fence(msg.node_id, "directive") is None:
+            if msg.node_id in self.job.members.nodes and self._fence(msg.node_id, "directive") is None:
                 self._check_token(msg.node_id, msg.token, "directive poll")
         return msg
 
@@ -334,7 +334,7 @@ class Handlers:
                 node_id, known = p.get("node_id", ""), int(p.get("version", -1))
                 fenced = self._fence(node_id, "directive")
                 if fenced:
-                    fields = {**fenced, "version": known + 1, "generation": self.job.generation,
+                    fields = {**fenced, "version": known + 1, "generation": self.job.course.generation,
                               "master_epoch": self.job.master_epoch}
                     answers.append(Directive(known + 1, fields, wire.dumps(fields)))   # not on the board
                     continue
@@ -356,16 +356,16 @@ class Handlers:
 
     def _fence(self, node_id: str, via: str) -> dict | None:
         """Fencing on rejoin: a node that was replaced gets only a stop order, whatever it asked."""
-        reply = fence_reply(self.job.nodes.get(node_id))
-        if reply is not None and node_id not in self.job.fenced:
-            self.job.fenced.add(node_id)
+        reply = fence_reply(self.job.members.nodes.get(node_id))
+        if reply is not None and node_id not in self.job.members.fenced:
+            self.job.members.fenced.add(node_id)
             log.warning("node %s contacted the master (%s) after it was replaced: fenced", node_id, via)
-            self.events.emit(NodeFenced(node=node_id, via=via, reason=reply["reason"]), self.job.generation)
+            self.events.emit(NodeFenced(node=node_id, via=via, reason=reply["reason"]), self.job.course.generation)
         return reply
 
     def _persist_json(self) -> dict | None:
         if self.cfg.persistence.persist_dir is None:
             return None
         return {"dir": str(self.cfg.persistence.persist_dir), "every": self.cfg.persistence.persist_every, "keep": self.cfg.persistence.persist_keep,
-                "world_size": self.job.layout.world_size}
+                "world_size": self.job.course.layout.world_size}
 

@@ -35,9 +35,9 @@ class HotSwap:
         """The survivors: every slot neither lost nor filled by a spare in this recovery."""
         job = self.job
         for slot in list(self.fresh):            # a promoted spare that died is lost again
-            if job.slots.get(slot) != self.fresh[slot]:
+            if job.members.slots.get(slot) != self.fresh[slot]:
                 del self.fresh[slot]
-        return Quiesce(tuple(nid for s, nid in job.slots.items() if s not in self.lost and s not in self.fresh))
+        return Quiesce(tuple(nid for s, nid in job.members.slots.items() if s not in self.lost and s not in self.fresh))
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> FromMemory:
         """Spares into the lost slots, then the plan: the spares fetch their ranks' state from replica holders and
@@ -54,8 +54,8 @@ class HotSwap:
         self.lost.clear()
         job = self.job
         with job.cv:
-            return FromMemory(plan_recovery(job.layout, dict(job.nodes), job.slots, set(self.fresh), job.placement,
-                                            self.fresh, peers=job.peer_set))
+            return FromMemory(plan_recovery(job.course.layout, dict(job.members.nodes), job.members.slots, set(self.fresh), job.course.placement,
+                                            self.fresh, peers=job.course.peer_set))
 
     def resume(self, quiesced: Quiesced | None, restore: FromMemory, restored: Restored, attempt: int) -> Resume:
         plan, now = restore.plan, time.time()

@@ -30,7 +30,7 @@ class Incidents:
         if fault is None:
             return False
         with self.job.cv:
-            node = self.job.nodes.get(fault.get("node") or "")
-            spares = sum(1 for n in self.job.nodes.values() if n.role == Role.SPARE)
+            node = self.job.members.nodes.get(fault.get("node") or "")
+            spares = sum(1 for n in self.job.members.nodes.values() if n.role == Role.SPARE)
         log.log(level, "%s", incident_line(fault, outcome, host=node.host if node else None, spares_left=spares))
         return True

@@ -85,11 +85,11 @@ class InFlight:
     def absorb(self, ev: dict) -> None:
         self.job.absorb(ev, self.events.emit)
         if ev.get("kind") == ReportKind.LAYOUT:    # kept for a restarted master (control/layout_file.py)
-            layout_file.save(self.cfg.run_dir, self.cfg.run_id, self.job.peer_set)
+            layout_file.save(self.cfg.run_dir, self.cfg.run_id, self.job.course.peer_set)
 
     def drain_stale(self) -> None:
         """Drop reports about the generation that was just torn down."""
-        g = self.job.generation
+        g = self.job.course.generation
         self.inbox.take(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
 
     def quiesced_inventory(self, ack: dict) -> None:
@@ -97,7 +97,7 @@ class InFlight:
         ack arrives: 16K of them in one go after the last ack were 60 ms of the plan at 16K nodes. Without
         the lock: the fields are replaced whole (as heartbeats replace them), never changed in place, so a
         reader under the lock sees the old inventory or the new one."""
-        node = self.job.nodes.get(ack.get("node_id", ""))
+        node = self.job.members.nodes.get(ack.get("node_id", ""))
         if node is not None:
             node.snapshots, node.replicas = by_rank(ack.get("snapshots")), by_rank(ack.get("replicas"))
 
@@ -123,7 +123,7 @@ class InFlight:
                 # caught by the next phase's probe (or its heartbeat timeout)
                 with self.job.cv:
                     pending = random.sample(list(acks.pending), min(PROBE_MAX, len(acks.pending)))
-                    waiting = [self.job.nodes[nid] for nid in pending if nid in self.job.nodes]
+                    waiting = [self.job.members.nodes[nid] for nid in pending if nid in self.job.members.nodes]
                     waiting = [n for n in waiting if n.role == Role.ACTIVE and n.slot not in lost]
                 # refusals only: mid-recovery, with the master and the agents at full load, a probe answered
                 # late is no evidence (at 16K nodes, late answers declared live nodes lost); silence is the
@@ -154,12 +154,12 @@ class InFlight:
             return
         self.absorb(ev)
         with self.job.cv:
-            node = self.job.nodes.get(ev.get("node_id", ""))
+            node = self.job.members.nodes.get(ev.get("node_id", ""))
             in_play = node is not None and node.role == Role.ACTIVE and node.slot not in lost
-        verdict = midway(ev, in_play, self.job.generation)
+        verdict = midway(ev, in_play, self.job.course.generation)
         why = f"{ev.get('node_id')}: {ev.get('reason')}"
         if verdict is Midway.MISMATCH:
-            raise Stop(EXIT_MISMATCH, mismatch_reason(ev, self.job.restored_step, self.cfg.persistence.persist_dir))
+            raise Stop(EXIT_MISMATCH, mismatch_reason(ev, self.job.course.restored_step, self.cfg.persistence.persist_dir))
         if verdict is Midway.PLAN_FAILED:
             raise PlanError(why)
         if verdict is Midway.RETRY:
@@ -170,10 +170,10 @@ class InFlight:
             # its node will never ack this phase: a new cycle quiesces the live workers and the restore respawns
             # the dead one from the node's snapshot (dropped as expected, it cost the whole --recovery-timeout)
             with self.job.cv:
-                self.job.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
+                self.job.course.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
                 c = midway_worker_verdict(ev, node.slot, self.cfg.recovery.max_local_resets)
                 self.events.emit(fault_detected(ev, node.node_id, node.slot, c, during_recovery=True),
-                                 self.job.generation)
+                                 self.job.course.generation)
             raise Cascade(f"rank {ev.get('rank')} on slot {node.slot} died during recovery: "
                           f"{ev.get('detail') or kind}", ev)
 
@@ -186,7 +186,7 @@ class InFlight:
         newly = 0
         with self.job.cv:
             for loss in [ev, *queued]:
-                n = self.job.nodes.get(loss.get("node_id", ""))
+                n = self.job.members.nodes.get(loss.get("node_id", ""))
                 if n is None or n.role != Role.ACTIVE or n.slot in lost:
                     continue
                 lost.add(n.slot)     # whatever the classifier says: a lost node's slot goes to a spare
@@ -194,7 +194,7 @@ class InFlight:
                 c = loss_verdict(loss, n.slot, self.cfg.recovery.max_local_resets)
                 n.last_fault = fault_text(c, loss)
                 self.events.emit(fault_detected(loss, n.node_id, n.slot, c, detail=loss.get("detail", ""),
-                                                during_recovery=True), self.job.generation)
+                                                during_recovery=True), self.job.course.generation)
         raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: "
                       f"{ev.get('detail') or ev.get('kind')}"
                       + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))

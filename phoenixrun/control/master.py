@@ -5,7 +5,7 @@ acknowledgements) and a long-polled `directive` that tells each agent what to do
 the TCPStore the workers' process groups rendezvous on (one key prefix per generation).
 
 `Master` only wires the parts together and runs them:
-- control/jobstate.py  JobState: the data (membership, slots, generations, inventories, attempts) and its lock;
+- control/jobstate.py  JobState: the data (members, the job's course, telemetry) and its lock;
 - control/handlers.py  Handlers: the API, wire -> state (transport threads);
 - control/orders.py    Orders and Inbox: directives out, reports in;
 - control/monitor.py   HeartbeatMonitor: nodes gone silent -> the inbox;
@@ -58,12 +58,12 @@ class Master:
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.job = JobState(cfg)
         # a master started again over this run's directory plans from the DTensor peer set the first one was told
-        self.job.peer_set = layout_file.load(self.run_dir, cfg.run_id, cfg.nnodes * cfg.nproc_per_node)
+        self.job.course.peer_set = layout_file.load(self.run_dir, cfg.run_id, cfg.nnodes * cfg.nproc_per_node)
         # what the run directory vouches for when agents rejoin (a standby reads it again once it takes over)
-        self.job.roster = Roster(self.run_dir, cfg.run_id)
+        self.job.members.roster = Roster(self.run_dir, cfg.run_id)
         self.orders = Orders(self.job, self.events)
         self._inbox = Inbox()
-        self.rejections = Rejections(lambda **f: self.events.emit(RejectedRequest(**f), self.job.generation))
+        self.rejections = Rejections(lambda **f: self.events.emit(RejectedRequest(**f), self.job.course.generation))
         self.handlers = Handlers(self.job, self.orders, self.events, self._inbox, self.rejections)
         self.recovery = Recoveries(self.job, self.orders, self.events, self._inbox, probe=unreachable)
         self.coordinator = Coordinator(self.job, self.orders, self.events, self._inbox, self.recovery,
@@ -98,9 +98,9 @@ class Master:
         self.job.master_epoch = got.epoch
         with self.job.cv:
             # the holder wrote on while this master waited; from now on a deposed holder's late lines are skipped
-            self.job.roster.close()
-            self.job.roster = Roster(self.run_dir, self.cfg.run_id)
-            self.job.roster.append(got.epoch)
+            self.job.members.roster.close()
+            self.job.members.roster = Roster(self.run_dir, self.cfg.run_id)
+            self.job.members.roster.append(got.epoch)
         return None
 
     def _keep_lease(self) -> None:
@@ -121,7 +121,7 @@ class Master:
         self.events.emit(MasterDeposed(epoch=self.job.master_epoch, reason=reason), self.generation)
         self.http.shutdown()
         with self.job.cv:
-            self.job.exit_code = EXIT_DEPOSED
+            self.job.course.exit_code = EXIT_DEPOSED
         self.job.stopped.set()
 
     # ---------------------------------------------------------------- lifecycle
@@ -166,10 +166,10 @@ class Master:
                     for n in self.nodes.values()):
                 self.cv.wait(0.1)
         if self.keeper is not None:
-            self.keeper.release(self.job.exit_code or 0)
+            self.keeper.release(self.job.course.exit_code or 0)
         self.http.shutdown()
         self.events.close()
-        return self.job.exit_code or 0
+        return self.job.course.exit_code or 0
 
     # ---------------------------------------------------------------- the transport's API (control/handlers.py)
     def register(self, p: dict) -> dict:
@@ -208,25 +208,25 @@ class Master:
 
     # ---------------------------------------------------------------- the job's state, as tests and tools read it
     cv = property(lambda self: self.job.cv)
-    layout = property(lambda self: self.job.layout)
-    placement = property(lambda self: self.job.placement)
-    nodes: dict[str, NodeRecord] = property(lambda self: self.job.nodes)   # type: ignore[assignment]
-    slots: dict[int, str] = property(lambda self: self.job.slots)          # type: ignore[assignment]
-    phase: Phase = property(lambda self: self.job.phase)                   # type: ignore[assignment]
-    restart_count = property(lambda self: self.job.restart_count)
-    resumed_at = property(lambda self: self.job.resumed_at)
-    done_nodes = property(lambda self: self.job.done_nodes)
-    exit_code = property(lambda self: self.job.exit_code)
+    layout = property(lambda self: self.job.course.layout)
+    placement = property(lambda self: self.job.course.placement)
+    nodes: dict[str, NodeRecord] = property(lambda self: self.job.members.nodes)   # type: ignore[assignment]
+    slots: dict[int, str] = property(lambda self: self.job.members.slots)          # type: ignore[assignment]
+    phase: Phase = property(lambda self: self.job.course.phase)                   # type: ignore[assignment]
+    restart_count = property(lambda self: self.job.course.restart_count)
+    resumed_at = property(lambda self: self.job.course.resumed_at)
+    done_nodes = property(lambda self: self.job.members.done_nodes)
+    exit_code = property(lambda self: self.job.course.exit_code)
     directives: DirectiveBoard = property(lambda self: self.orders.board)  # type: ignore[assignment]
-    _injections = property(lambda self: self.job.injections)
+    _injections = property(lambda self: self.job.members.injections)
 
     @property
     def generation(self) -> int:
-        return self.job.generation
+        return self.job.course.generation
 
     @generation.setter
     def generation(self, value: int) -> None:
-        self.job.generation = value
+        self.job.course.generation = value
 
     @property
     def store_port(self) -> int:

@@ -55,17 +55,17 @@ class HeartbeatMonitor:
                 if slept > 4 * tick:
                     self._forgive_stall(slept - tick)
                 stale = []
-                for nid in job.heard:   # least recently heard first: stop at the first fresh one
-                    if seen - job.nodes[nid].last_heartbeat <= job.cfg.recovery.node_timeout:
+                for nid in job.members.heard:   # least recently heard first: stop at the first fresh one
+                    if seen - job.members.nodes[nid].last_heartbeat <= job.cfg.recovery.node_timeout:
                         break
                     stale.append(nid)
                 for nid in stale:
-                    n = job.nodes[nid]
+                    n = job.members.nodes[nid]
                     if n.role not in GONE:
                         self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": now,
                                         "detail": f"no heartbeat for {seen - n.last_heartbeat:.1f}s"})
                     n.last_heartbeat = now  # report once per timeout period
-                    job.heard.move_to_end(nid)
+                    job.members.heard.move_to_end(nid)
 
     def _check_links(self) -> None:
         """Confirm the agents' closed links (control/detection.py's closed_link): probe the peer ports of those not
@@ -90,10 +90,10 @@ class HeartbeatMonitor:
         wait, ask = [], []
         job, now = self.job, time.time()
         with job.cv:
-            if job.phase in (Phase.FINISHED, Phase.FAILED):
+            if job.course.phase in (Phase.FINISHED, Phase.FAILED):
                 return [], []
             for nid, closed_at in links:
-                n = job.nodes.get(nid)
+                n = job.members.nodes.get(nid)
                 if n is None or n.role in GONE:
                     continue
                 heard = max(n.last_heartbeat, self.transport.last_poll(nid))
@@ -107,7 +107,7 @@ class HeartbeatMonitor:
                                     "detail": f"its connection to the master closed {now - closed_at:.2f}s ago and "
                                               f"its agent's port {n.peer_addr} refuses connections"})
                     n.last_heartbeat = now      # the silence path does not report it again this timeout period
-                    job.heard.move_to_end(nid)
+                    job.members.heard.move_to_end(nid)
         return wait, ask
 
     def _forgive_stall(self, seconds: float) -> None:
@@ -116,7 +116,7 @@ class HeartbeatMonitor:
         than --node-timeout declared every node lost at once when it ran again (seen when a profiler
         paused it at 16K nodes: the job failed, "recovery kept failing")."""
         log.warning("the master did not run for %.1fs: heartbeat clocks moved on by as much", seconds)
-        self.events.emit(MasterStalled(seconds=round(seconds, 3)), self.job.generation)
+        self.events.emit(MasterStalled(seconds=round(seconds, 3)), self.job.course.generation)
         now = time.time()
-        for n in self.job.nodes.values():   # capped: one heard since it ran again is no fresher than now
+        for n in self.job.members.nodes.values():   # capped: one heard since it ran again is no fresher than now
             n.last_heartbeat = min(n.last_heartbeat + seconds, now)

@@ -70,7 +70,7 @@ class Orders:
         those in world_for (the others keep theirs); own: more of their own for some slots. Nodes given nothing
         of their own share one encoding."""
         own = own or {}
-        slots = self.job.slots
+        slots = self.job.members.slots
         world_for = slots.keys() if world_for is None else set(world_for)
         orders = {nid: (replace(own.get(slot, NOTHING), slot=slot, world=self.world(slot)) if slot in world_for
                         else own.get(slot, NOTHING)).to_wire() for slot, nid in slots.items()}
@@ -80,8 +80,8 @@ class Orders:
         """What the node in `slot` needs of the world: where its ranks' replicas go and those holders'
         addresses. (The whole map in every node's directive would be O(nodes^2) bytes per broadcast.)"""
         job = self.job
-        placement, need = job.slot_placement[slot]
-        return World({s: job.nodes[job.slots[s]].peer_addr for s in need if s in job.slots}, placement,
+        placement, need = job.course.slot_placement[slot]
+        return World({s: job.members.nodes[job.members.slots[s]].peer_addr for s in need if s in job.members.slots}, placement,
                      job.store_port)
 
     def _generation_fields(self) -> dict[str, Any]:
@@ -89,7 +89,7 @@ class Orders:
         (agents ignore orders of an epoch older than one they have seen: a deposed master's). The roster is brought
         up to date first: no agent may learn of a generation or a slot the run directory does not vouch for."""
         self.job.save_roster()
-        return {"generation": self.job.generation, "store_prefix": self.store_prefix(self.job.generation),
+        return {"generation": self.job.course.generation, "store_prefix": self.store_prefix(self.job.course.generation),
                 "master_epoch": self.job.master_epoch}
 
     def _sent(self, r: Rollout, t: float) -> None:

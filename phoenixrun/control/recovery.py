@@ -68,7 +68,7 @@ class Recoveries:
     def fallback(self, lost: set[int], reason: str, counted: bool = True) -> bool:
         """Restart every worker from the newest complete persistent checkpoint (control/fallback.py). False:
         nothing to fall back to (no checkpoint, or --max-fallbacks used up)."""
-        tries = fallback_attempts(self.job.fallbacks, self.cfg.persistence.max_fallbacks, counted)
+        tries = fallback_attempts(self.job.course.fallbacks, self.cfg.persistence.max_fallbacks, counted)
         if tries == 0:
             return False
         try:
@@ -92,7 +92,7 @@ class Recoveries:
                                 "signal": ev.get("kind"), "detail": cause})
         with self.job.cv:
             self.events.emit(RecoveryStarted(failed_node=node.node_id, slot=node.slot, cause=cause,
-                                             action=action.value), self.job.generation + 1)
+                                             action=action.value), self.job.course.generation + 1)
         out = self.cycle.drive(HotSwap(self.cycle, lost, t0, ev.get("t", t0), fresh))
         if out is None:
             return
@@ -104,11 +104,11 @@ class Recoveries:
         # Next.FALL_BACK: no in-memory state to resume from: the persistent checkpoint, else torchrun's restart
         if isinstance(e, PlanError):
             self.inbox.take(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
-            self.events.emit(RecoveryFailed(reason=str(e)), self.job.generation)
+            self.events.emit(RecoveryFailed(reason=str(e)), self.job.course.generation)
             why, lost = f"in-memory recovery impossible: {e}", set()
         else:
             why = f"recovery kept failing ({out.attempts} tries): {e}"
-            self.events.emit(RecoveryFailed(reason=why), self.job.generation)
+            self.events.emit(RecoveryFailed(reason=why), self.job.course.generation)
         if not self.fallback(lost, why):
             self.restart(lost, failing_code, why)
 
@@ -123,7 +123,7 @@ class Recoveries:
         """A shrunk job with a spare registered: take it back in (control/resize.py)."""
         job = self.job
         with job.cv:
-            spare = pick_spare(job.nodes, avoid_domains=[]) if job.shrunk and job.phase == Phase.RUNNING else None
+            spare = pick_spare(job.members.nodes, avoid_domains=[]) if job.shrunk and job.course.phase == Phase.RUNNING else None
         if spare is None:
             return
         grow = Grow(self.cycle, spare)

@@ -52,13 +52,13 @@ class RelayDesk:
             return
         self._at = now
         with self.job.cv:
-            live = [n for n in self.job.nodes.values() if n.role in (Role.ACTIVE, Role.SPARE)]
+            live = [n for n in self.job.members.nodes.values() if n.role in (Role.ACTIVE, Role.SPARE)]
             ids = frozenset(n.node_id for n in live)
             if ids == self._members:
                 return
             members = [Member(n.fault_domain, n.host, n.node_id) for n in live]
             old, tree = self.tree, relay_tree.update(self.tree, members, self.threshold)
-            self._addr = {r: self.job.nodes[r].peer_addr for r in tree.relays}
+            self._addr = {r: self.job.members.nodes[r].peer_addr for r in tree.relays}
             self._kids = {r: tuple(sorted(c)) for r, c in relay_tree.groups(tree).items()}
             self._members, self.tree = ids, tree
             self.ever = self.ever or bool(tree.relays)
@@ -114,7 +114,7 @@ class RelayDesk:
         if own is None and not children and not keyed:
             return None
         with self.job.cv:
-            tokens = {c: self.job.tokens.get(c, "") for c in kids}
+            tokens = {c: self.job.members.tokens.get(c, "") for c in kids}
         entries = ", ".join(f"{json.dumps(c)}: {self._entry(tokens[c], d)}" for c, d in children.items())
         keys = ", ".join(f"{json.dumps(c)}: {json.dumps(self._key(c, tokens[c]))}" for c in kids)
         body = (f'{{"bundle": 1, "master_epoch": {int(self.job.master_epoch)}, "version": '

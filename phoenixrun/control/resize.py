@@ -62,19 +62,19 @@ class Shrink(Resize):
     def plan(self, quiesced: Quiesced | None, attempt: int) -> Reshard:
         job, cfg, lost = self.job, self.cycle.cfg, self.shrunk
         with job.cv:
-            alive = {s: job.nodes[nid] for s, nid in job.slots.items() if s not in lost}
-            plan = plan_shrink(job.layout, lost, {s: n.snapshots for s, n in alive.items()},
-                               {s: n.replicas for s, n in alive.items()}, job.placement)
+            alive = {s: job.members.nodes[nid] for s, nid in job.members.slots.items() if s not in lost}
+            plan = plan_shrink(job.course.layout, lost, {s: n.snapshots for s, n in alive.items()},
+                               {s: n.replicas for s, n in alive.items()}, job.course.placement)
             if isinstance(plan, Refusal):
-                self.cycle.events.emit(RecoveryFailed(reason=f"cannot shrink: {plan.reason}"), job.generation)
+                self.cycle.events.emit(RecoveryFailed(reason=f"cannot shrink: {plan.reason}"), job.course.generation)
                 raise Stop(75, f"node(s) in slot(s) {sorted(lost)} lost, no spare registered within --spare-wait "
                                f"{cfg.recovery.spare_wait:g}s, and the job cannot shrink: {plan.reason}")
             gone = {}
             for s in lost:
-                failed = job.nodes[job.slots[s]]
+                failed = job.members.nodes[job.members.slots[s]]
                 gone[s] = failed.node_id
                 failed.role, failed.slot = Role.FAILED, None
-                job.fault_history.pop(s, None)
+                job.course.fault_history.pop(s, None)
         self.lost_nodes, self.cause = gone, self.node.last_fault or "node lost"
         self.planned = plan.kind
         return Reshard(plan)
@@ -92,18 +92,18 @@ class Grow(Resize):
         self.added = spare.node_id
 
     def quiesce(self) -> Quiesce:
-        return Quiesce(tuple(self.job.slots.values()))
+        return Quiesce(tuple(self.job.members.slots.values()))
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> Reshard:
         self.reached = quiesced.reached
         job, spare = self.job, self.spare
         with job.cv:
-            plan = plan_grow(job.layout, 1, {s: job.nodes[nid].snapshots for s, nid in job.slots.items()},
+            plan = plan_grow(job.course.layout, 1, {s: job.members.nodes[nid].snapshots for s, nid in job.members.slots.items()},
                              self.cycle.cfg.nnodes)
             if isinstance(plan, Refusal) or spare.role != Role.SPARE:
                 why = plan.reason if isinstance(plan, Refusal) else "the spare is gone"
                 raise Stop(1, f"cannot grow the job back after quiescing it: {why}")
             self.cycle.events.emit(SparePromoted(slot=plan.new_slots[0], node=spare.node_id, replaces=None),
-                                   job.generation)
+                                   job.course.generation)
         self.planned = plan.kind
         return Reshard(plan, {plan.new_slots[0]: spare})

@@ -26,22 +26,22 @@ class Restart:
         in connectFullMesh, one hung for 10 minutes). An attempt that does not come up is stopped with
         the ranks that never arrived (`check`)."""
         job, cycle = self.job, self.cycle
-        if job.restart_count >= self.cfg.recovery.max_restarts:
+        if job.course.restart_count >= self.cfg.recovery.max_restarts:
             raise Stop(failing_code or 1, f"{why}; no restarts left (--max-restarts {self.cfg.recovery.max_restarts})")
         cycle.fill(lost)
         with job.cv:
-            job.restart_count += 1
-            job.generation += 1
-            job.done_nodes.clear()
-            job.restored_step = None        # every worker starts from scratch
-            port = self._attempt_store(job.generation)
-            done = cycle.events.emit(Restarted(restart_count=job.restart_count, reason=why, store_port=port),
-                                     job.generation)
-            cycle.orders.direct_slots(cmd.Restart(restart_count=job.restart_count, restore_step=None, store_port=port))
-            job.phase = Phase.RUNNING
+            job.course.restart_count += 1
+            job.course.generation += 1
+            job.members.done_nodes.clear()
+            job.course.restored_step = None        # every worker starts from scratch
+            port = self._attempt_store(job.course.generation)
+            done = cycle.events.emit(Restarted(restart_count=job.course.restart_count, reason=why, store_port=port),
+                                     job.course.generation)
+            cycle.orders.direct_slots(cmd.Restart(restart_count=job.course.restart_count, restore_step=None, store_port=port))
+            job.course.phase = Phase.RUNNING
         cycle.incidents.close(done)
         cycle.flight.drain_stale()
-        self._arm_check(job.generation, None)
+        self._arm_check(job.course.generation, None)
 
     def _attempt_store(self, generation: int) -> int:
         """A TCPStore for one restart attempt; the previous attempt's (its workers are gone) is closed."""
@@ -61,15 +61,15 @@ class Restart:
         with the ranks that are missing; else look again one --recovery-timeout later."""
         g = ev.get("generation")
         store = self._attempt_stores.get(g)
-        if store is None or g != self.job.generation or self.job.phase != Phase.RUNNING:
+        if store is None or g != self.job.course.generation or self.job.course.phase != Phase.RUNNING:
             return
-        world = self.job.layout.world_size
+        world = self.job.course.layout.world_size
         joined = attempt_ranks(store.list_keys(), world)
         if len(joined) == world:
             return
         missing = attempt_verdict(joined, world, ev.get("joined"))
         if missing is not None:
-            raise Stop(1, f"restart {self.job.restart_count} did not come up: rank(s) {missing} never reached "
+            raise Stop(1, f"restart {self.job.course.restart_count} did not come up: rank(s) {missing} never reached "
                           f"init_process_group within --recovery-timeout {self.cfg.recovery.recovery_timeout:g}s "
                           f"while {len(joined)} of {world} ranks waited for them")
         self._arm_check(g, len(joined))

@@ -529,7 +529,7 @@ class ControlServer:
                     return
             if fn is None:
                 poll = self.master.poll_intake(payload)
-                if poll.node_id in self.master.job.nodes:   # a registered node's link (its token checked)
+                if poll.node_id in self.master.job.members.nodes:   # a registered node's link (its token checked)
                     conn.node_id, self._polled_at[poll.node_id] = poll.node_id, time.time()
                 relay = {"relay": parse_relay_state(payload["relay"])} if "relay" in payload else {}  # relay_tree.py
                 timeout = self.master.relays.poll_timeout(poll.node_id, poll.timeout)

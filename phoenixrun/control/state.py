@@ -42,7 +42,7 @@ class PhaseError(Exception):
 # starts (or a restarted master resumes it) from WAITING; a recovery goes RUNNING -> QUIESCE -> RESTORE -> RUNNING,
 # starting over at QUIESCE on a cascade; a fallback (and a shrink, quiesced already) restores without quiescing,
 # and its next checkpoint is RESTORE again; a torchrun-style restart is RUNNING again (from RUNNING, or from a
-# recovery given up). FINISHED and FAILED are the end. `JobState.phase` refuses any other move.
+# recovery given up). FINISHED and FAILED are the end. `Course.phase` (control/course.py) refuses any other move.
 PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.WAITING: frozenset({Phase.RUNNING, Phase.FINISHED, Phase.FAILED}),
     Phase.RUNNING: frozenset({Phase.RUNNING, Phase.QUIESCE, Phase.RESTORE, Phase.FINISHED, Phase.FAILED}),
