@@ -1,61 +1,235 @@
-"""Detection latency and recovery time per fault class, measured from the events log.
+"""Detection and recovery per fault class, medians over trials, beside torchrun's checkpoint-restart of the same job.
 
-Each fault is injected with `phoenixrun inject` into a running standalone job (2 nodes x 2 ranks
-+ 1 spare, the small example model); latency is `fault_detected.t - fault_injected.t` (the
-injection is queued to the node's agent with its next heartbeat reply, so up to one heartbeat
-interval of the figure is delivery), recovery is `recovery_done.duration_s`. A NaN loss is not recovered
-(the job stops); its latency includes waiting for the poisoned worker's next `job.observe_loss()`.
+Per fault class one standalone job (2 nodes x 2 ranks, examples/train_gpt.py at SIZE: `small` (d_model 64) or
+`d256`, the example's default), into which TRIALS faults of that class are made one after another on slot 1, each
+once the job is back in its steady state (every rank trained 3 steps since the last recovery, slot 1's standby
+worker waiting in init(), a warm spare for the classes that need one):
 
-    python benchmarks/detection.py [--hang-timeout 3] [--json out.json]
+  node-loss      the agent and workers of slot 1 SIGKILLed by this script (a spare per trial: --spares TRIALS)
+  worker-death   one worker of slot 1 SIGKILLed by this script (a local reset onto the node's standby worker)
+  hang           one worker of slot 1 SIGSTOPped by this script (found after --hang-timeout without progress)
+  comm-timeout   `phoenixrun inject --fault comm-timeout`: one worker's gloo sockets shut down (the fault's time is
+                 the master's `fault_injected`: up to one heartbeat (0.1 s) of delivery is in the detection)
+  drain          `phoenixrun drain --node 1` (planned: no detection; a spare per trial)
+
+Any other `phoenixrun inject` fault spec (xid:79, partition, nan, ...) is injected once into its own job.
+
+Per trial: detection (the fault -> its `fault_detected`), recovery (`recovery_done.duration_s`), back to training
+(the fault -> `recovery_done`), lost time (the fault -> every rank finished the step in flight again, from the
+ranks' own progress logs) and the load average at the fault. torchrun's arm (benchmarks/recovery.py's
+torchrun_trial: the same job on 4 workers, `--max-restarts 1`, a checkpoint every 50 steps, a worker SIGKILLed at
+step 80) runs TRIALS times in the same sitting; the lost-time ratio per class is torchrun's median over the
+class's median. (torchrun treats every class as a worker death, and a hang only after the collective timeout:
+the ratio is against its best case.)
+
+    python benchmarks/detection.py [--size small|d256] [--trials 3] [--faults node-loss,...] [--hang-timeout 3]
+                                   [--no-baseline] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.harness import BIN, by_event, env, launch  # noqa: E402  (the e2e harness is the one way to run jobs)
+from benchmarks.recovery import progress, torchrun_trial, wait_all_reached  # noqa: E402
+from tests.harness import BIN, SMALL, Job, by_event, env, launch  # noqa: E402  (the e2e harness runs the jobs)
 
-# partition: dropped until the job ends (the launcher then stops that agent); nan: the job stops (exit 1)
-FAULTS = ["crash-worker", "kill-node", "hang", "xid:79", "xid:48", "xid:13", "partition", "comm-timeout", "nan"]
+CLASSES = ["node-loss", "worker-death", "hang", "comm-timeout", "drain"]
+STANDBY = {"worker-death", "hang", "comm-timeout"}   # a local reset onto slot 1's standby worker; else a spare a trial
+SIZES: dict[str, list[str]] = {"small": SMALL, "d256": []}   # d256: examples/train_gpt.py's defaults
+NODES, NPROC, SETTLE_STEPS = 2, 2, 3
+WAIT_S = 600.0
+
+
+def _until(cond: Callable[[], Any], job: Job, what: str, timeout: float = WAIT_S) -> Any:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        if job.proc.poll() is not None:
+            raise RuntimeError(f"job ended (exit {job.proc.returncode}) before {what}")
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def _latest(prog: Path) -> int:
+    """The furthest step any rank finished (-1: none yet)."""
+    return max((s for lines in progress(prog).values() for s, _ in lines), default=-1)
+
+
+def _standby_ready(job: Job, node: dict) -> bool:
+    """The node's agent has a standby worker connected (waiting in phoenixrun.init()). A standby that took a rank
+    keeps PHOENIXRUN_STANDBY=1 in its environment: the node's workers are not it."""
+    import psutil
+    try:
+        kids = [c for c in psutil.Process(node["agent_pid"]).children() if c.pid not in node["worker_pids"]]
+    except psutil.Error:
+        return False
+    log = job.log()
+    for c in kids:
+        try:
+            if c.environ().get("PHOENIXRUN_STANDBY") == "1" and f"standby worker (pid {c.pid}) is ready" in log:
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def _steady(job: Job, fault: str, prog: Path, since_step: int) -> dict:
+    """Wait for the job's steady state before a trial; returns the master's state."""
+    def ready() -> dict | None:
+        s = job.state()
+        if s is None or (s.get("phase") not in (None, "running")):
+            return None
+        active = [n for n in s["nodes"] if n["role"] == "active"]
+        if len(active) != NODES or any(len(n["worker_pids"]) != NPROC for n in active):
+            return None
+        if fault not in STANDBY and not any(n["role"] == "spare" and n.get("warm_ready") for n in s["nodes"]):
+            return None
+        if fault in STANDBY and not _standby_ready(job, next(n for n in active if n["slot"] == 1)):
+            return None
+        return s
+    _until(lambda: _latest(prog) >= since_step + SETTLE_STEPS, job, "steps after the last recovery")
+    return _until(ready, job, f"the steady state before a {fault} trial")
+
+
+def _make_fault(job: Job, fault: str, state: dict) -> float:
+    """The fault, now; returns its time (for an injected one, after the master recorded it)."""
+    node = next(n for n in state["nodes"] if n["slot"] == 1 and n["role"] == "active")
+    t0 = time.time()
+    if fault == "node-loss":
+        for pid in [node["agent_pid"], *node["worker_pids"]]:
+            os.kill(pid, signal.SIGKILL)
+    elif fault in ("worker-death", "hang"):
+        os.kill(sorted(node["worker_pids"])[0], signal.SIGKILL if fault == "worker-death" else signal.SIGSTOP)
+    elif fault == "drain":
+        subprocess.run([str(BIN / "phoenixrun"), "drain", "--run-dir", str(job.run_dir), "--node", "1",
+                        "--reason", "benchmark"], check=True, env=env(), capture_output=True)
+    else:
+        n = len(by_event(job.events(), "fault_injected"))
+        subprocess.run([str(BIN / "phoenixrun"), "inject", "--run-dir", str(job.run_dir), "--node", "1",
+                        "--fault", "comm-timeout" if fault == "comm-timeout" else fault],
+                       check=True, env=env(), capture_output=True)
+        t0 = _until(lambda: (by_event(job.events(), "fault_injected")[n:] or [None])[0], job, "fault_injected")["t"]
+    return t0
+
+
+def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> dict:
+    """One fault of class `fault` into the running job, measured."""
+    state = _steady(job, fault, prog, since_step)
+    done_before = len(by_event(job.events(), "recovery_done"))
+    load = os.getloadavg()[0]
+    t0 = _make_fault(job, fault, state)
+    target = _latest(prog) + 1          # the step in flight at the fault
+    if target >= steps - 2:
+        raise RuntimeError(f"the fault landed at step {target} of {steps}: give the job more steps")
+    t_back = wait_all_reached(prog, NODES * NPROC, target, t0, job.proc)
+    done = _until(lambda: (by_event(job.events(), "recovery_done")[done_before:] or [None])[0], job, "recovery_done")
+    detected = [e for e in by_event(job.events(), "fault_detected")
+                if not e.get("during_recovery") and e["t"] >= t0 - 0.5]
+    return {"fault": fault, "load_avg": round(load, 2), "lost_s": round(t_back - t0, 3),
+            "detect_s": round(detected[0]["t"] - t0, 3) if detected and fault != "drain" else None,
+            "recovery_s": done["duration_s"], "back_s": round(done["t"] - t0, 3),
+            "class": detected[0].get("class") if detected else "drain", "action": done.get("cause") or
+            (detected[0].get("action") if detected else None), "replayed_steps": done.get("replayed_steps"),
+            "phases": done.get("phases"), "step_reached": target}
+
+
+def run_class(tmp: Path, fault: str, trials: int, size: str, hang_timeout: float) -> tuple[list[dict], list[str]]:
+    """One job, `trials` faults of class `fault` (one for an inject-only spec); it is stopped after the last."""
+    steps = 4000 if size == "small" else 600
+    prog = tmp / "progress"
+    prog.mkdir()
+    job = launch(tmp, "job", nnodes=NODES, nproc=NPROC, spares=0 if fault in STANDBY else trials, steps=steps,
+                 extra_flags=["--hang-timeout", str(hang_timeout)], script_args=["--progress-dir", str(prog)],
+                 model_args=SIZES[size], preexec_fn=os.setsid, PHOENIXRUN_LOG_LEVEL="INFO")
+    rows: list[dict] = []
+    failed: list[str] = []
+    try:
+        since = 0
+        for i in range(trials if fault in CLASSES else 1):
+            try:
+                rows.append(trial(job, fault, prog, since, steps))
+            except (RuntimeError, subprocess.CalledProcessError, KeyError, StopIteration) as e:
+                tail = " | ".join(x for x in job.log().splitlines()[-6:] if x.strip())
+                failed.append(f"{fault} trial {i}: {e} (job log: {tail[-1200:]})")
+                print(failed[-1], flush=True)
+                break
+            since = rows[-1]["step_reached"]
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGTERM)
+            try:
+                job.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+    return rows, failed
+
+
+def summarise(rows: list[dict]) -> dict:
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return round(statistics.median(vals), 3) if vals else None
+    loads = [r["load_avg"] for r in rows]
+    keys = sorted({k for r in rows for k in (r.get("phases") or {})})
+    phases = {k: round(statistics.median(r["phases"][k] for r in rows if k in (r.get("phases") or {})), 4)
+              for k in keys}
+    return {"trials": len(rows), "detect_s": med("detect_s"), "recovery_s": med("recovery_s"), "back_s": med("back_s"),
+            "lost_s": med("lost_s"), "load_avg": [min(loads), max(loads)] if loads else None, "phases": phases}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--faults", default=",".join(CLASSES))
     p.add_argument("--hang-timeout", type=float, default=3.0)
-    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--no-baseline", action="store_true", help="no torchrun checkpoint-restart arm")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    rows = []
+    out: dict[str, Any] = {"config": vars(args), "classes": {}, "failed_trials": [], "torchrun": []}
     for fault in args.faults.split(","):
         with tempfile.TemporaryDirectory(prefix="phoenixrun-detect-") as tmp:
-            job = launch(Path(tmp), "job", nnodes=2, spares=1, steps=40,
-                         extra_flags=["--hang-timeout", str(args.hang_timeout)])
-            job.wait_for(lambda s: (s["step"] or 0) >= 6 and all(len(n["worker_pids"]) == 2 for n in s["nodes"]),
-                         what="training with a warm spare")
-            subprocess.run([str(BIN / "phoenixrun"), "inject", "--run-dir", str(job.run_dir), "--node", "1",
-                            "--fault", fault], check=True, env=env(), capture_output=True)
-            rc = job.finish()
-            ev = job.events()
-            injected = by_event(ev, "fault_injected")[0]
-            detected = [e for e in by_event(ev, "fault_detected") if not e.get("during_recovery")][0]
-            done = by_event(ev, "recovery_done")
-            rows.append({"fault": fault, "class": detected["class"], "action": detected["action"], "exit_code": rc,
-                         "detect_s": round(detected["t"] - injected["t"], 3),
-                         "recovery_s": done[0]["duration_s"] if done else None,
-                         "replayed_steps": done[0]["replayed_steps"] if done else None})
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"{'fault':<13} {'class':<16} {'action':<17} {'detect s':>9} {'recovery s':>11} {'exit':>5}")
-    for r in rows:
-        rec = f"{r['recovery_s']:.3f}" if r["recovery_s"] is not None else "-"
-        print(f"{r['fault']:<13} {r['class']:<16} {r['action']:<17} {r['detect_s']:>9.3f} {rec:>11} {r['exit_code']:>5}")
+            rows, failed = run_class(Path(tmp), fault, args.trials, args.size, args.hang_timeout)
+        out["classes"][fault] = {"rows": rows, **summarise(rows)}
+        out["failed_trials"] += failed
+    if not args.no_baseline:
+        for i in range(args.trials):
+            with tempfile.TemporaryDirectory(prefix="phoenixrun-detect-tr-") as tmp:
+                load = os.getloadavg()[0]
+                r = torchrun_trial(Path(tmp), NODES * NPROC, 120, 80, 50, SIZES[args.size])
+                out["torchrun"].append({**r, "load_avg": round(load, 2)})
+                print(f"torchrun {json.dumps(out['torchrun'][-1])}", flush=True)
+    tr = out["torchrun"]
+    tr_lost = statistics.median(r["lost_s"] for r in tr) if tr else None
+    out["torchrun_lost_s"] = tr_lost
+    print(f"{NODES} nodes x {NPROC} ranks, {args.size}, medians (load average at the faults, min-max, "
+          f"{os.cpu_count()} cores):")
+    print(f"{'class':<13} {'n':>2} {'detect s':>9} {'recovery s':>11} {'back s':>8} {'lost s':>8} {'ratio':>7}  load")
+    for fault, s in out["classes"].items():
+        ratio = round(tr_lost / s["lost_s"], 1) if tr_lost and s["lost_s"] else None
+        s["lost_time_ratio"] = ratio
+        fmt = lambda v, w: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        print(f"{fault:<13} {s['trials']:>2} {fmt(s['detect_s'], 9)} {fmt(s['recovery_s'], 11)} "
+              f"{fmt(s['back_s'], 8)} {fmt(s['lost_s'], 8)} {ratio if ratio else '-':>7}  {s['load_avg']}")
+        print(f"{'':<16}phases (medians): {s['phases']}")
+    if tr:
+        print(f"torchrun checkpoint-restart: lost {tr_lost:.2f} s (median of {len(tr)}; "
+              f"{[round(r['lost_s'], 2) for r in tr]}), load {[r['load_avg'] for r in tr]}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0 if all(s["trials"] for s in out["classes"].values()) else 1
 
 
 if __name__ == "__main__":

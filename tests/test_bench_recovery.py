@@ -40,3 +40,21 @@ def test_worker_death_with_and_without_the_standby(tmp_path):
     assert fresh["exit_code"] == standby["exit_code"] == 0
     assert standby["standby_took_rank"] is True and standby["others_kept"] is True, standby
     assert fresh["standby_took_rank"] is False and fresh["others_kept"] is True, fresh
+
+
+def test_fault_class_trials_one_after_another_in_one_job(tmp_path):
+    # benchmarks/detection.py's per-class arm at its smallest: two node losses in one job (a warm spare each), the
+    # second once the job is back in its steady state; no torchrun arm (test_hot_swap_beside_torchrun_restart runs it)
+    out = tmp_path / "detection.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "detection.py"), "--faults", "node-loss",
+                        "--trials", "2", "--no-baseline", "--json", str(out)],
+                       capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert not s["failed_trials"], s["failed_trials"]
+    rows = s["classes"]["node-loss"]["rows"]
+    assert len(rows) == 2 and rows[1]["step_reached"] > rows[0]["step_reached"], rows
+    for row in rows:
+        assert row["class"] == "node_lost" and row["replayed_steps"] <= 1, row
+        assert 0 < row["detect_s"] < row["back_s"] and row["lost_s"] > 0, row   # fault -> detected -> resumed
+        assert row["load_avg"] >= 0 and "rebuild_s" in row["phases"], row
