@@ -48,6 +48,7 @@ STANDBY = {"worker-death", "hang", "comm-timeout"}   # a local reset onto slot 1
 SIZES: dict[str, list[str]] = {"small": SMALL, "d256": []}   # d256: examples/train_gpt.py's defaults
 NODES, NPROC, SETTLE_STEPS = 2, 2, 3
 WAIT_S = 600.0
+Row = dict[str, Any]     # a JSON object: the master's state, an event, a trial's figures
 
 
 def _until(cond: Callable[[], Any], job: Job, what: str, timeout: float = WAIT_S) -> Any:
@@ -62,12 +63,16 @@ def _until(cond: Callable[[], Any], job: Job, what: str, timeout: float = WAIT_S
     raise RuntimeError(f"timed out waiting for {what}")
 
 
+def _first(events: list[Row]) -> Row | None:
+    return events[0] if events else None
+
+
 def _latest(prog: Path) -> int:
     """The furthest step any rank finished (-1: none yet)."""
     return max((s for lines in progress(prog).values() for s, _ in lines), default=-1)
 
 
-def _standby_ready(job: Job, node: dict) -> bool:
+def _standby_ready(job: Job, node: Row) -> bool:
     """The node's agent has a standby worker connected (waiting in phoenixrun.init()). A standby that took a rank
     keeps PHOENIXRUN_STANDBY=1 in its environment: the node's workers are not it."""
     import psutil
@@ -85,9 +90,9 @@ def _standby_ready(job: Job, node: dict) -> bool:
     return False
 
 
-def _steady(job: Job, fault: str, prog: Path, since_step: int) -> dict:
+def _steady(job: Job, fault: str, prog: Path, since_step: int) -> Row:
     """Wait for the job's steady state before a trial; returns the master's state."""
-    def ready() -> dict | None:
+    def ready() -> Row | None:
         s = job.state()
         if s is None or (s.get("phase") not in (None, "running")):
             return None
@@ -100,10 +105,11 @@ def _steady(job: Job, fault: str, prog: Path, since_step: int) -> dict:
             return None
         return s
     _until(lambda: _latest(prog) >= since_step + SETTLE_STEPS, job, "steps after the last recovery")
-    return _until(ready, job, f"the steady state before a {fault} trial")
+    state: Row = _until(ready, job, f"the steady state before a {fault} trial")
+    return state
 
 
-def _make_fault(job: Job, fault: str, state: dict) -> float:
+def _make_fault(job: Job, fault: str, state: Row) -> float:
     """The fault, now; returns its time (for an injected one, after the master recorded it)."""
     node = next(n for n in state["nodes"] if n["slot"] == 1 and n["role"] == "active")
     t0 = time.time()
@@ -120,11 +126,11 @@ def _make_fault(job: Job, fault: str, state: dict) -> float:
         subprocess.run([str(BIN / "phoenixrun"), "inject", "--run-dir", str(job.run_dir), "--node", "1",
                         "--fault", "comm-timeout" if fault == "comm-timeout" else fault],
                        check=True, env=env(), capture_output=True)
-        t0 = _until(lambda: (by_event(job.events(), "fault_injected")[n:] or [None])[0], job, "fault_injected")["t"]
+        t0 = _until(lambda: _first(by_event(job.events(), "fault_injected")[n:]), job, "fault_injected")["t"]
     return t0
 
 
-def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> dict:
+def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> Row:
     """One fault of class `fault` into the running job, measured."""
     state = _steady(job, fault, prog, since_step)
     done_before = len(by_event(job.events(), "recovery_done"))
@@ -134,7 +140,7 @@ def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> dict
     if target >= steps - 2:
         raise RuntimeError(f"the fault landed at step {target} of {steps}: give the job more steps")
     t_back = wait_all_reached(prog, NODES * NPROC, target, t0, job.proc)
-    done = _until(lambda: (by_event(job.events(), "recovery_done")[done_before:] or [None])[0], job, "recovery_done")
+    done = _until(lambda: _first(by_event(job.events(), "recovery_done")[done_before:]), job, "recovery_done")
     detected = [e for e in by_event(job.events(), "fault_detected")
                 if not e.get("during_recovery") and e["t"] >= t0 - 0.5]
     return {"fault": fault, "load_avg": round(load, 2), "lost_s": round(t_back - t0, 3),
@@ -145,7 +151,7 @@ def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> dict
             "phases": done.get("phases"), "step_reached": target}
 
 
-def run_class(tmp: Path, fault: str, trials: int, size: str, hang_timeout: float) -> tuple[list[dict], list[str]]:
+def run_class(tmp: Path, fault: str, trials: int, size: str, hang_timeout: float) -> tuple[list[Row], list[str]]:
     """One job, `trials` faults of class `fault` (one for an inject-only spec); it is stopped after the last."""
     steps = 4000 if size == "small" else 600
     prog = tmp / "progress"
@@ -153,7 +159,7 @@ def run_class(tmp: Path, fault: str, trials: int, size: str, hang_timeout: float
     job = launch(tmp, "job", nnodes=NODES, nproc=NPROC, spares=0 if fault in STANDBY else trials, steps=steps,
                  extra_flags=["--hang-timeout", str(hang_timeout)], script_args=["--progress-dir", str(prog)],
                  model_args=SIZES[size], preexec_fn=os.setsid, PHOENIXRUN_LOG_LEVEL="INFO")
-    rows: list[dict] = []
+    rows: list[Row] = []
     failed: list[str] = []
     try:
         since = 0
@@ -177,7 +183,11 @@ def run_class(tmp: Path, fault: str, trials: int, size: str, hang_timeout: float
     return rows, failed
 
 
-def summarise(rows: list[dict]) -> dict:
+def fmt(v: float | None, width: int) -> str:
+    return f"{v:>{width}.3f}" if v is not None else f"{'-':>{width}}"
+
+
+def summarise(rows: list[Row]) -> Row:
     def med(key: str) -> float | None:
         vals = [r[key] for r in rows if r.get(key) is not None]
         return round(statistics.median(vals), 3) if vals else None
@@ -220,7 +230,6 @@ def main() -> int:
     for fault, s in out["classes"].items():
         ratio = round(tr_lost / s["lost_s"], 1) if tr_lost and s["lost_s"] else None
         s["lost_time_ratio"] = ratio
-        fmt = lambda v, w: f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         print(f"{fault:<13} {s['trials']:>2} {fmt(s['detect_s'], 9)} {fmt(s['recovery_s'], 11)} "
               f"{fmt(s['back_s'], 8)} {fmt(s['lost_s'], 8)} {ratio if ratio else '-':>7}  {s['load_avg']}")
         print(f"{'':<16}phases (medians): {s['phases']}")
