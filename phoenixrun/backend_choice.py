@@ -58,7 +58,8 @@ def visible_cuda_devices(env: dict[str, str], dev: Path = Path("/dev")) -> int:
     /dev/nvidiaN files, limited by CUDA_VISIBLE_DEVICES ("" or "-1": none)."""
     if "torch" in sys.modules:
         try:
-            return sys.modules["torch"].cuda.device_count()
+            count: int = sys.modules["torch"].cuda.device_count()
+            return count
         except Exception:      # a broken CUDA install: as if none
             return 0
     present = sum(1 for p in dev.glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name))

@@ -7,23 +7,25 @@ throughput) is absent (None). Pure: events in, state out.
 """
 from __future__ import annotations
 
+from typing import Any
+
 # the live state's phases a finished log maps to; no `job_finished` (the master was killed, its host went down,
 # or it still runs but cannot be reached): "ended?" - the log does not say how it ended
 FINISHED, FAILED, UNKNOWN = "finished", "failed", "ended?"
 
 
-def _node(nodes: dict[str, dict], node_id: str) -> dict:
+def _node(nodes: dict[str, dict[str, Any]], node_id: str) -> dict[str, Any]:
     return nodes.setdefault(node_id, {"node_id": node_id, "slot": None, "role": "active", "host": None,
                                       "agent_pid": None, "worker_pids": [], "heartbeat_age_s": None,
                                       "protection": {}, "snapshots": {}, "last_fault": None})
 
 
-def _fault_text(e: dict) -> str:
+def _fault_text(e: dict[str, Any]) -> str:
     """A fault event as the live state's "last fault" reads (control/decide.py: `class: detail`)."""
     return f"{e.get('class') or e.get('kind') or 'fault'}: {e.get('detail') or ''}".rstrip(": ")[:200]
 
 
-def _apply(s: dict, nodes: dict[str, dict], e: dict) -> None:
+def _apply(s: dict[str, Any], nodes: dict[str, dict[str, Any]], e: dict[str, Any]) -> None:
     """Fold one event into the state `s` and its nodes (by node id)."""
     name = e.get("event")
     if name == "master_started":
@@ -74,13 +76,13 @@ def _apply(s: dict, nodes: dict[str, dict], e: dict) -> None:
     s["generation"] = max(s["generation"], e.get("generation") or 0)
 
 
-def from_events(events: list[dict], run_id: str) -> dict:
+def from_events(events: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
     """The state of the run the events record, with the keys of the master's `/v1/state`. Pure."""
-    s: dict = {"run_id": run_id, "endpoint": None, "master_pid": None, "master_epoch": None, "phase": UNKNOWN,
+    s: dict[str, Any] = {"run_id": run_id, "endpoint": None, "master_pid": None, "master_epoch": None, "phase": UNKNOWN,
                "generation": 0, "step": None, "steps_per_s": None, "restart_count": 0, "recoveries": 0,
                "exit_code": None, "reason": None, "nnodes": 0, "nproc_per_node": None, "world_size": None,
                "active_nnodes": None, "rejected_requests": {"total": 0, "by_reason": {}}, "from_log": True}
-    nodes: dict[str, dict] = {}
+    nodes: dict[str, dict[str, Any]] = {}
     for e in events:
         _apply(s, nodes, e)
     if s["active_nnodes"] is None:

@@ -90,7 +90,8 @@ def route_source(host: str, port: int | None = None) -> str | None:
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect(sockaddr)
-                return s.getsockname()[0]
+                local: str = s.getsockname()[0]
+                return local
         except OSError:
             continue
     return None

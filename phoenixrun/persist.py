@@ -14,8 +14,12 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
 
-from phoenixrun.persist_layout import (CheckpointError, complete_steps, header_fields, header_from_fields,
+if TYPE_CHECKING:
+    import torch
+
+from phoenixrun.persist_layout import (CheckpointError, Image, complete_steps, header_fields, header_from_fields,
                                        newest_complete, parse_image, prune, prune_targets, rank_dir, ranks_on_disk,
                                        step_dir)
 from phoenixrun.slot_format import HEADER_SIZE, Entry, SlotHeader
@@ -25,7 +29,7 @@ __all__ = ["CheckpointError", "complete_steps", "header_fields", "header_from_fi
            "write_rank", "read_rank"]
 
 
-def _tensors(image: bytearray, h: SlotHeader, meta: dict):
+def _tensors(image: Image, h: SlotHeader, meta: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     import torch
     from phoenixrun.runtime.snapshot import entry_view
     buf = torch.frombuffer(image, dtype=torch.uint8) if len(image) else torch.empty(0, dtype=torch.uint8)
@@ -35,10 +39,10 @@ def _tensors(image: bytearray, h: SlotHeader, meta: dict):
             yield e.name, entry_view(buf, off, e)
 
 
-def _state_dict(image: bytearray, h: SlotHeader, meta: dict) -> dict:
+def _state_dict(image: Image, h: SlotHeader, meta: dict[str, Any]) -> dict[str, Any]:
     """DCP state dict whose tensors are views of `image` (no copy)."""
     meta_text = bytes(memoryview(image)[HEADER_SIZE:HEADER_SIZE + h.meta_len]).decode()  # verbatim: checksummed
-    sd: dict = {"model": {}, "optim": {"state": {}}, "rng": {},
+    sd: dict[str, Any] = {"model": {}, "optim": {"state": {}}, "rng": {},
                 "phoenixrun": {"meta": meta_text, "header": json.dumps(list(header_fields(h)))}}
     for name, t in _tensors(image, h, meta):
         kind, rest = name.split("/", 1)
@@ -52,12 +56,12 @@ def _state_dict(image: bytearray, h: SlotHeader, meta: dict) -> dict:
     return sd
 
 
-def write_rank(root: Path, rank: int, image: bytearray) -> Path:
+def write_rank(root: Path, rank: int, image: Image) -> Path:
     """Write one rank's sealed slot image as a DCP checkpoint; returns its directory.
 
     The image is checked first (a copy that raced with the next snapshot fails its checksum and
     is not written). Written under a temporary name, then renamed: complete or absent."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save
     h, meta = parse_image(image)
     final = rank_dir(root, h.step, rank)
     if final.exists():
@@ -67,7 +71,7 @@ def write_rank(root: Path, rank: int, image: bytearray) -> Path:
     tmp.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():   # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(_state_dict(image, h, meta), checkpoint_id=str(tmp), no_dist=True)
+        save(_state_dict(image, h, meta), checkpoint_id=str(tmp), no_dist=True)
     for f in tmp.iterdir():          # durable before it becomes visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -77,7 +81,7 @@ def write_rank(root: Path, rank: int, image: bytearray) -> Path:
 
 def read_rank(root: Path, step: int, rank: int) -> bytearray:
     """Rebuild the exact slot image of (step, rank) from disk; CheckpointError if it is not intact."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load
     path = rank_dir(root, step, rank)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint of rank {rank} at step {step} in {root}")
@@ -85,7 +89,7 @@ def read_rank(root: Path, step: int, rank: int) -> bytearray:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(head, checkpoint_id=str(path), no_dist=True)
+            load(head, checkpoint_id=str(path), no_dist=True)
             h = header_from_fields(json.loads(head["phoenixrun"]["header"]))
             meta_bytes = head["phoenixrun"]["meta"].encode()
             meta = json.loads(meta_bytes)
@@ -94,7 +98,7 @@ def read_rank(root: Path, step: int, rank: int) -> bytearray:
             image[HEADER_SIZE:HEADER_SIZE + len(meta_bytes)] = meta_bytes
             target = _state_dict(image, h, meta)
             target.pop("phoenixrun")
-            dcp.load(target, checkpoint_id=str(path), no_dist=True)   # reads straight into the image
+            load(target, checkpoint_id=str(path), no_dist=True)   # reads straight into the image
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - any unreadable file is a damaged checkpoint

@@ -23,11 +23,12 @@ checksums, so a damaged checkpoint is refused, never resumed from.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_private, crc_shared
 
@@ -37,6 +38,10 @@ _RANK_RE = re.compile(r"^rank_(\d{5})$")
 
 class CheckpointError(Exception):
     """A persistent checkpoint is missing, incomplete or fails its checksum."""
+
+
+# a sealed slot image in memory: read into a buffer, or a file mapped copy-on-write
+Image = bytes | bytearray | memoryview | mmap.mmap
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -92,23 +97,24 @@ def prune(root: Path, world_size: int, keep: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- the recorded slot header
-def header_fields(h: SlotHeader) -> tuple:
+def header_fields(h: SlotHeader) -> tuple[int | str, ...]:
     """What a checkpoint records of the slot header (`phoenixrun.header`); `header_from_fields` reads it back."""
     return (h.step, h.meta_cap, h.meta_len, h.private_len, h.shared_len, h.crc_private, h.crc_shared, h.checksum)
 
 
-def header_from_fields(fields: list) -> SlotHeader:
+def header_from_fields(fields: list[Any]) -> SlotHeader:
     """The slot header a checkpoint recorded. Checkpoints written before the header named its checksum
     (7 fields) carry zlib CRC32 and are verified with it. Pure."""
     if len(fields) == 7:
-        return SlotHeader(*fields, checksum="crc32")
+        step, meta_cap, meta_len, private_len, shared_len, crc_p, crc_s = fields
+        return SlotHeader(step, meta_cap, meta_len, private_len, shared_len, crc_p, crc_s, checksum="crc32")
     if len(fields) == 8:
         return SlotHeader(*fields)
     raise CheckpointError(f"checkpoint header has {len(fields)} fields (expected 7 or 8): written by another "
                           "phoenixrun version; restore it with that version")
 
 
-def parse_image(image) -> tuple[SlotHeader, dict]:
+def parse_image(image: Image) -> tuple[SlotHeader, dict[str, Any]]:
     """Header and metadata of a sealed slot image; CheckpointError unless both checksums hold."""
     try:
         h = SlotHeader.unpack(image)

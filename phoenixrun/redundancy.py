@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 # the mesh dimensions a tensor's bytes vary along (every other dimension replicates it)
 Varies = frozenset[str]
@@ -195,14 +195,14 @@ class PeerSet:
         """Ranks holding `rank`'s DTensor bytes, ring order from `rank` on, lazily."""
         return self.mesh.iter_copies(rank, self.varies)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         identity = self.mesh.ranks == tuple(range(len(self.mesh.ranks)))
         return {"names": list(self.mesh.names), "shape": list(self.mesh.shape),
                 "ranks": None if identity else list(self.mesh.ranks), "varies": sorted(self.varies),
                 "plain": self.plain}
 
     @staticmethod
-    def from_wire(d: Mapping) -> "PeerSet":
+    def from_wire(d: Mapping[str, Any]) -> "PeerSet":
         """LayoutError naming what is wrong (the master's parser turns it into a refused message)."""
         try:
             names, shape, varies = tuple(d["names"]), tuple(d["shape"]), frozenset(d["varies"])
@@ -239,7 +239,8 @@ def peer_set(meshes: Sequence[Mesh], varies: Iterable[Varies], world_size: int) 
     return PeerSet(mesh, frozenset().union(*varies))
 
 
-def lacking_copy(ps: PeerSet, node_of: Mapping[int, str], also=lambda rank, peer: True) -> list[int]:
+def lacking_copy(ps: PeerSet, node_of: Mapping[int, str],
+                 also: Callable[[int, int], bool] = lambda rank, peer: True) -> list[int]:
     """The ranks with no peer (for which `also(rank, peer)` holds too) on another node: empty when every rank's
     DTensor state can be taken from a surviving node after any one node's loss."""
     return sorted(r for r in ps.mesh.ranks

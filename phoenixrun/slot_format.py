@@ -25,8 +25,12 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 # checksum name -> incremental function f(data, value) -> int
 CHECKSUMS = {"crc32": zlib.crc32, "crc32c": _crc32c.crc32c}
@@ -71,7 +75,7 @@ class SlotHeader:
     crc_shared: int = 0
     checksum: str = CHECKSUM       # the algorithm of crc_private / crc_shared (the magic records it)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"unknown snapshot checksum {self.checksum!r} (this phoenixrun knows "
                              f"{', '.join(sorted(CHECKSUMS))}): the snapshot was written by another phoenixrun "
@@ -98,15 +102,15 @@ class SlotHeader:
                            self.shared_len, self.crc_private, self.crc_shared)
 
     @classmethod
-    def unpack(cls, buf) -> "SlotHeader":
-        magic, *fields = HEADER.unpack_from(buf, 0)
+    def unpack(cls, buf: Buffer) -> "SlotHeader":
+        magic, step, meta_cap, meta_len, private_len, shared_len, crc_p, crc_s = HEADER.unpack_from(buf, 0)
         if magic not in MAGICS:
             if bytes(magic[:7]) == b"PHXSNAP":
                 raise ValueError(f"snapshot slot format {bytes(magic)!r} is not one this phoenixrun reads "
                                  f"({', '.join(m.decode() for m in MAGICS)}): it was written by another phoenixrun "
                                  "version; restore it with that version")
             raise ValueError("not a phoenixrun snapshot slot (bad magic)")
-        return cls(*fields, checksum=MAGICS[magic])
+        return cls(step, meta_cap, meta_len, private_len, shared_len, crc_p, crc_s, checksum=MAGICS[magic])
 
 
 @dataclass(frozen=True)
@@ -120,26 +124,26 @@ class Entry:
     offset: int          # within its region
     nbytes: int
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[Any]:
         return [self.name, self.dtype, list(self.shape), self.offset, self.nbytes]
 
     @classmethod
-    def from_json(cls, j: list) -> "Entry":
+    def from_json(cls, j: list[Any]) -> "Entry":
         return cls(j[0], j[1], tuple(j[2]), j[3], j[4])
 
 
-def checksum(data, algorithm: str = CHECKSUM, value: int = 0) -> int:
+def checksum(data: Buffer, algorithm: str = CHECKSUM, value: int = 0) -> int:
     """`algorithm` (a CHECKSUMS name) over `data` (any buffer), continuing from `value`."""
     return CHECKSUMS[algorithm](data, value)
 
 
-def crc_private(buf, h: SlotHeader) -> int:
+def crc_private(buf: Buffer, h: SlotHeader) -> int:
     """Checksum over metadata + private state (what replication must carry intact), in the header's algorithm."""
     mv = memoryview(buf)
     c = checksum(mv[HEADER_SIZE:HEADER_SIZE + h.meta_len], h.checksum)
     return checksum(mv[h.private_off:h.private_off + h.private_len], h.checksum, c)
 
 
-def crc_shared(buf, h: SlotHeader) -> int:
+def crc_shared(buf: Buffer, h: SlotHeader) -> int:
     mv = memoryview(buf)
     return checksum(mv[h.shared_off:h.shared_off + h.shared_len], h.checksum)

@@ -5,6 +5,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -41,7 +42,7 @@ def refusal_text(e: ControlError) -> str:
     return msg.removeprefix("refused: ") if isinstance(msg, str) else str(e)
 
 
-def role_text(node: dict) -> str:
+def role_text(node: dict[str, Any]) -> str:
     """A node's role as status shows it: an active node being drained is "draining"; a spare is "spare (warm)"
     once its pre-started workers are up (a drain or a promotion onto it resumes without starting Python),
     "spare (starting)" before. Pure."""
@@ -49,7 +50,7 @@ def role_text(node: dict) -> str:
         return "draining"
     if node["role"] == "spare" and "warm_ready" in node:
         return "spare (warm)" if node["warm_ready"] else "spare (starting)"
-    return node["role"]
+    return str(node["role"])
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -61,7 +62,7 @@ def ranks_text(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def shrunk_text(state: dict) -> str | None:
+def shrunk_text(state: dict[str, Any]) -> str | None:
     """While the job is shrunk (--on-no-spare shrink): how many of its nodes it runs on."""
     active, nnodes = state.get("active_nnodes", state["nnodes"]), state["nnodes"]
     if active >= nnodes:
@@ -70,12 +71,12 @@ def shrunk_text(state: dict) -> str | None:
             "registers (phoenixrun agent --rdzv-endpoint HOST:PORT)")
 
 
-def spares_left(state: dict) -> int:
+def spares_left(state: dict[str, Any]) -> int:
     """Spare nodes the job can still take a lost node's place from. Pure."""
     return sum(1 for n in state["nodes"] if n["role"] == "spare")
 
 
-def _text(v) -> str:
+def _text(v: object) -> str:
     return "-" if v is None else str(v)
 
 
@@ -101,7 +102,7 @@ NODE_COLUMNS = [Column("slot", 0), Column("role", 0), Column("ranks", 1), Column
                 Column("every", 9), Column("stall ms", 10), Column("d2h ms", 11), Column("h2h ms", 12)]
 
 
-def job_row(state: dict) -> list[str]:
+def job_row(state: dict[str, Any]) -> list[str]:
     master = (f"{state['endpoint']} pid {state['master_pid']}"
               + (f" epoch {state['master_epoch']}" if state.get("master_epoch") else "")
               + "".join(f", standby {sb['endpoint']}" for sb in state.get("standbys") or []))
@@ -111,13 +112,13 @@ def job_row(state: dict) -> list[str]:
             str((state.get("rejected_requests") or {}).get("total", 0)), master]
 
 
-def node_row(n: dict) -> list[str]:
+def node_row(n: dict[str, Any]) -> list[str]:
     prot = n.get("protection") or {}
     snaps = n.get("snapshots") or {}
     committed = [p.get("committed_step") for p in prot.values() if p.get("committed_step") is not None]
     lag = [max(snaps.get(str(r), [0]) or [0]) - p.get("committed_step", 0) for r, p in prot.items()]
 
-    def ms(key):
+    def ms(key: str) -> str:
         vals = [p.get(key) for p in prot.values() if p.get(key) is not None]
         return f"{1000 * max(vals):.1f}" if vals else "-"
     age = n.get("heartbeat_age_s")
@@ -129,7 +130,7 @@ def node_row(n: dict) -> list[str]:
             str(max((p.get("every", 1) for p in prot.values()), default="-")), ms("stall_s"), ms("d2h_s"), ms("h2h_s")]
 
 
-def render(state: dict, width: int = 400) -> Group:
+def render(state: dict[str, Any], width: int = 400) -> Group:
     """The job, its nodes and recent events as tables `width` characters wide at most."""
     job = _table(f"phoenixrun job {state['run_id']}", JOB_COLUMNS, [job_row(state)], width)
     nodes = _table("nodes", NODE_COLUMNS, [node_row(n) for n in state["nodes"]], width)
@@ -144,7 +145,7 @@ def render(state: dict, width: int = 400) -> Group:
     return Group(job, *(Text(t, style="bold yellow") for t in notes), nodes, events)
 
 
-def recorded_state(run_dir: Path) -> dict | None:
+def recorded_state(run_dir: Path) -> dict[str, Any] | None:
     """The run's state as RUN_DIR/events.jsonl records it (final_state.py), or None without a log."""
     path = Path(run_dir) / "events.jsonl"
     if not path.is_file():
@@ -156,7 +157,7 @@ def recorded_state(run_dir: Path) -> dict | None:
     return final_state.from_events(read_events(path), run_id or Path(run_dir).name)
 
 
-def offline_note(state: dict, run_dir: Path, why: ControlError) -> str:
+def offline_note(state: dict[str, Any], run_dir: Path, why: ControlError) -> str:
     """The line above a state read from the event log: where it comes from, and how the job ended. Pure."""
     log = Path(run_dir) / "events.jsonl"
     if state["phase"] == final_state.UNKNOWN:
@@ -166,7 +167,8 @@ def offline_note(state: dict, run_dir: Path, why: ControlError) -> str:
             f"state from {log}")
 
 
-def show(run_dir, endpoint, secret_file, as_json: bool, watch: bool, interval: float) -> int:
+def show(run_dir: Path | None, endpoint: str | None, secret_file: Path | None, as_json: bool, watch: bool,
+         interval: float) -> int:
     console = Console()
     client = None
     try:
@@ -174,11 +176,12 @@ def show(run_dir, endpoint, secret_file, as_json: bool, watch: bool, interval: f
         state = client.get_json("/v1/state")
     except ControlError as e:
         # not reached (a refusal: the master answered, its state is not ours to guess): the job may have ended
-        state = recorded_state(run_dir) if run_dir is not None and e.status is None else None
-        if state is None:
+        recorded = recorded_state(run_dir) if run_dir is not None and e.status is None else None
+        if recorded is None or run_dir is None:
             hint = "; if the job has ended, --run-dir RUN_DIR shows its final state" if run_dir is None else ""
             print(f"phoenixrun status: {e}{hint}", file=sys.stderr)
             return 1
+        state = recorded
         state["note"] = offline_note(state, run_dir, e)
         watch = False
     if as_json:
@@ -187,6 +190,7 @@ def show(run_dir, endpoint, secret_file, as_json: bool, watch: bool, interval: f
     if not watch:
         console.print(render(state, console.width))
         return 0
+    assert client is not None   # watching: the master answered the first read
     with Live(render(state, console.width), console=console, refresh_per_second=4) as live:
         try:
             while state["phase"] not in ("finished", "failed"):
@@ -195,7 +199,7 @@ def show(run_dir, endpoint, secret_file, as_json: bool, watch: bool, interval: f
                     state = client.get_json("/v1/state")
                 except ControlError as e:
                     recorded = recorded_state(run_dir) if run_dir is not None else None
-                    if recorded is not None:
+                    if recorded is not None and run_dir is not None:
                         state = {**recorded, "note": offline_note(recorded, run_dir, e)}
                         live.update(render(state, console.width))
                     break

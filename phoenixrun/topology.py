@@ -81,7 +81,8 @@ def place_replicas(layout: Layout, k: int, domains: Mapping[int, str] | None = N
     if k > layout.nnodes - 1:
         raise ValueError(f"--replicas {k} needs at least {k + 1} nodes (have {layout.nnodes})")
     domains = dict(domains or {})
-    dom = lambda slot: domains.get(slot, f"node{slot}")  # noqa: E731 - unlabelled nodes are their own domain
+    def dom(slot: int) -> str:
+        return domains.get(slot, f"node{slot}")  # unlabelled nodes are their own domain
     out: dict[int, list[int]] = {}
     for rank in range(layout.world_size):
         owner = layout.slot_of(rank)
