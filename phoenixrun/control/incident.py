@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import signal as _signal
-from typing import Mapping
+from typing import Any, Mapping
 
 from phoenixrun.faults.classify import exit_signal_number
 
@@ -26,7 +26,7 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-def _plural(n: int, word: str) -> str:
+def _plural(n: int | None, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
@@ -44,7 +44,7 @@ def short_detail(text: str | None) -> str:
     return last if len(last) <= DETAIL_CHARS else last[:DETAIL_CHARS - 3] + "..."
 
 
-def what_failed(fault: Mapping) -> str:
+def what_failed(fault: Mapping[str, Any]) -> str:
     """The fault in a few words, from its fault_detected record ("node lost", "rank 3 killed by SIGKILL")."""
     sig, rank = fault.get("signal"), fault.get("rank")
     if sig == "node_lost":
@@ -58,10 +58,10 @@ def what_failed(fault: Mapping) -> str:
     words = {"worker_hang": f"rank {rank} hung", "worker_error": f"rank {rank} raised an exception",
              "nan_loss": f"rank {rank}: non-finite loss", "comm_error": f"rank {rank}: collective error",
              "health": "hardware health signal", "drain": "planned drain"}
-    return words.get(sig, str(sig or "fault"))
+    return words.get(str(sig), str(sig or "fault"))
 
 
-def where(fault: Mapping, host: str | None) -> str:
+def where(fault: Mapping[str, Any], host: str | None) -> str:
     slot = fault.get("slot")
     node = ", ".join(x for x in (f"node {fault['node']}" if fault.get("node") else "",
                                  f"host {host}" if host else "") if x)
@@ -69,7 +69,7 @@ def where(fault: Mapping, host: str | None) -> str:
     return f"{place} ({node})" if node else place
 
 
-def diagnosis(fault: Mapping) -> str:
+def diagnosis(fault: Mapping[str, Any]) -> str:
     """The class and what the report said, e.g. "node_lost: agent unreachable"."""
     detail = short_detail(fault.get("detail"))
     if _EXIT_DETAIL.match(detail):
@@ -80,7 +80,7 @@ def diagnosis(fault: Mapping) -> str:
     return cls or detail
 
 
-def outcome_text(fault: Mapping | None, outcome: Mapping) -> str:
+def outcome_text(fault: Mapping[str, Any] | None, outcome: Mapping[str, Any]) -> str:
     """What was done, how long it took and the steps replayed, from the record that ended the incident."""
     ev = outcome.get("event")
 
@@ -117,7 +117,7 @@ def outcome_text(fault: Mapping | None, outcome: Mapping) -> str:
     return str(ev)
 
 
-def incident_line(fault: Mapping | None, outcome: Mapping, *, host: str | None = None,
+def incident_line(fault: Mapping[str, Any] | None, outcome: Mapping[str, Any], *, host: str | None = None,
                   spares_left: int | None = None) -> str:
     """incident: <what failed> on <slot (node, host)> [<class: detail>] -> <what was done>; <spares left>."""
     if fault is None:

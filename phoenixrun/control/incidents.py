@@ -7,6 +7,7 @@ thread only.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from phoenixrun.control.incident import incident_line
 from phoenixrun.control.jobstate import JobState
@@ -18,13 +19,13 @@ log = logging.getLogger("phoenixrun.master")
 class Incidents:
     def __init__(self, job: JobState):
         self.job = job
-        self.current: dict | None = None   # the fault_detected record of the incident being handled
+        self.current: dict[str, Any] | None = None   # the fault_detected record of the incident being handled
 
-    def open(self, fault: dict) -> None:
+    def open(self, fault: dict[str, Any]) -> None:
         """The incident being handled is this fault (its fault_detected record); the next outcome closes it."""
         self.current = fault
 
-    def close(self, outcome: dict, level: int = logging.WARNING) -> bool:
+    def close(self, outcome: dict[str, Any], level: int = logging.WARNING) -> bool:
         """Say on the console, in one line, how the open incident ended; False if none was open."""
         fault, self.current = self.current, None
         if fault is None:

@@ -23,6 +23,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 LEASE_DIR = "master-lease"
 RECORD = "lease.json"
@@ -124,14 +125,14 @@ class LeaseDir:
             json.dump({"holder": me, "endpoint": endpoint, "t": time.time()}, f)
         return True
 
-    def announce(self, me: str, info: dict) -> None:
+    def announce(self, me: str, info: dict[str, Any]) -> None:
         """A standby says it waits (`phoenixrun status` lists it): standby-<id>.json, until withdraw()."""
         self._replace(self.dir / f"standby-{me}.json", info)
 
     def withdraw(self, me: str) -> None:
         (self.dir / f"standby-{me}.json").unlink(missing_ok=True)
 
-    def standbys(self) -> list[dict]:
+    def standbys(self) -> list[dict[str, Any]]:
         """The standbys waiting now (unreadable entries skipped)."""
         out = []
         for p in sorted(self.dir.glob("standby-*.json")):
@@ -146,7 +147,7 @@ class LeaseDir:
         self._replace(self.dir / RECORD, asdict(rec))
 
     @staticmethod
-    def _replace(path: Path, obj: dict) -> None:
+    def _replace(path: Path, obj: dict[str, Any]) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
             json.dump(obj, f)

@@ -6,18 +6,20 @@ out, never written as "None". Scraping with the job secret: docs/monitoring.md.
 """
 from __future__ import annotations
 
+from typing import Any
+
 # every role a node may have (control/state.py Role): each is exported, 0 when no node has it
 ROLES = ("active", "spare", "failed", "drained")
 
 
-def _labels(**labels) -> str:
+def _labels(**labels: object) -> str:
     """`{k="v",...}` of the labels that have a value (None: left out); "" when none has. Pure."""
     kept = [f'{k}="{v}"' for k, v in labels.items() if v is not None]
     return "{" + ",".join(kept) + "}" if kept else ""
 
 
-def render(state: dict) -> str:
-    lines = []
+def render(state: dict[str, Any]) -> str:
+    lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
         lines.append(f"# HELP phoenixrun_{name} {help_}")

@@ -70,21 +70,22 @@ class HeartbeatMonitor:
     def _check_links(self) -> None:
         """Confirm the agents' closed links (control/detection.py's closed_link): probe the peer ports of those not
         heard from since, outside the lock, and report the ones that refuse."""
-        if self.transport is None:
+        transport = self.transport
+        if transport is None:
             return
-        self._links += self.transport.closed_links()
+        self._links += transport.closed_links()
         if not self._links:
             return
-        wait, ask = self._judge(self._links, {})
+        wait, ask = self._judge(transport, self._links, {})
         self._links = wait
         if not ask:
             return
         refused = self.probe({addr for _, _, addr in ask}, PROBE_TIMEOUT_S, silent_is_dead=False)
         # not refused: answered, or silent within the timeout - either way no loss now (silence is the timeout's)
-        self._judge([(nid, closed_at) for nid, closed_at, _ in ask],
+        self._judge(transport, [(nid, closed_at) for nid, closed_at, _ in ask],
                     {nid: Probe.REFUSED if addr in refused else Probe.ANSWERED for nid, _, addr in ask})
 
-    def _judge(self, links: Iterable[tuple[str, float]], probed: dict[str, Probe]
+    def _judge(self, transport: Transport, links: Iterable[tuple[str, float]], probed: dict[str, Probe]
                ) -> tuple[list[tuple[str, float]], list[tuple[str, float, str]]]:
         """Decide each closed link; report the lost. Returns (to look at again, to probe: with the address)."""
         wait, ask = [], []
@@ -96,7 +97,7 @@ class HeartbeatMonitor:
                 n = job.members.nodes.get(nid)
                 if n is None or n.role in GONE:
                     continue
-                heard = max(n.last_heartbeat, self.transport.last_poll(nid))
+                heard = max(n.last_heartbeat, transport.last_poll(nid))
                 verdict = closed_link(closed_at, now, heard, probed.get(nid))
                 if verdict == Link.WAIT:
                     wait.append((nid, closed_at))

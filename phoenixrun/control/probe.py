@@ -31,6 +31,7 @@ def unreachable(addrs: Iterable[str], timeout: float, silent_is_dead: bool = Tru
 def _probe_batch(addrs: list[str], timeout: float, silent_is_dead: bool) -> set[str]:
     dead: set[str] = set()
     sel = selectors.DefaultSelector()
+    socks: dict[str, socket.socket] = {}   # addr -> its socket, while registered
     try:
         for addr in addrs:
             host, _, port = addr.rpartition(":")
@@ -48,6 +49,7 @@ def _probe_batch(addrs: list[str], timeout: float, silent_is_dead: bool) -> set[
                 s.close()
             elif rc in (errno.EINPROGRESS, errno.EAGAIN):
                 sel.register(s, selectors.EVENT_WRITE, addr)
+                socks[addr] = s
             else:
                 s.close()
                 dead.add(addr)
@@ -57,15 +59,17 @@ def _probe_batch(addrs: list[str], timeout: float, silent_is_dead: bool) -> set[
             if left <= 0:
                 break
             for key, _ in sel.select(left):
-                if key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
+                s = socks[key.data]
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0:
                     dead.add(key.data)
-                sel.unregister(key.fileobj)
-                key.fileobj.close()
+                sel.unregister(s)
+                s.close()
         for key in list(sel.get_map().values()):   # no answer within the timeout
             if silent_is_dead:
                 dead.add(key.data)
-            sel.unregister(key.fileobj)
-            key.fileobj.close()
+            s = socks[key.data]
+            sel.unregister(s)
+            s.close()
     finally:
         sel.close()
     return dead

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable
 
 INTERVAL_S = 10.0
 MAX_KEYS = 1024        # (peer, reason) pairs remembered: junk from many addresses cannot grow this
@@ -22,7 +22,8 @@ class Rejections:
         self.max_keys = max_keys
         self.total = 0
         self.by_reason: dict[str, int] = {}
-        self._pending: OrderedDict[tuple[str, str], list] = OrderedDict()   # key -> [last emitted at, count since]
+        # key -> [last emitted at, count since]
+        self._pending: OrderedDict[tuple[str, str], list[float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def note(self, now: float, peer: str, reason: str, path: str = "", detail: str = "") -> bool:
@@ -44,6 +45,6 @@ class Rejections:
                    suppressed_since_last=suppressed)
         return True
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"total": self.total, "by_reason": dict(self.by_reason)}

@@ -16,7 +16,7 @@ the agents reported as they quiesced:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from phoenixrun.topology import Layout
 
@@ -35,7 +35,7 @@ class Image:
     own: bool
     reader: int
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"old_rank": self.old_rank, "own": self.own, "reader": self.reader}
 
 
@@ -50,7 +50,7 @@ class ReshapePlan:
     images: dict[int, tuple[Image, ...]] = field(default_factory=dict)   # new slot -> what its node reads
     predecessor: dict[int, int] = field(default_factory=dict)            # new rank -> the old rank it continues
 
-    def reshard_for(self, new_slot: int) -> dict:
+    def reshard_for(self, new_slot: int) -> dict[str, Any]:
         """What one node's workers need (the `reshard` field of its restart order)."""
         return {"kind": self.kind, "old_world": self.old.world_size, "step": self.restore_step,
                 "images": [i.to_wire() for i in self.images.get(new_slot, ())],
