@@ -8,7 +8,8 @@ import torch
 def rng_states() -> list[torch.Tensor]:
     """The process's CPU and CUDA RNG states: what a framework's resume must find again after re-entering its
     loop (its own seeding on re-entry would overwrite what the snapshot restored)."""
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])]
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if cuda else [])]
 
 
 def set_rng_states(states: list[torch.Tensor]) -> None:

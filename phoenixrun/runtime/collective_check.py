@@ -16,17 +16,28 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 import phoenixrun
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupGloo
 
 OP_BYTES, SITE_BYTES = 32, 224
 RECORD_BYTES = OP_BYTES + SITE_BYTES
 UNCHECKED = frozenset({"send", "recv", "recv_anysource"})   # point to point: asymmetric by design
 FROM_CPP = "from C++ (e.g. DDP's gradient reducer)"
 
-_SKIPPED_ROOTS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, phoenixrun))
+def _package_root(package: ModuleType) -> str:
+    if package.__file__ is None:
+        raise ImportError(f"{package.__name__} is not a regular package")
+    return os.path.dirname(package.__file__) + os.sep
+
+
+_SKIPPED_ROOTS = tuple(_package_root(m) for m in (torch, phoenixrun))
 
 
 class CollectiveMismatch(RuntimeError):
@@ -82,7 +93,7 @@ class Checks:
     """Whether collectives are compared now: armed when a new generation's groups are attached after a
     recovery, disarmed when the step that follows ends (the same point of every member's sequence of ops)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.armed = False
 
     def arm(self) -> None:
@@ -91,13 +102,13 @@ class Checks:
     def disarm(self) -> None:
         self.armed = False
 
-    def before(self, backend, op: str, size: int, members: tuple[int, ...] | None) -> None:
+    def before(self, backend: ProcessGroupGloo, op: str, size: int, members: tuple[int, ...] | None) -> None:
         """Compare `op` across the group (one all-gather on `backend`); raise CollectiveMismatch on a difference."""
         if not self.armed or op in UNCHECKED or size <= 1:
             return
         mine = encode(Issued(op, call_site()))
         out = [torch.empty_like(mine) for _ in range(size)]
-        backend.allgather([out], [mine]).wait()
+        backend.allgather([out], [mine]).wait()  # type: ignore[attr-defined]  # in torch, absent from its stubs
         msg = mismatch([decode(t) for t in out], members)
         if msg is not None:
             self.armed = False     # every member raises here; nothing after it is compared

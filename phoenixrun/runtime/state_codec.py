@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 WARN_BYTES = 64 * 1024    # ~2-3 ms of json.dumps for a dict of floats on this machine's cores
 
 
-def encode_state(state: dict) -> tuple[str, float]:
+def encode_state(state: dict[str, Any]) -> tuple[str, float]:
     """The JSON of `state` and the seconds it took."""
     t0 = time.perf_counter()
     text = json.dumps(state)

@@ -27,13 +27,14 @@ from phoenixrun.sim.montecarlo import (
     run,
 )
 from phoenixrun.sim.recovery_fit import FitError
+from phoenixrun.sim.sizing import Estimate as SizingEstimate
 from phoenixrun.sim.sizing import Fleet, exhaustion_probability_exact, loss_probability_exact, size
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
 NON_NEGATIVE = click.FloatRange(min=0)
 
 # option name -> (Scenario field, click type, help)
-SCENARIO_OPTIONS: dict[str, tuple[str, click.ParamType, str]] = {
+SCENARIO_OPTIONS: dict[str, tuple[str, click.ParamType[float], str]] = {
     "--mttf": ("mttf_s", POSITIVE, "Job (system) mean time to failure, seconds."),
     "--t-step": ("t_step_s", POSITIVE, "Seconds per training step."),
     "--steps": ("steps", click.IntRange(min=1), "Steps in the job (N)."),
@@ -51,7 +52,7 @@ def _scenario_options(f: Any) -> Any:
     return f
 
 
-def _est(e: Estimate, fmt: str) -> str:
+def _est(e: Estimate | SizingEstimate, fmt: str) -> str:
     if e.lo == e.hi:  # one deterministic trajectory (a trace): no interval to show
         return f"{e.mean:{fmt}}"
     return f"{e.mean:{fmt}} [{e.lo:{fmt}}, {e.hi:{fmt}}]"
@@ -73,7 +74,9 @@ def _finite(x: float) -> float | None:
 def _report(s: model.Scenario, mc: MonteCarloResult, trace: str | None) -> dict[str, Any]:
     """Everything `--json` prints; the table shows the same figures."""
     paper, exact = model.paper_prediction(s), model.exact_prediction(s)
-    pair = lambda c, h: {"checkpoint_restart": c, "hot_swap": h}  # noqa: E731
+    def pair(c: float | None, h: float | None) -> dict[str, float | None]:
+        return {"checkpoint_restart": c, "hot_swap": h}
+
     return {
         "scenario": dataclasses.asdict(s),
         "closed_form": {

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import psutil
 
@@ -42,11 +43,19 @@ class LoadTestConfig:
     relay_threshold: int | None = None   # the master's --relay-threshold (None: its default; 0: no relays)
 
 
+MasterProcess = subprocess.Popen[bytes]   # the master under test (its output goes to a log file)
+
+
+def _arrivals(swarm: Swarm, cmd: str) -> list[float]:
+    """When each agent got `cmd` of generation 1, in order."""
+    return sorted(a.received[(cmd, 1)] for a in swarm.agents if (cmd, 1) in a.received)
+
+
 class LoadTestError(Exception):
     """The master did not get through a step of the test; the message says which."""
 
 
-def start_master(cfg: LoadTestConfig) -> tuple[subprocess.Popen, dict, str]:
+def start_master(cfg: LoadTestConfig) -> tuple[MasterProcess, dict[str, Any], str]:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [str(Path(sys.executable).parent / "phoenixrun"), "master", "--nnodes", str(cfg.nodes),
            "--nproc-per-node", str(cfg.nproc_per_node), "--run-dir", str(cfg.run_dir), "--port", "0",
@@ -68,7 +77,7 @@ def start_master(cfg: LoadTestConfig) -> tuple[subprocess.Popen, dict, str]:
     return proc, json.loads(info_path.read_text()), (cfg.run_dir / "secret").read_text().strip()
 
 
-def run_load_test(cfg: LoadTestConfig) -> dict:
+def run_load_test(cfg: LoadTestConfig) -> dict[str, Any]:
     proc, info, secret = start_master(cfg)
     try:
         loop = new_event_loop()   # uvloop if installed: the load generator needs the CPU as much as the master
@@ -92,7 +101,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def _reached(cfg: LoadTestConfig, proc: subprocess.Popen, swarm: Swarm, cmd: str, g: int, n: int,
+async def _reached(cfg: LoadTestConfig, proc: MasterProcess, swarm: Swarm, cmd: str, g: int, n: int,
                    what: str) -> None:
     """Wait until n agents got `cmd` of generation g; LoadTestError saying what went wrong if they do not within
     the phase timeout, or as soon as the master exits."""
@@ -113,7 +122,7 @@ async def _reached(cfg: LoadTestConfig, proc: subprocess.Popen, swarm: Swarm, cm
         raise LoadTestError(f"master exited with {proc.returncode}")
 
 
-async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret: str) -> dict:
+async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any], secret: str) -> dict[str, Any]:
     master = psutil.Process(proc.pid)
     me = psutil.Process()
     swarm = Swarm(SwarmConfig(endpoint=info["endpoint"], secret=secret, nnodes=cfg.nodes,
@@ -121,7 +130,7 @@ async def _drive(cfg: LoadTestConfig, proc: subprocess.Popen, info: dict, secret
                               hb_connections=cfg.hb_connections))
     victim = swarm.agents[1]
     await swarm.give_own_peer_port(victim)
-    out: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+    out: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
                  "agents": len(swarm.agents)}
 
     async def reached(cmd: str, g: int, n: int, what: str) -> None:
@@ -182,11 +191,11 @@ def _recovery(cfg: LoadTestConfig, swarm: Swarm, victim: SimAgent, last_hb: floa
               master_cpu: float, writes: int, tree: dict) -> dict:
     """The recovery's figures, from the master's events and the load generator's arrivals."""
     ev = read_events(cfg.run_dir / "events.jsonl")
-    first = lambda name: next(e for e in ev if e["event"] == name)  # noqa: E731
+    first: Callable[[str], dict[str, Any]] = lambda name: next(e for e in ev if e["event"] == name)  # noqa: E731
     fault, started, plan, done = (first(n) for n in ("fault_detected", "recovery_started", "recovery_plan",
                                                      "recovery_done"))
-    arrivals = lambda cmd: sorted(a.received[(cmd, 1)] for a in swarm.agents if (cmd, 1) in a.received)  # noqa: E731
-    latest = lambda cmd: arrivals(cmd)[-1]  # noqa: E731
+    arrivals: Callable[[str], list[float]] = lambda cmd: _arrivals(swarm, cmd)  # noqa: E731
+    latest: Callable[[str], float] = lambda cmd: arrivals(cmd)[-1]  # noqa: E731
     rec = {
         "failed_node": victim.node_id, "failed_slot": victim.slot,
         "fault": cfg.fault, "detect_s": round(fault["t"] - last_hb, 4),

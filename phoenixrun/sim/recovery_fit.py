@@ -16,6 +16,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 FLOOR_S = 1e-4        # events round phase times to 0.1 ms: a 0 means "below resolution", not zero
 # two-sided 95% Student-t quantiles by degrees of freedom (beyond 30: 1.96 is close enough)
@@ -51,7 +52,8 @@ class PowerLaw:
     n_max: float
 
     def median(self, size: float) -> float:
-        return self.a * size ** self.b
+        growth: float = size ** self.b   # sizes are positive: a real power
+        return self.a * growth
 
     def log_sd(self, size: float) -> float:
         """Predictive sd of log t at `size` (a new observation, not the mean)."""
@@ -84,11 +86,11 @@ def fit_power_law(phase: str, points: list[tuple[float, float]]) -> PowerLaw:
     return PowerLaw(phase, math.exp(la), b, s, len(pts), mx, sxx, min(n for n, _ in pts), max(n for n, _ in pts))
 
 
-def load_samples(path: Path) -> list[dict]:
+def load_samples(path: Path) -> list[dict[str, Any]]:
     """A samples file: {"samples": [{"gpus": N, "phases": {"quiesce_s": t, ...}, "source": "..."}, ...]}."""
     try:
         data = json.loads(Path(path).read_text())
-        samples = data["samples"]
+        samples: list[dict[str, Any]] = data["samples"]
         for s in samples:
             if not (isinstance(s["gpus"], (int, float)) and isinstance(s["phases"], dict)):
                 raise TypeError
@@ -100,7 +102,7 @@ def load_samples(path: Path) -> list[dict]:
     return samples
 
 
-def fit_phases(samples: list[dict]) -> dict[str, PowerLaw]:
+def fit_phases(samples: list[dict[str, Any]]) -> dict[str, PowerLaw]:
     by_phase: dict[str, list[tuple[float, float]]] = {}
     for s in samples:
         for phase, t in s["phases"].items():
@@ -141,8 +143,8 @@ def efficiency(mttf_s: float, hotswap_s: float, t_step_s: float, phi: float) -> 
     return mttf_s / (mttf_s + hotswap_s + phi * t_step_s)
 
 
-def scale_table(fits: dict[str, PowerLaw], phases: tuple[str, ...], sizes: list[float], gpu_mttf_s: float,
-                t_step_s: float, phi: float, seed: int = 0) -> list[dict]:
+def scale_table(fits: dict[str, PowerLaw], phases: tuple[str, ...], sizes: Sequence[float], gpu_mttf_s: float,
+                t_step_s: float, phi: float, seed: int = 0) -> list[dict[str, Any]]:
     """Per size: job MTTF (independent GPUs), predicted recovery time with its interval, efficiency."""
     rows = []
     for n in sizes:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -138,7 +139,10 @@ def exhaustion_probability_exact(fleet: Fleet, spares: int) -> float:
         return float(n * p > spares)
     # the pmf in log space (n is large: 64 nodes x 100K steps)
     logq, logp, lgn = math.log1p(-p), math.log(p), math.lgamma(n + 1)
-    pmf = lambda k: math.exp(lgn - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * logp + (n - k) * logq)  # noqa: E731
+
+    def pmf(k: int) -> float:
+        return math.exp(lgn - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * logp + (n - k) * logq)
+
     if spares < n * p:       # the tail is not small: 1 - cdf loses nothing that matters
         return max(0.0, 1.0 - sum(pmf(k) for k in range(min(spares, n) + 1)))
     # past the mean the terms fall faster than geometrically: sum the tail itself (1 - cdf is 0 below 1e-16)
@@ -211,8 +215,10 @@ class Sizing:
     replicas: int | None               # fewest replicas with P(loss) <= target (upper 95% bound); None: none tried
     spares: int | None
 
-    def to_json(self) -> dict:
-        est = lambda e: {"mean": e.mean, "ci95": [e.lo, e.hi]}  # noqa: E731
+    def to_json(self) -> dict[str, Any]:
+        def est(e: Estimate) -> dict[str, Any]:
+            return {"mean": e.mean, "ci95": [e.lo, e.hi]}
+
         return {"loss_by_replicas": {k: est(e) for k, e in self.loss.items()},
                 "exhaustion_by_spares": {k: est(e) for k, e in self.exhaustion.items()},
                 "recommended_replicas": self.replicas, "recommended_spares": self.spares}
