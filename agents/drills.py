@@ -10,7 +10,7 @@ import threading
 
 from phoenixrun.protocol import WorkerOp
 from phoenixrun.protocol.messages import valid_fault
-from phoenixrun.faults import InjectedHealthSource, Signal
+from phoenixrun.faults import InjectedHealthSource, Signal, SignalKind
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.partition import GatedPeerClient, NetworkCut
@@ -58,9 +58,10 @@ class FaultDrills:
                 os.kill(w.pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.startswith("xid:"):
-            self.injected.inject(Signal(kind="xid", code=int(fault[4:]), node=self.node.slot, detail="injected"))
+            self.injected.inject(Signal(kind=SignalKind.XID, code=int(fault[4:]), node=self.node.slot,
+                                        detail="injected"))
         elif fault == "ecc":
-            self.injected.inject(Signal(kind="ecc_uncorrectable", node=self.node.slot, detail="injected"))
+            self.injected.inject(Signal(kind=SignalKind.ECC_UNCORRECTABLE, node=self.node.slot, detail="injected"))
         else:
             log.error("cannot inject %r here", fault)
 

@@ -15,10 +15,11 @@ its addresses. What the rest of the job observes is the same: the node goes sile
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from phoenixrun.protocol.client import ControlClient
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S
-from phoenixrun.agents.peer import PeerClient, PeerError
+from phoenixrun.agents.peer import Payload, PeerClient, PeerError
 
 
 class NetworkCut:
@@ -52,11 +53,11 @@ class GatedControlClient(ControlClient):
 
 
 class GatedPeerClient(PeerClient):
-    def __init__(self, secret: str, cut: NetworkCut, **kw):
-        super().__init__(secret, **kw)
+    def __init__(self, secret: str, cut: NetworkCut, connect_timeout: float = 2.0, io_timeout: float = 10.0):
+        super().__init__(secret, connect_timeout, io_timeout)
         self.cut = cut
 
-    def call(self, addr: str, header: dict, payload=b""):
+    def call(self, addr: str, header: dict[str, Any], payload: Payload = b"") -> tuple[dict[str, Any], bytearray]:
         if self.cut.active:
             raise PeerError(f"peer {addr}: network partitioned (injected)")
         return super().call(addr, header, payload)

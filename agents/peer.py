@@ -25,7 +25,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from phoenixrun.protocol.admission import Throttle, pick_eviction
 from phoenixrun.slot_format import checksum
@@ -33,6 +33,8 @@ from phoenixrun.testing import pause_point
 
 log = logging.getLogger("phoenixrun.agent.peer")
 _LEN = struct.Struct("!I")
+Payload = bytes | bytearray | memoryview   # what a frame carries after its header
+Address = Any   # a connected peer's address as socket.accept returns it (typeshed: Any; only logged)
 CHUNK = 4 << 20
 MAX_HEADER = 64 * 1024          # a frame's JSON header: an op, a rank, a step, a checksum - a few hundred bytes
 MAX_UNAUTHENTICATED = 64        # connections served at once that have not sent an authenticated frame yet
@@ -72,7 +74,7 @@ def _recv_exact(sock: socket.socket, n: int, buf: bytearray | None = None) -> by
     return buf
 
 
-def send_frame(sock: socket.socket, header: dict, payload=b"") -> None:
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: Payload = b"") -> None:
     h = json.dumps(header).encode()
     sock.sendall(_LEN.pack(len(h)) + h)
     mv = memoryview(payload)
@@ -80,7 +82,7 @@ def send_frame(sock: socket.socket, header: dict, payload=b"") -> None:
         sock.sendall(mv[off:off + CHUNK])
 
 
-def recv_header(sock: socket.socket, io_timeout: float | None = None) -> dict:
+def recv_header(sock: socket.socket, io_timeout: float | None = None) -> dict[str, Any]:
     """A frame's header (its payload not read). io_timeout: the deadline once the frame's first bytes
     are in (the wait for them is the socket's own timeout)."""
     first = _recv_exact(sock, _LEN.size)
@@ -95,7 +97,7 @@ def recv_header(sock: socket.socket, io_timeout: float | None = None) -> dict:
     return header
 
 
-def payload_size(header: dict, limit: int | None) -> int:
+def payload_size(header: dict[str, Any], limit: int | None) -> int:
     """The payload length a header announces, checked against limit (None: no limit)."""
     n = header.get("nbytes", 0) or 0
     if type(n) is not int or n < 0:
@@ -105,16 +107,16 @@ def payload_size(header: dict, limit: int | None) -> int:
     return n
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict, bytearray]:
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     header = recv_header(sock)
     n = payload_size(header, None)
     return header, _recv_exact(sock, n) if n else bytearray()
 
 
-Handler = Callable[[dict, bytearray], tuple[dict, bytes]]
+Handler = Callable[[dict[str, Any], bytearray], tuple[dict[str, Any], bytes]]
 # where an authenticated request's payload of n bytes is received: a buffer of exactly n bytes, or None for a new
 # one (replicas go straight into the buffer the store keeps them in: ReplicaStore.receive_buffer)
-Sink = Callable[[dict, int], "bytearray | None"]
+Sink = Callable[[dict[str, Any], int], "bytearray | None"]
 
 
 class _Waiting:
@@ -176,7 +178,7 @@ class PeerServer:
                 continue
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
-    def _admit(self, conn: socket.socket, peer) -> bool:
+    def _admit(self, conn: socket.socket, peer: Address) -> bool:
         """Make room for a new connection among the unauthenticated ones (closing the oldest idle one if the room
         is full); False: none could be closed, refuse it."""
         now = time.monotonic()
@@ -223,7 +225,7 @@ class PeerServer:
         self.sock = socket.create_server((self.host, self.port), backlog=128)
         self._listen(self.sock)
 
-    def _serve(self, conn: socket.socket, peer) -> None:
+    def _serve(self, conn: socket.socket, peer: Address) -> None:
         _tune(conn, self.auth_timeout)
         with self._open_lock:
             self._open.add(conn)
@@ -237,7 +239,7 @@ class PeerServer:
                 self._waiting.pop(conn, None)
             conn.close()
 
-    def _first_header(self, conn: socket.socket, waiting: _Waiting) -> dict:
+    def _first_header(self, conn: socket.socket, waiting: _Waiting) -> dict[str, Any]:
         """The first frame's header, all of it within the auth timeout of the accept. `waiting.busy` is set while
         this thread holds bytes it has read but not yet checked (then the connection is not idle)."""
         deadline = waiting.opened_at + self.auth_timeout
@@ -267,7 +269,7 @@ class PeerServer:
                 raise PeerError("malformed frame header")
             return header
 
-    def _serve_frames(self, conn: socket.socket, peer, waiting: _Waiting) -> None:
+    def _serve_frames(self, conn: socket.socket, peer: Address, waiting: _Waiting) -> None:
         authenticated = False
         while True:
             try:
@@ -308,7 +310,7 @@ class PeerServer:
             except OSError:
                 return
 
-    def _sink(self, op: str, header: dict, n: int) -> bytearray | None:
+    def _sink(self, op: str, header: dict[str, Any], n: int) -> bytearray | None:
         """The buffer the op's sink gives for this payload; None (a new one) if it has none, gives none, gives one
         of another size, or fails on a malformed header (the handler then refuses the request with the reason)."""
         sink = self.sinks.get(op)
@@ -335,7 +337,7 @@ class PeerClient:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def call(self, addr: str, header: dict, payload=b"") -> tuple[dict, bytearray]:
+    def call(self, addr: str, header: dict[str, Any], payload: Payload = b"") -> tuple[dict[str, Any], bytearray]:
         with self._guard:
             lock = self._locks.setdefault(addr, threading.Lock())
         with lock:

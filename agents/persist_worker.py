@@ -19,11 +19,13 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any, Iterable, TextIO
 
 from phoenixrun import persist
 
 
-def serve(root: Path, world_size: int, keep: int, inp=sys.stdin, out=sys.stdout) -> None:
+def serve(root: Path, world_size: int, keep: int, inp: Iterable[str] = sys.stdin,
+          out: TextIO = sys.stdout) -> None:
     import torch.distributed.checkpoint  # noqa: F401 - pay the import once, before the first request
     out.write(json.dumps({"ok": True, "ready": True}) + "\n")
     out.flush()
@@ -39,7 +41,7 @@ def serve(root: Path, world_size: int, keep: int, inp=sys.stdin, out=sys.stdout)
         out.flush()
 
 
-def _handle(req: dict, root: Path, world_size: int, keep: int) -> dict:
+def _handle(req: dict[str, Any], root: Path, world_size: int, keep: int) -> dict[str, Any]:
     op = req["op"]
     if op == "write":
         path = Path(req["image"])
@@ -52,9 +54,9 @@ def _handle(req: dict, root: Path, world_size: int, keep: int) -> dict:
         persist.write_rank(root, int(req["rank"]), image)
         return {"ok": True, "step": step, "pruned": persist.prune(root, world_size, keep)}
     if op == "read":
-        image = persist.read_rank(root, int(req["step"]), int(req["rank"]))
+        data = persist.read_rank(root, int(req["step"]), int(req["rank"]))
         tmp = Path(req["out"] + ".tmp")
-        tmp.write_bytes(image)
+        tmp.write_bytes(data)
         os.replace(tmp, req["out"])
         return {"ok": True, "step": int(req["step"])}
     raise ValueError(f"unknown op {op!r}")

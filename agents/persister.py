@@ -16,7 +16,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import IO, Any, Callable
 
 from phoenixrun.agents.slots import SHM_DIR
 
@@ -31,7 +31,7 @@ class PersistConfig:
     world_size: int = 1
 
     @classmethod
-    def from_json(cls, j: dict | None) -> "PersistConfig | None":
+    def from_json(cls, j: dict[str, Any] | None) -> "PersistConfig | None":
         if not j or not j.get("dir"):
             return None
         return cls(Path(j["dir"]), int(j.get("every", 0)), int(j.get("keep", 2)), int(j.get("world_size", 1)))
@@ -46,19 +46,26 @@ class PersistError(Exception):
     pass
 
 
+def _pipes(proc: subprocess.Popen[str]) -> tuple[IO[str], IO[str]]:
+    """The I/O child's stdin and stdout (it is started with both piped)."""
+    if proc.stdin is None or proc.stdout is None:
+        raise PersistError("checkpoint I/O process started without its pipes")
+    return proc.stdin, proc.stdout
+
+
 class _IOProcess:
     """The checkpoint I/O child: one request at a time, restarted if it died."""
 
     def __init__(self, cfg: PersistConfig):
         self.cfg = cfg
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[str] | None = None
         self.lock = threading.Lock()
 
     def start(self) -> None:
         with self.lock:
             self._ensure()
 
-    def _ensure(self) -> subprocess.Popen:
+    def _ensure(self) -> subprocess.Popen[str]:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "phoenixrun.agents.persist_worker", str(self.cfg.dir),
@@ -67,18 +74,20 @@ class _IOProcess:
             self._reply(self.proc)    # ready
         return self.proc
 
-    def _reply(self, proc: subprocess.Popen) -> dict:
-        line = proc.stdout.readline()
+    def _reply(self, proc: subprocess.Popen[str]) -> dict[str, Any]:
+        line = _pipes(proc)[1].readline()
         if not line:
             raise PersistError(f"checkpoint I/O process exited ({proc.wait()})")
-        return json.loads(line)
+        reply: dict[str, Any] = json.loads(line)
+        return reply
 
-    def call(self, req: dict) -> dict:
+    def call(self, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             proc = self._ensure()
             try:
-                proc.stdin.write(json.dumps(req) + "\n")
-                proc.stdin.flush()
+                stdin = _pipes(proc)[0]
+                stdin.write(json.dumps(req) + "\n")
+                stdin.flush()
             except OSError as e:
                 raise PersistError(f"checkpoint I/O process gone: {e}") from None
             reply = self._reply(proc)
@@ -88,7 +97,7 @@ class _IOProcess:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
+            _pipes(self.proc)[0].close()
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

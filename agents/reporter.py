@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any
 
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.agents.node import Lifecycle, NodeState
@@ -17,16 +18,16 @@ log = logging.getLogger("phoenixrun.agent")
 class Reporter:
     def __init__(self, node: NodeState, client: ControlClient, life: Lifecycle):
         self.node, self.client, self.life = node, client, life
-        self.outbox: queue.Queue[dict | None] = queue.Queue()
+        self.outbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._flush_deadline = float("inf")
         self._sender: threading.Thread | None = None
 
-    def report(self, ev: dict) -> None:
+    def report(self, ev: dict[str, Any]) -> None:
         """Queue a report for the master; delivered in order, retried until it gets through."""
         self.outbox.put({"node_id": self.node.node_id, "generation": self.node.generation, "slot": self.node.slot,
                          "t": time.time(), **ev})
 
-    def send_now(self, ev: dict, timeout: float = 2.0) -> str | None:
+    def send_now(self, ev: dict[str, Any], timeout: float = 2.0) -> str | None:
         """Deliver one report now, past the outbox (the caller acts on whether the master got it): None if it
         did, else why not."""
         try:
@@ -49,7 +50,7 @@ class Reporter:
         if self._sender is not None:
             self._sender.join(timeout=flush_s + 0.5)
 
-    def _payload(self, ev: dict) -> dict:
+    def _payload(self, ev: dict[str, Any]) -> dict[str, Any]:
         return {**ev, "token": self.node.token}     # the current token: a rejoin since it was queued changes it
 
     def _send_reports(self) -> None:

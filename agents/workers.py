@@ -142,7 +142,7 @@ class Worker:
             self._pumps[1].join(timeout=wait)
         return bytes(self._err_tail).decode(errors="replace")
 
-    def _pump(self, pipe, dest: IO[str] | None, log_file, is_err: bool = False) -> None:
+    def _pump(self, pipe: IO[bytes], dest: IO[str] | None, log_file: IO[bytes] | None, is_err: bool = False) -> None:
         prefixer = Prefixer(self._prefix().encode())
         fd = pipe.fileno()
         while True:
