@@ -87,7 +87,7 @@ def exit_code_of(ev: dict[str, Any]) -> int | None:
     return 128 - rc if rc < 0 else rc
 
 
-def detail_of(ev: dict[str, Any]) -> str:
+def detail_of(ev: Mapping[str, Any]) -> str:
     """A report's description, as events record it."""
     return (ev.get("detail") or ev.get("text") or "")[:300]
 

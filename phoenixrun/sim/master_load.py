@@ -90,7 +90,7 @@ def run_load_test(cfg: LoadTestConfig) -> dict[str, Any]:
         proc.wait()
 
 
-def _tree(swarm: Swarm) -> dict:
+def _tree(swarm: Swarm) -> dict[str, Any]:
     """The fan-out tree the agents were following (from the master's heartbeat replies)."""
     relays = sorted({r for r in swarm.relays.parent.values()})
     return {"relays": len(relays), "relayed_children": len(swarm.relays.parent), "relay_ids": relays[:64]}
@@ -188,7 +188,7 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
 
 
 def _recovery(cfg: LoadTestConfig, swarm: Swarm, victim: SimAgent, last_hb: float, t_fail: float, t_end: float,
-              master_cpu: float, writes: int, tree: dict) -> dict:
+              master_cpu: float, writes: int, tree: dict[str, Any]) -> dict[str, Any]:
     """The recovery's figures, from the master's events and the load generator's arrivals."""
     ev = read_events(cfg.run_dir / "events.jsonl")
     first: Callable[[str], dict[str, Any]] = lambda name: next(e for e in ev if e["event"] == name)  # noqa: E731
