@@ -243,8 +243,10 @@ class Cycle:
         job.course.phase = Phase.RESTORE
         job.members.done_nodes.clear()
         job.course.restored_step = r.step
+        persist_dir = self.cfg.persistence.persist_dir
+        assert persist_dir is not None, "a fallback restart is planned only from a checkpoint in --persist-dir"
         self.events.emit(FallbackRestart(restore_step=r.step, reason=r.reason, fallbacks=job.course.fallbacks,
-                                         checkpoint=str(persist.step_dir(self.cfg.persistence.persist_dir, r.step))),
+                                         checkpoint=str(persist.step_dir(persist_dir, r.step))),
                          job.course.generation)
         self.orders.direct_slots(cmd.Restart(restart_count=job.course.restart_count, restore_step=r.step))
         return list(job.members.slots.values())

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
@@ -298,9 +298,10 @@ class ControlServer:
         self._polled_at: dict[str, float] = {}     # node id -> when its latest directive poll came in
         self._thread = threading.Thread(target=self._run, daemon=True, name="control-server")
         self._started = threading.Event()
-        self._routes = {Endpoint.REGISTER: master.register, Endpoint.HEARTBEAT: master.heartbeat,
-                        Endpoint.REPORT: master.report, Endpoint.INJECT: master.inject,
-                        Endpoint.DRAIN: master.drain}
+        # keyed by the path string (an Endpoint is one): a request's path looks its handler up as it arrived
+        self._routes: dict[str, Callable[[dict], dict]] = {
+            Endpoint.REGISTER: master.register, Endpoint.HEARTBEAT: master.heartbeat, Endpoint.REPORT: master.report,
+            Endpoint.INJECT: master.inject, Endpoint.DRAIN: master.drain}
 
     def start(self) -> None:
         self._thread.start()
