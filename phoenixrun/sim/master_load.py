@@ -161,6 +161,7 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
             "master_rss_mb": round(master.memory_info().rss / 2**20, 1),
             "master_fds": master.num_fds(),
             "swarm_cores": round((s1.user + s1.system - s0.user - s0.system) / (w1 - w0), 3),
+            "heartbeats": swarm.heartbeats_ok - hb0,
             "heartbeats_per_s": round((swarm.heartbeats_ok - hb0) / (w1 - w0), 1),
             "heartbeat_p50_ms": round(1e3 * _pct(lat, 0.5), 2), "heartbeat_p99_ms": round(1e3 * _pct(lat, 0.99), 2),
         }
