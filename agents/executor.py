@@ -235,8 +235,8 @@ class DirectiveExecutor:
                 files[old] = (int(img["reader"]), str(path))
         except (SlotError, OSError) as e:
             log.error("cannot hand the snapshots over for the %s: %s", info.get("kind"), e)
-            for _, path in files.values():
-                Path(path).unlink(missing_ok=True)
+            for _, written in files.values():
+                Path(written).unlink(missing_ok=True)
             self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e)})
             return
         with self.node.lock:

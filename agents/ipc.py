@@ -32,7 +32,7 @@ class WorkerConn:
 
 
 class WorkerChannelServer:
-    def __init__(self, path: str, on_message: Callable[[WorkerConn, dict], None],
+    def __init__(self, path: str, on_message: Callable[[WorkerConn, dict[str, Any]], None],
                  on_close: Callable[[WorkerConn], None]):
         self.path = path
         if os.path.exists(path):

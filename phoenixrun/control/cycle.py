@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
 from phoenixrun.control.decide import AfterFailure, Failure, Next, Recovery, after_failure, no_spare
@@ -55,7 +55,7 @@ class Quiesce:
 @dataclass(frozen=True)
 class Quiesced:
     generation: int
-    acks: dict[str, dict]         # node id -> its quiesced ack
+    acks: dict[str, dict[str, Any]]   # node id -> its quiesced ack
     seconds: float
 
     @property
@@ -92,7 +92,7 @@ Restore = Union[FromMemory, FromCheckpoint, Reshard]
 @dataclass(frozen=True)
 class Restored:
     generation: int
-    acks: dict[str, dict]         # node id -> its resumed ack
+    acks: dict[str, dict[str, Any]]   # node id -> its resumed ack
     phases: dict[str, float]      # plan_s, restore_s and the ranks' slowest timings
 
 
@@ -138,7 +138,7 @@ def failure_of(e: Exception) -> Failure:
         else Failure.CASCADE
 
 
-def slowest(acks: dict[str, dict]) -> dict[str, float]:
+def slowest(acks: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The slowest rank's figure for each phase (protocol/timings.py) any resumed ack reported. Pure."""
     out = Timings()
     for r in acks.values():

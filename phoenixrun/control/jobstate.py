@@ -13,7 +13,7 @@ one; and `stopped` is an Event of its own.
 from __future__ import annotations
 
 import threading
-from typing import Callable, cast
+from typing import Any, Callable, cast
 
 from phoenixrun.config import MasterConfig
 from phoenixrun.control.course import Course
@@ -109,7 +109,7 @@ class JobState:
         """Throughput samples for status (Telemetry.note_progress), from the nodes holding slots."""
         self.telemetry.note_progress(list(self.members.slots.values()))
 
-    def absorb(self, ev: dict, emit: Callable[..., None]) -> None:
+    def absorb(self, ev: dict[str, Any], emit: Callable[..., None]) -> None:
         """What any report changes whatever the phase (a spare lost, the protection mode); faults are the
         coordinator's. `emit`: the event log's."""
         kind = ev.get("kind")

@@ -44,7 +44,7 @@ def await_lease(leases: LeaseDir, me: str, endpoint: str, ttl: float, max_skew: 
 def _await(leases: LeaseDir, me: str, endpoint: str, ttl: float, max_skew: float, stop: threading.Event,
            on_wait: Callable[[Lease | None, str], None]) -> Acquired:
     t0 = time.monotonic()
-    seen: tuple | None = None
+    seen: tuple[Lease | None, int] | None = None
     since = t0
     waiting = False
     while not stop.is_set():

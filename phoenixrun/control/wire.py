@@ -9,7 +9,7 @@ from typing import Any
 try:
     import orjson
 except ImportError:   # pragma: no cover - exercised where the extra is absent
-    orjson = None
+    orjson = None   # type: ignore[assignment]  # the extra is absent: the stdlib json serves (callers test for None)
 
 
 def dumps(obj: Any) -> bytes:
