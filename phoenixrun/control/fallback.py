@@ -57,7 +57,7 @@ class Fallback:
     def failed(self, error: Exception, after: AfterFailure) -> None:
         """A checkpoint whose load failed (its ranks said so) is never tried again."""
         ev = getattr(error, "event", {})
-        if ev.get("persist_step") == self.step:
+        if self.step is not None and ev.get("persist_step") == self.step:
             self.job.course.bad_checkpoints.add(self.step)
             self.cycle.events.emit(CheckpointRejected(step=self.step, reason=ev.get("reason", "")),
                                    self.job.course.generation)

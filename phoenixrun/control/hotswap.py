@@ -42,6 +42,7 @@ class HotSwap:
     def plan(self, quiesced: Quiesced | None, attempt: int) -> FromMemory:
         """Spares into the lost slots, then the plan: the spares fetch their ranks' state from replica holders and
         data-parallel peers (every spare promoted in this recovery: `fresh`), everyone else restores locally."""
+        assert quiesced is not None, "a hot swap's plan follows its quiesce"
         self.reached = quiesced.reached
         promoted: dict[int, str] = {}
         try:
@@ -59,6 +60,7 @@ class HotSwap:
 
     def resume(self, quiesced: Quiesced | None, restore: FromMemory, restored: Restored, attempt: int) -> Resume:
         plan, now = restore.plan, time.time()
+        assert quiesced is not None, "a hot swap resumes after its quiesce"
         return Resume(RecoveryDone(
             restored_step=plan.restore_step, replayed_steps=max(0, self.reached - plan.restore_step),
             steps_completed_before=self.reached, duration_s=round(now - self.started, 4),

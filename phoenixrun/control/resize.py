@@ -95,6 +95,7 @@ class Grow(Resize):
         return Quiesce(tuple(self.job.members.slots.values()))
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> Reshard:
+        assert quiesced is not None, "a reshape's plan follows its quiesce"
         self.reached = quiesced.reached
         job, spare = self.job, self.spare
         with job.cv:
