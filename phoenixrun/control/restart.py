@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from phoenixrun.control.cycle import Cycle
 from phoenixrun.control.decide import attempt_ranks, attempt_verdict
@@ -17,7 +18,7 @@ from phoenixrun.protocol.names import ReportKind
 class Restart:
     def __init__(self, cycle: Cycle):
         self.cycle, self.job, self.cfg = cycle, cycle.job, cycle.cfg
-        self._attempt_stores: dict = {}     # generation -> the TCPStore of that restart attempt
+        self._attempt_stores: dict[int, Any] = {}     # generation -> the TCPStore of that restart attempt (torch's, untyped)
 
     def __call__(self, lost: set[int], failing_code: int | None, why: str) -> None:
         """Each attempt rendezvouses on a TCPStore of its own (a fresh port in the directive): scripts
@@ -45,7 +46,7 @@ class Restart:
 
     def _attempt_store(self, generation: int) -> int:
         """A TCPStore for one restart attempt; the previous attempt's (its workers are gone) is closed."""
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore   # type: ignore[attr-defined]  # torch does not list it in __all__
         store = TCPStore(self.cfg.listen.host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
         self._attempt_stores = {generation: store}
         return store.port
@@ -56,11 +57,11 @@ class Restart:
         timer.daemon = True
         timer.start()
 
-    def check(self, ev: dict) -> None:
+    def check(self, ev: dict[str, Any]) -> None:
         """Did restart attempt `generation` come up? (decide.attempt_verdict) Up: done; hanging: the job stops
         with the ranks that are missing; else look again one --recovery-timeout later."""
         g = ev.get("generation")
-        store = self._attempt_stores.get(g)
+        store = self._attempt_stores.get(g) if isinstance(g, int) else None
         if store is None or g != self.job.course.generation or self.job.course.phase != Phase.RUNNING:
             return
         world = self.job.course.layout.world_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -22,10 +22,13 @@ from phoenixrun.protocol.worker_orders import Quiesce, Rebuild
 from phoenixrun.runtime.protection import Protection, Quiesced
 from phoenixrun.runtime.reshard import reshard
 
+if TYPE_CHECKING:   # api.py builds this client with its runtime; the import would be circular at run time
+    from phoenixrun.runtime.api import _Runtime
+
 log = logging.getLogger("phoenixrun.runtime")
 
 
-def ddp_modules(model: torch.nn.Module) -> list:
+def ddp_modules(model: torch.nn.Module) -> list[Any]:   # DistributedDataParallel: its reducer is untyped
     from torch.nn.parallel import DistributedDataParallel as DDP
     return [m for m in model.modules() if isinstance(m, DDP)]
 
@@ -39,7 +42,7 @@ def recoverable_cause(exc: BaseException | None) -> BaseException | None:
 class RecoveryClient:
     """Drives this rank through a recovery; the runtime (`rt`: agent link, generations) does the I/O."""
 
-    def __init__(self, rt, protection: Protection, next_step: Callable[[], int], restored: Callable[[int], None]):
+    def __init__(self, rt: _Runtime, protection: Protection, next_step: Callable[[], int], restored: Callable[[int], None]):
         self.rt, self.link, self.protection = rt, rt.link, protection
         self.next_step = next_step    # the step the loop runs next (what a quiesced rank reports)
         self.restored = restored
@@ -67,6 +70,7 @@ class RecoveryClient:
         for the rebuild, as a quiesce would - without shutting any socket down: every rank stops here, none is
         inside a step with this one, so nothing is abandoned and nothing replays."""
         t0 = time.time()
+        assert self.rt.drain_at is not None, "called at the drain's boundary, which the agent set"
         generation = self.rt.drain_at[0]
         self.protection.copier.wait()
         with self.link.cv:
@@ -124,7 +128,7 @@ class RecoveryClient:
         self.link.send(wm.Resumed(generation=generation, timings=Timings(
             state_s=t1 - t0, rebuild_s=t2 - t1, worker_recovery_s=t2 - t0)))
 
-    def reshape(self, generation: int, step: int, info: dict) -> None:
+    def reshape(self, generation: int, step: int, info: dict[str, Any]) -> None:
         """A new worker of a shrunk or grown world (control/reshape.py): join the new world, then re-partition the
         old ranks' snapshots this worker's agent handed over (runtime/reshard.py) - collectively, every rank."""
         t0 = time.time()
