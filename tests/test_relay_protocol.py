@@ -74,9 +74,12 @@ def test_a_parked_child_is_answered_when_the_bundle_arrives(relay):
     cache.store({"keys": {"c1": poll_key("tok1")}, "children": {}})
     got: list = []
     t = threading.Thread(target=lambda: got.append(ParentLink(PeerClient(SECRET, io_timeout=8)).poll(
-        addr, "c1", "tok1", -1)))
+        addr, "c1", "tok1", 3)))
     t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30      # parked: the relay recorded its ack (version 3) and waits for a bundle
+    while cache.state()["c1"][1] != 3:
+        assert time.monotonic() < deadline, "the child's poll never reached the relay"
+        time.sleep(0.01)
     cache.store({"keys": {"c1": poll_key("tok1")}, "children": {"c1": entry("tok1", 7, {"command": "quiesce"})}})
     t.join(5)
     assert got == [{"command": "quiesce", "version": 7}]
