@@ -5,10 +5,11 @@ PHOENIXRUN_PROTECT=0 (off), =1 (on), and =1 with a warm spare (--spares 1; on th
 spare's agent and pre-started workers share the CPUs with the job), arms rotated within each round.
 Both ratios are against the same unprotected arm. Per-iteration times come from the ranks'
 result files; the first --warmup steps are dropped and the slowest 5% trimmed (as the paper
-does). The spare arm runs twice the steps and its ratio counts only the steps that began after the
-spare's pre-started workers went idle: their one-time start (each imports torch, several CPU seconds)
-takes this machine's cores from the job, which on a cluster it never shares; the ratio during that
-start is reported beside it. It reports the median step-time ratio, the D2H and H2H times against
+does). The protected arms run twice the steps and their ratios count only the steps that began after
+the pre-started workers went idle - each active node's standby worker (started once the node trains)
+and, in the spare arm, the spare's: their one-time start (each imports torch, several CPU seconds)
+takes this machine's cores from the job, which on a cluster it never shares (a node has many host
+cores, the spare is a node of its own); the ratio during that start is reported beside it. It reports the median step-time ratio, the D2H and H2H times against
 the compute window (the paper's Fig. 9 breakdown), bytes replicated per step and host memory per rank, then grows
 the model to find the knee where the transfer no longer hides behind compute.
 
@@ -36,7 +37,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.procs import settle  # noqa: E402
+from benchmarks.procs import settle, standbys_settled  # noqa: E402
 from tests.harness import BIN, ROOT, Job  # noqa: E402
 
 
@@ -46,8 +47,9 @@ LAYOUTS = {"ddp": ("train_gpt.py", 2, 2), "fsdp2": ("train_fsdp2.py", 2, 2), "3d
 
 def run_job(tmp: Path, name: str, protect: bool, steps: int, model: list[str], persist: list[str],
             spares: int = 0, layout: str = "ddp") -> dict:
-    """The job's per-step times (slowest rank), the ranks' protection stats, and with a spare `settled_step`: the
-    first step that began after the spare's pre-started workers went idle (None: they did not, or unknown)."""
+    """The job's per-step times (slowest rank), the ranks' protection stats, and when protected `settled_step`: the
+    first step that began after the pre-started workers (the nodes' standbys, the spare's) went idle (None: they
+    did not, or unknown)."""
     out, stats, run_dir, progress = (tmp / f"{name}-{x}" for x in ("out", "stats", "run", "progress"))
     stats.mkdir(parents=True)
     progress.mkdir()
@@ -60,7 +62,7 @@ def run_job(tmp: Path, name: str, protect: bool, steps: int, model: list[str], p
            "--steps", str(steps), "--out", str(out), *model, *timing]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        settled = spare_settled(proc, run_dir, out) if spares and timing else None
+        settled = prestarted_settled(proc, run_dir, out, nproc, spares) if protect and timing else None
         if proc.wait(timeout=900) != 0:
             raise subprocess.CalledProcessError(proc.returncode, cmd)
     finally:
@@ -71,6 +73,22 @@ def run_job(tmp: Path, name: str, protect: bool, steps: int, model: list[str], p
     per_step = [max(r["step_seconds"][s] for r in ranks) for s in range(steps)]
     lines = [json.loads(x) for p in stats.glob("*.jsonl") for x in p.read_text().splitlines()]
     return {"steps": per_step, "stats": lines, "settled_step": first_step_after(settled, progress, per_step)}
+
+
+def prestarted_settled(proc: subprocess.Popen, run_dir: Path, out: Path, nproc: int, spares: int) -> float | None:
+    """When every pre-started worker of the job went idle: the active nodes' standby workers and, with `spares`,
+    the spare's warm workers (None: they did not)."""
+    spare_t = spare_settled(proc, run_dir, out) if spares else 0.0
+    if spare_t is None:
+        return None
+    try:
+        state = Job(run_dir, out, proc).wait_for(
+            lambda st: any(n.get("role") == "active" for n in st.get("nodes", [])), 300, "the active nodes")
+    except AssertionError:
+        return None
+    active = {n["agent_pid"] for n in state["nodes"] if n.get("role") == "active"}
+    standby_t = standbys_settled(psutil.Process(proc.pid), active, nproc, timeout=600)
+    return None if standby_t is None else max(spare_t, standby_t)
 
 
 def spare_settled(proc: subprocess.Popen, run_dir: Path, out: Path) -> float | None:
@@ -120,28 +138,27 @@ def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: l
     arms = [("off", False, [], 0), ("on", True, [], 0), ("spare", True, [], 1)] + \
         ([("persist", True, persist, 0)] if persist else [])
     times: dict[str, list[float]] = {tag: [] for tag, *_ in arms}
-    spare_start: list[float] = []     # spare arm, steps while the spare's workers were starting
-    settled_steps: list[int | None] = []
+    starting: dict[str, list[float]] = {tag: [] for tag, *_ in arms}   # steps while pre-started workers started
+    settled_steps: dict[str, list[int | None]] = {tag: [] for tag, *_ in arms}
     spare_series: list[list[float]] = []   # the spare arm's every step, run by run (its start, then steady state)
     stats = []
     load = [os.getloadavg()[0]]
     for i in range(pairs):
         # rotate which goes first so drift in machine load hits every arm alike
         for tag, protect, flags, spares in arms[i % len(arms):] + arms[:i % len(arms)]:
-            # the spare arm runs twice as long: its first steps share the CPUs with the spare's start
-            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps * (2 if spares else 1), model, flags, spares,
+            # a protected arm runs twice as long: its first steps share the CPUs with the standbys' (and the
+            # spare's) start
+            r = run_job(tmp, f"{label}-{tag}-{i}", protect, steps * (2 if protect else 1), model, flags, spares,
                         layout)
             load.append(os.getloadavg()[0])
             if spares:
                 spare_series.append([round(x, 5) for x in r["steps"]])
-            if spares and r["settled_step"] is not None:
-                settled_steps.append(r["settled_step"])
-                spare_start.extend(r["steps"][warmup:max(warmup, r["settled_step"])])
+            if protect:
+                settled_steps[tag].append(r["settled_step"])
+            if protect and r["settled_step"] is not None:
+                starting[tag].extend(r["steps"][warmup:max(warmup, r["settled_step"])])
                 times[tag].extend(trimmed(r["steps"], max(warmup, r["settled_step"])))
-            elif spares:   # never settled (or no progress times): every step counts, the start included
-                settled_steps.append(None)
-                times[tag].extend(trimmed(r["steps"], warmup))
-            else:
+            else:   # unprotected, or never settled (or no progress times): every step counts, the start included
                 times[tag].extend(trimmed(r["steps"], warmup))
             if tag == "on":
                 stats.extend(s for s in r["stats"] if s["step"] > warmup)
@@ -150,10 +167,12 @@ def measure(tmp: Path, label: str, pairs: int, steps: int, warmup: int, model: l
     return {
         "model": label, "step_on_s": on, "step_off_s": off, "ratio": on / off,
         "step_spare_s": statistics.median(times["spare"]), "ratio_spare": statistics.median(times["spare"]) / off,
-        # the spare's one-time start on this shared machine (on a cluster it has its own node): the steps from
-        # --warmup until its pre-started workers went idle, and the step that happened at in each run
-        "ratio_spare_start": statistics.median(spare_start) / off if spare_start else None,
-        "spare_settled_step": settled_steps,
+        # the pre-started workers' one-time start on this shared machine (on a cluster: a node's spare host cores,
+        # the spare's own node): the steps from --warmup until they went idle, and the step that was in each run
+        "ratio_start": statistics.median(starting["on"]) / off if starting["on"] else None,
+        "settled_step": settled_steps["on"],
+        "ratio_spare_start": statistics.median(starting["spare"]) / off if starting["spare"] else None,
+        "spare_settled_step": settled_steps["spare"],
         "spare_step_series_s": spare_series,
         # the spread of the off arm's per-run medians: how much the same job moves between runs right now
         "off_spread": _spread(times["off"], pairs), "load_avg_1m": [min(load), max(load)],
@@ -179,6 +198,9 @@ def main() -> int:
                    help="add a third arm: protection on + persistent checkpoints every N steps")
     p.add_argument("--layouts", default="ddp",
                    help=f"comma-separated, of {', '.join(LAYOUTS)}: ddp over --sizes, the others at their defaults")
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="pace every step to at least this long (the suite's small run: a tiny model's job then "
+                        "outlasts the pre-started workers' start; the ratios are then of sleeps, not of compute)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     layouts = [x for x in args.layouts.split(",") if x]
@@ -190,7 +212,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="phoenixrun-overhead-") as tmp:
         if "ddp" in layouts:
             for i, d in enumerate(int(x) for x in args.sizes.split(",")):
-                model = ["--d-model", str(d), "--layers", "2"]
+                model = ["--d-model", str(d), "--layers", "2"] + \
+                    (["--step-seconds", str(args.step_seconds)] if args.step_seconds else [])
                 rows.append(measure(Path(tmp), f"d{d}", args.pairs if i == 0 or args.knee_pairs is None else args.knee_pairs, args.steps,
                                     args.warmup, model, persist))
                 print(_fmt(rows[-1]), flush=True)
@@ -217,8 +240,10 @@ def _fmt(r: dict) -> str:
                f"{r['ratio_persist']:.3f})" if r["persist_every"] else "")
     start = (f" (while the spare's workers start: {r['ratio_spare_start']:.3f}, until steps "
              f"{r['spare_settled_step']})" if r.get("ratio_spare_start") else "")
+    on_start = (f" (while the standby workers start: {r['ratio_start']:.3f}, until steps {r['settled_step']})"
+                if r.get("ratio_start") else "")
     return (f"{r['model']}: step on {1000 * r['step_on_s']:.1f} ms / off {1000 * r['step_off_s']:.1f} ms = "
-            f"ratio {r['ratio']:.3f}; with a warm spare {1000 * r['step_spare_s']:.1f} ms = ratio "
+            f"ratio {r['ratio']:.3f}{on_start}; with a warm spare {1000 * r['step_spare_s']:.1f} ms = ratio "
             f"{r['ratio_spare']:.3f}{start}{persist}; off arm run-to-run spread {100 * r['off_spread']:.1f}%, load average "
             f"{r['load_avg_1m'][0]:.1f}-{r['load_avg_1m'][1]:.1f}; d2h {1000 * r['d2h_s']:.2f} ms, h2h {1000 * r['h2h_s']:.2f} ms vs compute "
             f"window {1000 * r['window_s']:.1f} ms (exposed stall {1000 * r['stall_s']:.2f} ms); replicated "
