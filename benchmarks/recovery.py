@@ -11,8 +11,8 @@ the ranks' own progress logs), the recovery latency and the replayed steps, and 
     python benchmarks/recovery.py [--nodes 4] [--nproc 2] [--kill 80] [--ckpt-every 50] [--trials 3]
                                   [--no-baseline] [--json out.json]
 
---no-baseline skips torchrun: the per-phase recovery times at several sizes are what the
-recovery-time fit (phoenixrun/sim/recovery_fit.py) needs.
+--no-baseline skips torchrun: the per-phase recovery times are what the measured recovery curve
+(`phoenixrun simulate --rank-result`, phoenixrun/sim/recovery_curve.py) adds to the control plane.
 
 --long-steps S runs tests/scripts/long_steps.py instead of the example: steps of about S seconds spent in backward
 (sleeps between DDP gradient buckets, so the machine's load hardly matters), the kill early in a step. It also

@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from phoenixrun.sim import model, scale_report
+from phoenixrun.sim import curve_report, model
 from phoenixrun.sim.montecarlo import (
     DEFAULT_TRIALS,
     PRESETS,
@@ -26,7 +26,7 @@ from phoenixrun.sim.montecarlo import (
     load_trace,
     run,
 )
-from phoenixrun.sim.recovery_fit import FitError
+from phoenixrun.sim.recovery_curve import CurveError
 from phoenixrun.sim.sizing import Estimate as SizingEstimate
 from phoenixrun.sim.sizing import Fleet, exhaustion_probability_exact, loss_probability_exact, size
 
@@ -152,13 +152,18 @@ def _plot(path: str, name: str, mc: MonteCarloResult) -> None:
               help="Failure times, seconds since job start, one per line (replaces the Poisson process).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write a PNG of the lost time per job (needs matplotlib); with --recovery-fit, of the "
-                   "recovery phases and efficiency vs scale.")
-@click.option("--recovery-fit", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Samples of measured recovery phases (benchmarks/recovery_fit.py writes them): fit a power law "
-                   "per phase and extrapolate recovery time and efficiency to 100K GPUs, instead of the Monte Carlo.")
-@click.option("--gpu-mttf", type=POSITIVE, default=scale_report.DEFAULT_GPU_MTTF_S, show_default=True,
-              help="With --recovery-fit: per-GPU MTTF, seconds (job MTTF = this / GPUs).")
+              help="Write a PNG of the lost time per job (needs matplotlib); with --scale-result, of the "
+                   "measured recovery time and efficiency vs scale.")
+@click.option("--scale-result", "scale_results", multiple=True, default=(),
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="A `benchmarks/master_scale.py --json` result (repeat for each size): with --rank-result, the "
+                   "recovery time at each measured size and the Monte Carlo of the job there, instead of one "
+                   "scenario.")
+@click.option("--rank-result", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --scale-result: a `benchmarks/recovery.py` or `benchmarks/detection.py --json` result, "
+                   "whose node-loss trials give what real ranks add (quiesce + restore).")
+@click.option("--gpu-mttf", type=POSITIVE, default=curve_report.DEFAULT_GPU_MTTF_S, show_default=True,
+              help="With --scale-result: per-GPU MTTF, seconds (job MTTF = this / GPUs).")
 @click.option("--sizing", is_flag=True,
               help="Instead: how many replicas and spares the job needs (probability of losing a node's private "
                    "state, of running out of spares), Monte Carlo over --trials runs of --steps steps.")
@@ -175,7 +180,8 @@ def _plot(path: str, name: str, mc: MonteCarloResult) -> None:
 @click.option("--target", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.01,
               show_default=True, help="With --sizing: acceptable probability over the run.")
 def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: bool, plot: str | None,
-             recovery_fit: Path | None, gpu_mttf: float, sizing: bool, nodes: int, p_fault: float | None,
+             scale_results: tuple[Path, ...], rank_result: Path | None, gpu_mttf: float, sizing: bool, nodes: int,
+             p_fault: float | None,
              domain_fault: float, domains: int, window: int, target: float, **overrides: Any) -> None:
     """Checkpoint-restart vs PHOENIX hot swap: closed-form efficiency and a Monte Carlo of lost time."""
     if plot is not None:
@@ -185,8 +191,10 @@ def simulate(example: str, trials: int, seed: int, trace: str | None, as_json: b
             click.echo("Error: --plot needs matplotlib: pip install 'phoenixrun[plot]'", err=True)
             raise SystemExit(2) from None
     scenario = dataclasses.replace(PRESETS[example], **{k: v for k, v in overrides.items() if v is not None})
-    if recovery_fit is not None:
-        _scale(recovery_fit, scenario, gpu_mttf, as_json, plot)
+    if scale_results or rank_result is not None:
+        if not scale_results or rank_result is None:
+            raise click.UsageError("the recovery curve needs both --scale-result (one or more) and --rank-result")
+        _curve(scale_results, rank_result, scenario, gpu_mttf, trials, seed, as_json, plot)
         return
     if sizing:
         if p_fault is None:
@@ -245,17 +253,18 @@ def _sizing(fleet: Fleet, target: float, trials: int, seed: int, as_json: bool) 
                   f"{r.spares if r.spares is not None else '? (more --trials needed to resolve the target)'}")
 
 
-def _scale(path: Path, scenario: model.Scenario, gpu_mttf: float, as_json: bool, plot: str | None) -> None:
+def _curve(scale: tuple[Path, ...], ranks: Path, scenario: model.Scenario, gpu_mttf: float, trials: int, seed: int,
+           as_json: bool, plot: str | None) -> None:
     try:
-        r = scale_report.build(path, scenario.t_step_s, scenario.phi, gpu_mttf)
-    except FitError as e:
-        raise click.BadParameter(str(e), param_hint="'--recovery-fit'") from None
+        r = curve_report.build(scale, ranks, scenario, gpu_mttf, trials, seed)
+    except CurveError as e:
+        raise click.UsageError(str(e)) from None
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
-        scale_report.print_report(r)
+        curve_report.print_report(r)
     if plot is not None:
-        scale_report.plot(r, path, plot)
+        curve_report.plot(r, plot)
         if not as_json:
             click.echo(f"plot written to {plot}")
 
