@@ -102,7 +102,7 @@ class JobState:
     def new_stragglers(self) -> list[NodeRecord]:
         """The active nodes that just became stragglers (Telemetry.new_stragglers), while the job runs."""
         policy = self.cfg.stragglers
-        return self.telemetry.new_stragglers(self.members.actives(), self.course.phase == Phase.RUNNING,
+        return self.telemetry.new_stragglers(self.members.actives, self.course.phase == Phase.RUNNING,
                                              policy.straggler_ratio, policy.straggler_window)
 
     def note_progress(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 from phoenixrun.control.decide import STRAGGLER_WINDOWS, stragglers
 from phoenixrun.control.state import NodeRecord
@@ -43,14 +44,17 @@ class Telemetry:
             return        # the first step seen: warming up, or measured across the recovery
         self.compute.setdefault(node.node_id, deque(maxlen=window * STRAGGLER_WINDOWS)).append(max(vals))
 
-    def new_stragglers(self, actives: list[NodeRecord], running: bool, ratio: float,
+    def new_stragglers(self, list_actives: Callable[[], list[NodeRecord]], running: bool, ratio: float,
                        window: int) -> list[NodeRecord]:
         """Of the active nodes, those that just became stragglers (decide.stragglers; each node's `straggler`
-        kept up to date). O(nodes): at most twice a second, and only while the job runs."""
+        kept up to date). O(nodes): at most twice a second, and only while the job runs - the active nodes are
+        listed only then (called per heartbeat, listing them first was O(nodes) a heartbeat: issue 32's 4K runs
+        spent 46% of the master's samples there and registered 3,477 of 4,097 agents in 107 s)."""
         now = time.time()
         if now - self.stragglers_at < 0.5 or not running:
             return []
         self.stragglers_at = now
+        actives = list_actives()
         found = stragglers({n.slot: list(self.compute.get(n.node_id, ())) for n in actives if n.slot is not None},
                            ratio, window)
         newly = []
