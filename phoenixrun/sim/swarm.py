@@ -22,11 +22,12 @@ import asyncio
 import gc
 import json
 import random
+import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
+from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S, DIRECTIVE_POLL_S
 from phoenixrun.protocol.directives import decode
 from phoenixrun.protocol.names import Command, Endpoint, ReportKind
 from phoenixrun.protocol.status import Status
@@ -171,6 +172,27 @@ class Lane:
     async def request(self, raw: bytes) -> tuple[int, bytes]:
         return await self.send(raw)
 
+    def send_within(self, raw: bytes, timeout: float = CLIENT_TIMEOUT_S) -> asyncio.Future:
+        """send, with the agent's client timeout (protocol/client.py): no answer within it, the connection is given
+        up - what waits on it fails, the next request dials anew - as the agent's http.client connection is. Without
+        it a request on a connection that never completes (a connect the master's full listen queue dropped: the
+        client's side looks established, the master's never got it) waited forever, and the agents sharing it never
+        heartbeated again (issue 32: 3,758 of 4,097 agents never got the job's start)."""
+        fut = self.send(raw)
+        conn = self.conn
+        if not fut.done():
+            handle = asyncio.get_running_loop().call_later(timeout, self._expire, conn, fut)
+            fut.add_done_callback(lambda _: handle.cancel())
+        return fut
+
+    def _expire(self, conn: HttpConnection | None, fut: asyncio.Future) -> None:
+        if fut.done() or conn is None or conn.lost:
+            return
+        conn.lost = True
+        if conn.transport is not None:
+            conn.transport.abort()
+        conn.connection_lost(None, f"no answer within {CLIENT_TIMEOUT_S:g}s")
+
     @property
     def answered_at(self) -> float:
         return self.conn.answered_at if self.conn else 0.0
@@ -243,10 +265,13 @@ class Swarm:
                 a = todo.pop(0)
                 raw = self._raw(Endpoint.REGISTER, {
                     "node_id": a.node_id, "host": self.cfg.peer_host, "agent_pid": 0, "peer_addr": a.peer_addr,
-                    "fault_domain": "", "nproc_per_node": self.cfg.nproc_per_node})
+                    "fault_domain": "", "nproc_per_node": self.cfg.nproc_per_node,
+                    # as the agent's (agents/agent.py): a retry of a registration whose answer was lost is its own
+                    # (without it a retry after a timeout was refused as another process's, for good)
+                    "nonce": secrets.token_hex(16)})
                 for attempt in range(50):    # like the agent (agents/master_link.py): unreachable, try again
                     try:
-                        status, body = await conn.request(raw)
+                        status, body = await conn.send_within(raw)
                         break
                     except ConnectionError as e:
                         self.errors.append(f"register {a.node_id}: {e}")
@@ -347,7 +372,7 @@ class Swarm:
             else:
                 self.errors.append(f"heartbeat {a.node_id}: HTTP {f.result()[0]}")
             loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
-        conn.send(self._raw(Endpoint.HEARTBEAT, payload)).add_done_callback(done)
+        conn.send_within(self._raw(Endpoint.HEARTBEAT, payload)).add_done_callback(done)
 
     async def _poll_loop(self, a: SimAgent) -> None:
         conn, relays = self._polls[a.index], self.relays
@@ -445,7 +470,8 @@ class Swarm:
                 self.errors.append(f"report {ev['kind']}: {f.exception()}")
             elif f.result()[0] != Status.OK:
                 self.errors.append(f"report {ev['kind']}: HTTP {f.result()[0]} {f.result()[1][:100]!r}")
-        conn.send(self._raw(Endpoint.REPORT, {"node_id": a.node_id, "token": a.token, **ev})).add_done_callback(done)
+        conn.send_within(self._raw(Endpoint.REPORT, {"node_id": a.node_id, "token": a.token, **ev})
+                         ).add_done_callback(done)
 
     # ------------------------------------------------------------------ control
     async def fail(self, a: SimAgent, fault: str = "kill") -> float:
