@@ -38,6 +38,7 @@ from phoenixrun.agents.master_link import MasterLink
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerServer
+from phoenixrun.agents.neighbour_watch import PING_IO_TIMEOUT_S, PING_OP, NeighbourWatch, answer_ping
 from phoenixrun.agents.relay import ParentLink, RelayCache
 from phoenixrun.agents.persister import PersistConfig, Persister
 from phoenixrun.agents.phases import PhaseAcks
@@ -105,7 +106,7 @@ class Agent:
         self.channel = WorkerChannelServer(self.sock_path, self.worker_ops.on_message, self.worker_ops.on_close)
         relay = RelayCache()       # its directive fan-out part (agents/relay.py)
         self.peer_server = PeerServer(self.cfg.host, self.cfg.secret,
-                                      {**self.replicator.peer_handlers(), RELAY_OP: relay.serve},
+                                      {**self.replicator.peer_handlers(), RELAY_OP: relay.serve, PING_OP: answer_ping},
                                       sinks=self.replicator.peer_sinks())
         self.drills = FaultDrills(self.node, self.life, self.supervisor, self.injected, self.cut, self.peer_server,
                                   self.peers)
@@ -119,6 +120,11 @@ class Agent:
             heartbeat_interval=self.cfg.heartbeat_interval, node_state=self._heartbeat_state,
             rejoin_state=self._rejoin_state, on_inject=self.drills.inject,
             parent=ParentLink(GatedPeerClient(self.cfg.secret, self.cut, io_timeout=RELAY_POLL_S + 3)), relay=relay)
+        # its ring neighbours, pinged with a short timeout of their own (agents/neighbour_watch.py)
+        pings = GatedPeerClient(self.cfg.secret, self.cut, connect_timeout=PING_IO_TIMEOUT_S,
+                                io_timeout=PING_IO_TIMEOUT_S)
+        self.watch = NeighbourWatch(pings.call, self.reporter.send_now, self.life.stopped)
+        self.link.on_watch = self.watch.follow
         try:
             reg = self.link.register(node_rank=self.cfg.node_rank)
         except ControlError as e:
@@ -130,7 +136,7 @@ class Agent:
             self._cleanup()
             return int(reg.get("exit_code", 2))
         self._registered(reg)
-        for target in (self.link.poll_directives, self.link.heartbeat):
+        for target in (self.link.poll_directives, self.link.heartbeat, self.watch.run):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
         self.reporter.start()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -45,6 +45,7 @@ class MasterLink:
         self.parent_addr: str | None = None   # the relay this node polls (None: the master)
         self.serves = False                   # it is a relay: its polls speak for its children
         self._direct_until = 0.0              # its relay failed: poll the master directly until then
+        self.on_watch: Callable[[object], None] = lambda watch: None   # agents/neighbour_watch.py's follow
 
     def current_master(self, reply: dict) -> bool:
         """Is `reply` from a master this node may listen to? A newer epoch is a new master: its directive versions
@@ -165,6 +166,7 @@ class MasterLink:
                         self.life.fenced(reply.get("reason"), reply.get("exit_code", 0))
                         return
                     self.follow(reply.get("relay"))
+                    self.on_watch(reply.get("watch"))     # the ring neighbours to watch (agents/neighbour_watch.py)
                     for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
                         self.on_inject(fault)
             except ControlError as e:

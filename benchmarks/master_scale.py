@@ -57,7 +57,8 @@ def main() -> int:
           f"p99 {s['heartbeat_p99_ms']} ms; load generator {s['swarm_cores']:.2f} cores")
     print(f"failure ({args.fault}) of {rec['failed_node']} (slot {rec['failed_slot']}): detected "
           f"{rec['detect_after_fault_s']:.3f} s after the fault, {rec['detect_s']:.3f} s after its last heartbeat "
-          f"(--node-timeout {args.node_timeout:g} s); by: {rec['detected_by']}")
+          f"(--node-timeout {args.node_timeout:g} s); by: {rec['detected_by']}; ring watchers' suspect reports: "
+          f"{rec['suspect_reports']}")
     print(f"  quiesce broadcast sent {rec['quiesce_sent_s']:.3f} s (read: half {rec['quiesce_broadcast_p50_s']:.3f} s, "
           f"all {rec['quiesce_broadcast_s']:.3f} s), acks {rec['quiesce_acks_s']:.3f} s, plan {rec['plan_s']:.3f} s, "
           f"restore sent {rec['restore_sent_s']:.3f} s (read: half {rec['restore_broadcast_p50_s']:.3f} s, "

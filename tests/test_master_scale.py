@@ -36,14 +36,18 @@ def test_256_agents_failure_detected_and_every_agent_reached(tmp_path):
     cfg = LoadTestConfig(run_dir=tmp_path, nodes=256, nproc_per_node=4, heartbeat_s=0.25, node_timeout_s=2.0,
                          steady_s=1.0, phase_timeout_s=60.0, fault="silent")
     r = run_load_test(cfg)   # raises LoadTestError naming the step if any agent is not reached
-    assert r["agents"] == 257 and r["errors"] == []
+    # (a heartbeat the master did not answer within the agent's client timeout is given up and sent again, as the
+    # agent's is: on this shared machine at a load average of 20-25 the master answered some after > 5 s)
+    assert r["agents"] == 257 and [e for e in r["errors"] if "no answer within" not in e] == []
     s, rec = r["steady"], r["recovery"]
     # the load really ran. (How many heartbeats a second the generator sends depends on how busy this machine is -
     # 284-330/s at load average 16-24 against ~1,000/s idle: a rate is benchmarks/master_scale.py's to report.)
     assert s["heartbeats"] > 0
-    # detected by the heartbeat timeout, not before it (no false positive); how soon after is the benchmark's figure,
-    # the bound here only that it was found at all within a recovery phase's deadline
-    assert 2.0 <= rec["detect_s"] < 2.0 + cfg.phase_timeout_s
+    # a hung host: found by its ring watchers (control/ring_watch.py) and confirmed by the master, not by the 2 s
+    # heartbeat timeout; how soon is the benchmark's figure
+    assert "ring watchers" in rec["detected_by"] and rec["suspect_reports"] >= 1, rec
+    assert rec["detect_after_fault_s"] < cfg.node_timeout_s, rec
+    assert rec["lost_nodes"] == [rec["failed_node"]], "a live node was declared lost"
     assert rec["failed_slot"] is not None and list(rec["replaced_slots"]) == [str(rec["failed_slot"])]
     for name in ("quiesce", "restore", "resume"):
         # the master reports each broadcast sent to every agent (its directive_sent event), and every agent read it;

@@ -40,7 +40,9 @@ from phoenixrun.control.roster import Roster
 from phoenixrun.control.server import ControlServer
 from phoenixrun.control.standby import Acquired, LeaseKeeper, await_lease
 from phoenixrun.control.state import NodeRecord, Phase, Role
+from phoenixrun.control.watch_desk import WatchDesk
 from phoenixrun.protocol import messages
+from phoenixrun.protocol.suspect import is_suspect_report, parse_suspect
 from phoenixrun.protocol.events import (MasterDeposed, MasterStandby, MasterStarted, MasterTakeover,
                                        RejectedRequest)
 
@@ -70,6 +72,9 @@ class Master:
                                        probe=unreachable)
         self.monitor = HeartbeatMonitor(self.job, self.events, self._inbox)
         self.relays = RelayDesk(self.job, cfg.recovery.relay_threshold)   # the directive fan-out tree (relaying.py)
+        self.watch = WatchDesk(self.job, cfg.recovery.relay_threshold)     # silent nodes found by their ring neighbours (watch_desk.py)
+        self.watch.lost = self.monitor.declare_lost
+        self.monitor.watch = self.watch
         self.lease_id = master_id()
         self.lease_dir = LeaseDir(self.run_dir) if cfg.lease.lease_ttl else None
         self.acquired: Acquired | None = None
@@ -177,10 +182,16 @@ class Master:
 
     def heartbeat(self, p: dict) -> dict:
         reply = self.handlers.heartbeat(p)
-        link = self.relays.link(p["node_id"]) if reply.get("ok") else None
-        return reply if link is None else {**reply, "relay": link}
+        if not reply.get("ok"):
+            return reply
+        link = self.relays.link(p["node_id"])
+        reply = reply if link is None else {**reply, "relay": link}
+        return {**reply, "watch": self.watch.watch(p["node_id"])}
 
     def report(self, p: dict) -> dict:
+        if is_suspect_report(p):      # a ring watcher's (protocol/suspect.py): judged by the watch desk
+            self.watch.note(parse_suspect(p), time.time())
+            return {"ok": True}
         return self.handlers.report(p)
 
     def inject(self, p: dict) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from phoenixrun.control.detection import PROBE_TIMEOUT_S, Link, Probe, closed_link, judged_at
 from phoenixrun.control.events import EventLog
@@ -17,6 +17,9 @@ from phoenixrun.control.probe import unreachable
 from phoenixrun.control.state import Phase, Role
 from phoenixrun.protocol.events import MasterStalled
 from phoenixrun.protocol.names import ReportKind
+
+if TYPE_CHECKING:
+    from phoenixrun.control.watch_desk import WatchDesk
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -39,6 +42,7 @@ class HeartbeatMonitor:
         self.job, self.events, self.inbox, self.probe = job, events, inbox, probe
         self.transport: Transport | None = None    # set once the transport runs
         self._links: list[tuple[str, float]] = []  # closed links still to be confirmed
+        self.watch: WatchDesk | None = None         # the ring watchers' suspicions (control/watch_desk.py)
 
     def run(self) -> None:
         job = self.job
@@ -51,6 +55,8 @@ class HeartbeatMonitor:
             t = time.monotonic()
             slept, woke = t - woke, t
             self._check_links()
+            if self.watch is not None:
+                self.watch.judge_all(now)
             with job.cv:
                 if slept > 4 * tick:
                     self._forgive_stall(slept - tick)
@@ -66,6 +72,17 @@ class HeartbeatMonitor:
                                         "detail": f"no heartbeat for {seen - n.last_heartbeat:.1f}s"})
                     n.last_heartbeat = now  # report once per timeout period
                     job.members.heard.move_to_end(nid)
+
+    def declare_lost(self, node_id: str, detail: str) -> None:
+        """A node found lost by other evidence than its silence (its ring watchers: control/watch_desk.py). Call
+        with the lock held. The silence path does not report it again this timeout period."""
+        n = self.job.members.nodes.get(node_id)
+        if n is None or n.role in GONE:
+            return
+        now = time.time()
+        self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": node_id, "t": now, "detail": detail})
+        n.last_heartbeat = now
+        self.job.members.heard.move_to_end(node_id)
 
     def _check_links(self) -> None:
         """Confirm the agents' closed links (control/detection.py's closed_link): probe the peer ports of those not

@@ -215,6 +215,8 @@ def _recovery(cfg: LoadTestConfig, swarm: Swarm, victim: SimAgent, last_hb: floa
         # recovery's three broadcasts (quiesce, restore, resume); the tree as it stood at the fault
         "master_directive_writes": writes, "master_writes_per_broadcast": round(writes / 3, 1), **tree,
         "victim_was_relay": victim.node_id in tree["relay_ids"],
+        # the ring watch (control/ring_watch.py): suspect reports the victim's watchers sent the master
+        "suspect_reports": swarm.watch.reports,
         # every node the master declared lost until the last agent resumed: the victim alone, or live ones too
         "lost_nodes": sorted({e["node"] for e in ev if e["event"] == "fault_detected" and e["t"] <= t_end}),
     }

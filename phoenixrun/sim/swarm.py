@@ -32,6 +32,7 @@ from phoenixrun.protocol.directives import decode
 from phoenixrun.protocol.names import Command, Endpoint, ReportKind
 from phoenixrun.protocol.status import Status
 from phoenixrun.sim.swarm_relay import SwarmRelays
+from phoenixrun.sim.swarm_watch import SwarmWatch
 from phoenixrun.topology import Layout, place_replicas
 
 
@@ -217,6 +218,7 @@ class Swarm:
         n = cfg.nnodes + cfg.spares
         self.agents = [SimAgent(i, f"sim{i:05d}") for i in range(n)]
         self.relays = SwarmRelays(self.agents)        # the directive fan-out (sim/swarm_relay.py)
+        self.watch = SwarmWatch()                     # the ring watch of silent neighbours (sim/swarm_watch.py)
         self.step = 1
         self.recovering = False       # from the first quiesce to the resume: no step completes (as in a job)
         self.heartbeats_ok = 0
@@ -309,6 +311,8 @@ class Swarm:
         self._report_conns = [self._lane() for _ in range(self.cfg.report_connections)]
         self._tasks.append(asyncio.create_task(self._advance_steps()))
         self._tasks.append(asyncio.create_task(self._watch_own_lag()))
+        self._tasks.append(asyncio.create_task(self.watch.run(lambda nid: self.relays.by_id[nid].alive,
+                                                              lambda nid, ev: self._report(self.relays.by_id[nid], ev))))
 
     async def _watch_own_lag(self, period: float = 0.05, note: float = 0.5) -> None:
         """Note when this process itself did not run (a stand-in for thousands of machines on a few cores): a
@@ -366,6 +370,7 @@ class Swarm:
                 self.errors.append(f"heartbeat {a.node_id}: {f.exception()}")
             elif f.result()[0] == Status.OK:
                 self.relays.follow(a, f.result()[1])
+                self.watch.follow(a.node_id, f.result()[1])
                 a.last_heartbeat = time.time()
                 self.heartbeats_ok += 1
                 self.heartbeat_latency.append(time.monotonic() - t0)
@@ -483,6 +488,7 @@ class Swarm:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {fault!r}")
         a.alive = False
         self.relays.fail(a, fault)
+        self.watch.fail(a.node_id)
         if fault == "kill":
             srv = self._victim_server.pop(a.index, None)
             if srv is not None:
