@@ -27,9 +27,18 @@ def test_a_heartbeat_does_not_walk_every_node(tmp_path, monkeypatch):
     listed = []
     real = job.members.actives
     monkeypatch.setattr(job.members, "actives", lambda: listed.append(1) or real())
-    for _ in range(1000):       # a thousand heartbeats within well under the 0.5 s rate limit, on any machine
+
+    class Slots(dict):          # counts the walks over the slot holders (the throughput sample's)
+        def values(self):
+            for v in super().values():
+                listed.append(v) if v == "n0" else None
+                yield v
+    job.members.slots = Slots(job.members.slots)
+    for _ in range(1000):       # a thousand heartbeats within well under the 0.5 s rate limits, on any machine
         assert job.new_stragglers() == []
-    assert len(listed) <= 2, f"the active nodes were listed {len(listed)} times for 1000 heartbeats"
+        job.note_progress()
+    # (16K agents, issue 32: the slot holders listed per heartbeat for the throughput sample, 28% of the master)
+    assert len(listed) <= 4, f"every node was walked {len(listed)} times for 1000 heartbeats"
 
 
 def test_256_agents_failure_detected_and_every_agent_reached(tmp_path):

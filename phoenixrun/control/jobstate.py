@@ -107,7 +107,7 @@ class JobState:
 
     def note_progress(self) -> None:
         """Throughput samples for status (Telemetry.note_progress), from the nodes holding slots."""
-        self.telemetry.note_progress(list(self.members.slots.values()))
+        self.telemetry.note_progress(self.members.slots.values())   # a view: walked only when due
 
     def absorb(self, ev: dict[str, Any], emit: Callable[..., None]) -> None:
         """What any report changes whatever the phase (a spare lost, the protection mode); faults are the
