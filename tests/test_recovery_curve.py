@@ -62,7 +62,7 @@ def test_control_point_from_a_master_scale_result(tmp_path):
     old.write_text(json.dumps({"config": {"nodes": 256, "nproc_per_node": 4},
                                "recovery": {"detect_s": 5.2, "fault_to_all_resumed_s": 0.05}}))
     c = load_control(old)
-    assert (c.detect_s, c.fault) == (5.2, "silent")
+    assert (c.detect_s, c.fault) == (5.2, "silent, timeout")
 
 
 @pytest.mark.parametrize("content, match", [

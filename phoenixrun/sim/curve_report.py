@@ -82,10 +82,9 @@ def plot(r: dict[str, Any], out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for fault, marker in (("kill", "o"), ("silent", "s")):
+    faults = sorted({row["fault"] for row in r["curve"]})
+    for fault, marker in zip(faults, "os^Dv"):
         rows = [row for row in r["curve"] if row["fault"] == fault]
-        if not rows:
-            continue
         xs = [row["gpus"] for row in rows]
         bottom = [0.0] * len(rows)
         for key, label, color in (("detect_s", "detection", "C0"), ("control_s", "+ control plane", "C1"),

@@ -32,6 +32,8 @@ from typing import Any, Mapping, Sequence
 
 # results written before protocol/timings.py named the one load of model and optimizer state twice
 OLD_NAMES = {"state_s": "optimizer_s"}
+# the fault of a result written before master_scale.py named it: a silent node, before the ring watch found one
+TIMEOUT = "silent, timeout"
 REBUILD_CAVEAT = ("the rebuild is gloo's at a few ranks: on a cluster NCCL's communicator init grows with the "
                   "world, so this is a lower bound")
 
@@ -47,7 +49,7 @@ class ControlPoint:
     gpus: int
     detect_s: float        # the fault -> detected
     control_s: float       # detected -> every agent resumed
-    fault: str             # how the node was failed: kill (its connections close) or silent (a hung host)
+    fault: str             # how: kill (its connections close), silent (a hung host) or TIMEOUT (an older result)
     source: str
 
 
@@ -132,7 +134,7 @@ def _number(d: Mapping[str, Any], key: str, path: Path) -> float:
 def load_control(path: Path) -> ControlPoint:
     """A `benchmarks/master_scale.py --json` result. Detection: `detect_after_fault_s` (from the fault itself),
     or in results written before it existed `detect_s` (from the node's last heartbeat): those runs stopped the
-    node without closing its connections, a silent node found by the heartbeat timeout."""
+    node without closing its connections and nothing but the heartbeat timeout found it (`TIMEOUT`)."""
     d = _read(path)
     cfg, rec = d.get("config"), d.get("recovery")
     if not isinstance(cfg, dict) or not isinstance(rec, dict):
@@ -141,7 +143,7 @@ def load_control(path: Path) -> ControlPoint:
     nodes, nproc = int(_number(cfg, "nodes", path)), int(_number(cfg, "nproc_per_node", path))
     detect = _number(rec, "detect_after_fault_s" if "detect_after_fault_s" in rec else "detect_s", path)
     return ControlPoint(nodes, nodes * nproc, detect, _number(rec, "fault_to_all_resumed_s", path),
-                        str(rec.get("fault") or cfg.get("fault") or "silent"), f"{Path(path).name}")
+                        str(rec.get("fault") or cfg.get("fault") or TIMEOUT), f"{Path(path).name}")
 
 
 def _trials(d: Mapping[str, Any], path: Path) -> tuple[int, list[Mapping[str, Any]]]:
