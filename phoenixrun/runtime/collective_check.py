@@ -17,14 +17,9 @@ import inspect
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
-
 import torch
 
 import phoenixrun
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroupGloo
 
 OP_BYTES, SITE_BYTES = 32, 224
 RECORD_BYTES = OP_BYTES + SITE_BYTES
@@ -102,13 +97,13 @@ class Checks:
     def disarm(self) -> None:
         self.armed = False
 
-    def before(self, backend: ProcessGroupGloo, op: str, size: int, members: tuple[int, ...] | None) -> None:
+    def before(self, backend: object, op: str, size: int, members: tuple[int, ...] | None) -> None:
         """Compare `op` across the group (one all-gather on `backend`); raise CollectiveMismatch on a difference."""
         if not self.armed or op in UNCHECKED or size <= 1:
             return
         mine = encode(Issued(op, call_site()))
         out = [torch.empty_like(mine) for _ in range(size)]
-        backend.allgather([out], [mine]).wait()  # type: ignore[attr-defined]  # in torch, absent from its stubs
+        backend.allgather([out], [mine]).wait()  # type: ignore[attr-defined]  # any group backend: ops by name
         msg = mismatch([decode(t) for t in out], members)
         if msg is not None:
             self.armed = False     # every member raises here; nothing after it is compared

@@ -20,11 +20,13 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
+
+if TYPE_CHECKING:   # torch's CUDA build only: imported where it is built (make_nccl_backend)
+    from torch._C._distributed_c10d import ProcessGroupNCCL
 
 log = logging.getLogger("phoenixrun.runtime")
 
@@ -67,24 +69,27 @@ class Generation(ABC):
         self.baseline: set[str] = set(socket_inodes())
         self.aborted = False
         self.destroyed = False
-        self.store = None
-        self.prefix = None
-        self.backend = None
-        self.subgroups: list = []
+        self.store: TCPStore | None = None
+        self.prefix: PrefixStore | None = None
+        self.backend: Backend | None = None
+        self.subgroups: list[Backend] = []
 
     def open(self) -> "Generation":
         """Connect the store and build the world's backend (blocks until every member has joined)."""
-        self.store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, is_master=False,
+        self.store = TCPStore(self.master_addr, self.master_port, self.world_size, is_master=False,
                                    timeout=self.timeout, use_libuv=True)
         self._check_aborted()
-        self.prefix = dist.PrefixStore(self.prefix_name, self.store)
+        self.prefix = PrefixStore(self.prefix_name, self.store)
         self.backend = self._make(self.prefix, self.rank, self.world_size)
         self._check_aborted()
         return self
 
-    def subgroup_backend(self, name: str, group_rank: int, group_size: int):
+    def subgroup_backend(self, name: str, group_rank: int, group_size: int) -> Backend:
         """A backend for one subgroup of this generation (a rendezvous among its members only)."""
-        b = self._make(dist.PrefixStore(f"group/{name}/", self.prefix), group_rank, group_size)
+        if self.prefix is None:
+            raise RuntimeError(f"phoenixrun: generation {self.generation} is not open (or destroyed): "
+                               f"no backend for group {name}")
+        b = self._make(PrefixStore(f"group/{name}/", self.prefix), group_rank, group_size)
         self.subgroups.append(b)
         self._check_aborted()
         return b
@@ -119,12 +124,12 @@ class Generation(ABC):
 
     # the backend-specific part
     @abstractmethod
-    def _make(self, store, rank: int, size: int): ...
+    def _make(self, store: Store, rank: int, size: int) -> Backend: ...
 
-    def _abort_backend(self, backend) -> None:
+    def _abort_backend(self, backend: Backend) -> None:
         """Backend-specific abort, on top of shutting down the generation's sockets."""
 
-    def _destroy_backend(self, backend) -> None:
+    def _destroy_backend(self, backend: Backend) -> None:
         """Backend-specific release (after this the generation drops its reference)."""
 
 
@@ -137,7 +142,7 @@ class GlooGeneration(Generation):
     kind = "gloo"
     destroy_after_abort = False
 
-    def _make(self, store, rank: int, size: int):
+    def _make(self, store: Store, rank: int, size: int) -> Backend:
         return ProcessGroupGloo(store, rank, size, self.timeout)
 
 
@@ -180,11 +185,12 @@ class DeviceRouted:
     object collectives' CPU buffers, barriers) to gloo - what torch's "cpu:gloo,cuda:nccl" default group does.
     protect() and adaptive protection issue small CPU collectives; NCCL takes only device tensors."""
 
-    def __init__(self, gloo, nccl):
+    def __init__(self, gloo: ProcessGroupGloo, nccl: ProcessGroupNCCL):
         self.gloo, self.nccl = gloo, nccl
 
     @staticmethod
-    def on_cuda(args) -> bool:
+    def on_cuda(args: Sequence[object]) -> bool | None:
+        """Whether the first tensor in `args` (nested lists included) is on a GPU; None: no tensor at all."""
         for a in args:
             if isinstance(a, torch.Tensor):
                 return a.is_cuda
@@ -195,12 +201,12 @@ class DeviceRouted:
                         return found
         return None
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Callable[..., Any]:   # torch's ops: their arguments and works
         gloo_fn, nccl_fn = getattr(self.gloo, name, None), getattr(self.nccl, name, None)
         if gloo_fn is None and nccl_fn is None:
             raise AttributeError(name)
 
-        def call(*args, **kwargs):
+        def call(*args: Any, **kwargs: Any) -> Any:
             fn = nccl_fn if self.on_cuda(args) else gloo_fn
             if fn is None:
                 raise RuntimeError(f"phoenixrun: {name} is not available for these tensors' device")
@@ -217,7 +223,7 @@ def nccl_device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def make_nccl_backend(store, rank: int, size: int, timeout: timedelta):
+def make_nccl_backend(store: Store, rank: int, size: int, timeout: timedelta) -> ProcessGroupNCCL:
     """A real ProcessGroupNCCL over `store` (torch's CUDA build only), non-blocking, connected eagerly to the
     worker's device so that the rendezvous happens now (at the rebuild) and not in the first collective."""
     from torch.distributed import ProcessGroupNCCL
@@ -244,29 +250,37 @@ class NcclGeneration(Generation):
     destroy_after_abort = True
     make_nccl = staticmethod(make_nccl_backend)   # tests on CPU replace this call (and only this one)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, generation: int,
+                 timeout: timedelta, store_prefix: str | None = None):
+        super().__init__(master_addr, master_port, rank, world_size, generation, timeout, store_prefix)
         env, warnings = nccl_env(os.environ, self.timeout.total_seconds())
         for w in warnings:
             log.warning("phoenixrun: %s", w)
         os.environ.update(env)     # read by ProcessGroupNCCL's constructor
 
-    def _make(self, store, rank: int, size: int):
-        gloo = ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, self.timeout)
-        return DeviceRouted(gloo, self.make_nccl(dist.PrefixStore("cuda/", store), rank, size, self.timeout))
+    def _make(self, store: Store, rank: int, size: int) -> Backend:
+        gloo = ProcessGroupGloo(PrefixStore("cpu/", store), rank, size, self.timeout)
+        return DeviceRouted(gloo, self.make_nccl(PrefixStore("cuda/", store), rank, size, self.timeout))
 
-    def _abort_backend(self, backend) -> None:
+    def _abort_backend(self, backend: Backend) -> None:
+        if not isinstance(backend, DeviceRouted):   # never: _make builds only these
+            return
         try:
             backend.nccl.abort()
         except Exception as e:   # an already aborted or failed communicator: the point is reached either way
             log.info("phoenixrun: NCCL abort of generation %d: %s", self.generation, e)
 
-    def _destroy_backend(self, backend) -> None:
+    def _destroy_backend(self, backend: Backend) -> None:
+        if not isinstance(backend, DeviceRouted):   # never: _make builds only these
+            return
         try:
             backend.nccl.shutdown()
         except Exception as e:
             log.info("phoenixrun: NCCL shutdown of generation %d: %s", self.generation, e)
 
+
+# a generation's backend of one group: what the group's collectives are forwarded to (process_group.py)
+Backend = ProcessGroupGloo | DeviceRouted
 
 GENERATION_KINDS: dict[str, type[Generation]] = {"gloo": GlooGeneration, "nccl": NcclGeneration}
 

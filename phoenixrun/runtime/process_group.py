@@ -12,14 +12,18 @@ The generations each group's backend comes from - their rendezvous, abort and re
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo, _create_work_from_future
+from torch._C._distributed_c10d import ProcessGroup, Store, Work
+from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # absent from stubs
 
 from phoenixrun.runtime.collective_check import CHECKS
 from phoenixrun.runtime.generations import Generation
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import _DistributedBackendOptions
 
 BACKEND_NAME = "phoenixrun"
 
@@ -60,6 +64,61 @@ UNSUPPORTED = {
 # called as each collective is issued (the runtime's straggler measure: a step's compute before its first collective)
 ON_COLLECTIVE: Callable[[], None] | None = None
 
+# A group's method built from a table below: torch's arguments (tensors, lists of them, options) in, a Work out
+GroupMethod = Callable[..., Work]
+
+
+def forwarding(name: str, target: str) -> GroupMethod:
+    """The group's method `name`: forwarded to the backend's `target` (locally completed without a backend)."""
+    def method(self: ReconfigurableProcessGroup, *args: Any, **kwargs: Any) -> Work:
+        if ON_COLLECTIVE is not None:
+            ON_COLLECTIVE()
+        if self.inner is None:
+            return self.local_op(name, args)
+        CHECKS.before(self.inner, target, self.size(), self.global_ranks)
+        fn = getattr(self.inner, target, None)
+        if fn is None:
+            raise RuntimeError(f"phoenixrun: {name} is not available on a gloo group (torch 2.13 exposes no "
+                               f"{target} for it); use the uncoalesced collective")
+        work: Work = fn(*args, **kwargs)
+        return work
+    method.__name__ = name
+    return method
+
+
+def coalesced(name: str, single: str) -> GroupMethod:
+    """The coalesced op `name` as one `single` op per (output, input) pair."""
+    # torch 2.13's gloo binding has no coalesced all-gather/reduce-scatter: one op per pair, each waited for
+    # (every member issues the same list in the same order, so the results are those of the coalesced op)
+    def method(self: ReconfigurableProcessGroup, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+               opts: object = None) -> Work:
+        if self.inner is None:
+            return self.local_op(name, (outputs, inputs))
+        CHECKS.before(self.inner, single, self.size(), self.global_ranks)
+        for out, inp in zip(outputs, inputs):
+            fn = getattr(self.inner, single)
+            (fn(out, inp) if opts is None else fn(out, inp, opts)).wait()
+        return local_work()
+    method.__name__ = name
+    return method
+
+
+def unsupported(name: str, why: str) -> Callable[..., NoReturn]:
+    """The group's method `name`, refused with a clear error."""
+    def method(self: ReconfigurableProcessGroup, *args: object, **kwargs: object) -> NoReturn:
+        raise RuntimeError(f"phoenixrun: {name} on a process group is not supported under phoenixrun ({why}); "
+                           "run this script without phoenixrun.init() (plain torchrun) or avoid this call")
+    method.__name__ = name
+    return method
+
+
+def local_work(result: object = None) -> Work:
+    """A Work already completed with `result`."""
+    fut: torch.futures.Future[object] = torch.futures.Future()
+    fut.set_result(result)
+    work: Work = _create_work_from_future(fut)
+    return work
+
 
 class ReconfigurableProcessGroup(ProcessGroup):
     """A process group of fixed members whose backend is replaced in place, generation by generation.
@@ -74,14 +133,16 @@ class ReconfigurableProcessGroup(ProcessGroup):
     """
 
     def __init__(self, rank: int, world_size: int, ranks: tuple[int, ...] | None = None):
-        super().__init__(rank, world_size)
+        super().__init__(rank, world_size)  # type: ignore[call-arg]  # torch's (rank, size) overload, not in its stubs
         self.global_ranks = ranks
-        self.inner: ProcessGroupGloo | None = None
+        # what collectives are forwarded to, looked up by name: the current generation's backend
+        # (generations.Backend) or a stand-in refusing every op while quiesced (api.QuiescedBackend)
+        self.inner: object | None = None
         self.registry: GroupRegistry | None = None    # the registry that rebuilds it (None: the world group)
         self._name = ""
         self._desc = ""
 
-    def set_backend(self, backend: ProcessGroupGloo | None) -> None:
+    def set_backend(self, backend: object | None) -> None:
         self.inner = backend
 
     def getBackendName(self) -> str:  # noqa: N802 - the C++ virtual's name (pybind11 trampoline)
@@ -111,60 +172,20 @@ class ReconfigurableProcessGroup(ProcessGroup):
             self.registry.forget(self)
         self.inner = None
 
-    def _local(self, result=None):
-        fut = torch.futures.Future()
-        fut.set_result(result)
-        return _create_work_from_future(fut)
-
-    def _fwd(name: str, target: str):  # noqa: N805 - builds forwarding methods
-        def method(self, *args, **kwargs):
-            if ON_COLLECTIVE is not None:
-                ON_COLLECTIVE()
-            if self.inner is None:
-                return self._local_op(name, args)
-            CHECKS.before(self.inner, target, self.size(), self.global_ranks)
-            fn = getattr(self.inner, target, None)
-            if fn is None:
-                raise RuntimeError(f"phoenixrun: {name} is not available on a gloo group (torch 2.13 exposes no "
-                                   f"{target} for it); use the uncoalesced collective")
-            return fn(*args, **kwargs)
-        method.__name__ = name
-        return method
-
     for _name, _target in FORWARDED.items():
-        locals()[_name] = _fwd(_name, _target)
+        locals()[_name] = forwarding(_name, _target)
     del _name, _target
 
-    def _coalesced(name: str, single: str):  # noqa: N805
-        # torch 2.13's gloo binding has no coalesced all-gather/reduce-scatter: one op per pair, each waited for
-        # (every member issues the same list in the same order, so the results are those of the coalesced op)
-        def method(self, outputs, inputs, opts=None):
-            if self.inner is None:
-                return self._local_op(name, (outputs, inputs))
-            CHECKS.before(self.inner, single, self.size(), self.global_ranks)
-            for out, inp in zip(outputs, inputs):
-                fn = getattr(self.inner, single)
-                (fn(out, inp) if opts is None else fn(out, inp, opts)).wait()
-            return self._local()
-        method.__name__ = name
-        return method
-
     for _name, _single in COALESCED.items():
-        locals()[_name] = _coalesced(_name, _single)
+        locals()[_name] = coalesced(_name, _single)
     del _name, _single
 
-    def _unsupported(name: str, why: str):  # noqa: N805
-        def method(self, *args, **kwargs):
-            raise RuntimeError(f"phoenixrun: {name} on a process group is not supported under phoenixrun ({why}); "
-                               "run this script without phoenixrun.init() (plain torchrun) or avoid this call")
-        method.__name__ = name
-        return method
-
     for _name, _why in UNSUPPORTED.items():
-        locals()[_name] = _unsupported(_name, _why)
+        locals()[_name] = unsupported(_name, _why)
     del _name, _why
 
-    def _local_op(self, name: str, args):
+    def local_op(self, name: str, args: Sequence[Any]) -> Work:
+        """Collective `name` with no backend (a replacement still restoring): completed locally."""
         if name == "allgather":            # outputs[i][j] = inputs[i] from every rank: ours
             outputs, inputs = args[0], args[1]
             for outs, inp in zip(outputs, inputs):
@@ -180,7 +201,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
         elif name not in ("broadcast", "barrier"):
             raise RuntimeError(f"phoenixrun: collective {name} called while this rank is still restoring; "
                                "call phoenixrun.protect() before any collective of your own")
-        return self._local()
+        return local_work()
 
 
 class GroupRegistry:
@@ -192,13 +213,13 @@ class GroupRegistry:
     store.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.world: ReconfigurableProcessGroup | None = None
         self.subgroups: list[ReconfigurableProcessGroup] = []
         self.generation: Generation | None = None
         self.sealed = False      # set by protect(): see create()
 
-    def create(self, opts, backend_options=None) -> ReconfigurableProcessGroup:
+    def create(self, opts: _DistributedBackendOptions, backend_options: object = None) -> ReconfigurableProcessGroup:
         """The backend creator torch calls in `new_group` (extended API: it names the members and the group)."""
         ranks = tuple(opts.global_ranks_in_group)
         if not ranks:                          # init_process_group: the default group
@@ -232,7 +253,8 @@ class GroupRegistry:
                 pg.set_backend(None)
         if gen is None:
             return
-        self.world.set_backend(gen.backend)
+        if self.world is not None:
+            self.world.set_backend(gen.backend)
         for pg in self.subgroups:
             pg.set_backend(gen.subgroup_backend(pg.getGroupName(), pg.rank(), pg.size()))
         self.generation = gen
@@ -240,12 +262,12 @@ class GroupRegistry:
             CHECKS.arm()
 
 
-class NoBuiltinBackendStore(dist.Store):
+class NoBuiltinBackendStore(Store):
     """The default group's store. A group made with an explicit built-in backend (`new_group(backend="gloo")`)
     rendezvouses on it; it would be a group of no generation, never rebuilt, and on a per-process store its
     rendezvous would wait for peers that never arrive (30 min). Any use is a clear error instead."""
 
-    def _refuse(self, *args, **kwargs):
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
         raise RuntimeError("phoenixrun: a process group with an explicit backend (dist.new_group(..., backend='gloo' "
                            "or 'nccl')) cannot be rebuilt after a failure; under phoenixrun.init() create groups "
                            "without backend= (they use phoenixrun's gloo generations), or run without phoenixrun")
