@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 # the mesh dimensions a tensor's bytes vary along (every other dimension replicates it)
 Varies = frozenset[str]
@@ -239,7 +239,7 @@ def peer_set(meshes: Sequence[Mesh], varies: Iterable[Varies], world_size: int) 
     return PeerSet(mesh, frozenset().union(*varies))
 
 
-def lacking_copy(ps: PeerSet, node_of: Mapping[int, str],
+def lacking_copy(ps: PeerSet, node_of: Mapping[int, Hashable],
                  also: Callable[[int, int], bool] = lambda rank, peer: True) -> list[int]:
     """The ranks with no peer (for which `also(rank, peer)` holds too) on another node: empty when every rank's
     DTensor state can be taken from a surviving node after any one node's loss."""

@@ -35,9 +35,16 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from typing import TypeGuard
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
 from phoenixrun.redundancy import LayoutError, Mesh, PeerSet, check_flags, lacking_copy, peer_set, varies_of
 
@@ -125,10 +132,10 @@ def unshared_reason(f: LayoutFacts) -> str | None:
     return None
 
 
-def dp_groups(world_size: int, peers_of) -> list[tuple[int, ...]]:
+def dp_groups(world_size: int, peers_of: Callable[[int], Iterable[int]]) -> list[tuple[int, ...]]:
     """The plan's DP-peer classes (each rank with its peers), from `peers_of(rank) -> iterable of ranks`."""
     seen: set[int] = set()
-    out = []
+    out: list[tuple[int, ...]] = []
     for r in range(world_size):
         if r in seen:
             continue
@@ -203,8 +210,9 @@ def peer_fingerprint(ps: PeerSet | None) -> int:
     return zlib.crc32(json.dumps(wire, sort_keys=True).encode()) | 1
 
 
-def dtensor_verdict(own: PeerSet | None, fingerprints: Sequence[int], node_of, plain_shared: bool,
-                    same_plain_peers=lambda rank, peer: True) -> tuple[PeerSet | None, str | None]:
+def dtensor_verdict(own: PeerSet | None, fingerprints: Sequence[int], node_of: Mapping[int, Hashable],
+                    plain_shared: bool, same_plain_peers: Callable[[int, int], bool] = lambda rank, peer: True,
+                    ) -> tuple[PeerSet | None, str | None]:
     """Whether DTensor state goes to the shared region (taken from a peer on recovery), decided alike on every
     rank from the gathered fingerprints: only when every rank has the same peer set and every rank has a peer
     on another node - one that also holds its plain state (`same_plain_peers`) when plain state is shared, since
@@ -246,7 +254,7 @@ def observe(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
                        meshes=tuple(meshes.values()), tp=tp, pp=pp)
 
 
-def _mesh(device_mesh, names: tuple[str, ...]) -> Mesh:
+def _mesh(device_mesh: DeviceMesh, names: tuple[str, ...]) -> Mesh:
     """A torch DeviceMesh as the pure core's Mesh (names, shape, the world rank at every coordinate)."""
     return Mesh(names, tuple(device_mesh.mesh.shape), tuple(int(r) for r in device_mesh.mesh.flatten().tolist()))
 
@@ -275,15 +283,17 @@ def has_plain_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
                for st in _optimizer_state(optimizer).values() for v in st.values())
 
 
-def _optimizer_state(optimizer) -> dict:
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
+    """The rank's optimizer state by parameter (state_dict()'s "state": the user's optimizer's values)."""
     from phoenixrun.runtime.snapshot import local_optimizer
     try:
-        return local_optimizer(optimizer).state_dict()["state"]
+        state: dict[Any, dict[str, Any]] = local_optimizer(optimizer).state_dict()["state"]
+        return state
     except Exception:  # noqa: BLE001 - an optimizer whose state_dict fails is refused later by the snapshot
         return {}
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -291,7 +301,7 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _dtensor_facts(name: str, t) -> DTensorFacts | None:
+def _dtensor_facts(name: str, t: object) -> DTensorFacts | None:
     if not is_dtensor(t):
         return None
     mesh = t.device_mesh
@@ -299,13 +309,14 @@ def _dtensor_facts(name: str, t) -> DTensorFacts | None:
     return DTensorFacts(name, dims, tuple(placement_name(p) for p in t.placements))
 
 
-def placement_name(p) -> str:
+def placement_name(p: Placement) -> str:
     # str(Shard(0)) is "S(0)" in torch 2.13: spell them the way the APIs are written. FSDP2 over a TP-sharded
     # parameter shards it again as _StridedShard, which is_shard() does not count
+    dim = getattr(p, "dim", None)   # Shard's and _StridedShard's (the Placement base class has none)
     if type(p).__name__ == "_StridedShard":
-        return f"_StridedShard(dim={p.dim}, sf={getattr(p, 'split_factor', '?')})"
+        return f"_StridedShard(dim={dim}, sf={getattr(p, 'split_factor', '?')})"
     if p.is_shard():
-        return f"Shard(dim={p.dim})"
+        return f"Shard(dim={dim})"
     if p.is_replicate():
         return "Replicate()"
     if p.is_partial():

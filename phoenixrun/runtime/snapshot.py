@@ -9,10 +9,11 @@ stream into the mapping registered as pinned memory (`CudaCopier`).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 import torch
 
@@ -20,6 +21,9 @@ from phoenixrun.runtime.layout_check import is_dtensor, placement_name
 from phoenixrun.testing import pause_point
 from phoenixrun.slot_format import (HEADER_SIZE, Entry, SlotHeader, crc_private, crc_shared, grown_capacity,
                                     slot_bytes)
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # the dtype names slot metadata records (`Entry.dtype`, str(torch.dtype)) -> the dtype
 DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -32,14 +36,25 @@ def entry_view(buf: torch.Tensor, region_off: int, e: Entry) -> torch.Tensor:
     return buf[start:start + e.nbytes].view(DTYPES[e.dtype]).view(e.shape)
 
 
-def _is_zero(optimizer) -> bool:
+def _is_zero(optimizer: torch.optim.Optimizer) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def local_optimizer(optimizer):
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state (ZeRO's local shard optimizer)."""
-    return optimizer.optim if _is_zero(optimizer) else optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        local: torch.optim.Optimizer = optimizer.optim
+        return local
+    return optimizer
+
+
+class DTensorRecord(TypedDict):
+    """A DTensor entry's layout as the slot metadata records it (`meta["dtensors"][name]`)."""
+    placements: list[str]
+    shape: list[int]
+    stride: list[int]
 
 
 class StateBinding:
@@ -71,7 +86,7 @@ class StateBinding:
         self.private: list[tuple[str, torch.Tensor]] = []
         self.shared: list[tuple[str, torch.Tensor]] = []
         self.scalars: dict[str, Any] = {}
-        self.dtensors: dict[str, dict] = {}
+        self.dtensors: dict[str, DTensorRecord] = {}
         opt_sd = self.local_opt.state_dict()
         opt_list = self.private if self.optimizer_private else self.shared
         for idx, st in opt_sd["state"].items():
@@ -83,7 +98,8 @@ class StateBinding:
         for name, t in model.state_dict().items():
             self._add(f"model/{name}", t, self.shared if peer_shared else self.private)
         self.private.append(("rng/cpu", torch.get_rng_state()))
-        self._cuda_rng = torch.cuda.is_available() and torch.cuda.is_initialized()
+        cuda_ready = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        self._cuda_rng = torch.cuda.is_available() and cuda_ready
         if self._cuda_rng:
             self.private += [(f"rng/cuda{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
         # param group hyperparameters in state_dict() form, without packing the state every step
@@ -125,7 +141,7 @@ class StateBinding:
             rng += [(f"rng/cuda{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
         self.private[len(self.private) - len(rng):] = rng
 
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict[str, Any]]:
         return [{**{k: v for k, v in g.items() if k != "params"}, "params": ids}
                 for g, ids in zip(self.local_opt.param_groups, self._group_params)]
 
@@ -155,8 +171,7 @@ class SlotMap:
         self.nbytes = nbytes or os.path.getsize(path)
         self.buf = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
 
-    def memview(self):
-        import ctypes
+    def memview(self) -> ctypes.Array[ctypes.c_uint8]:
         return (ctypes.c_uint8 * self.nbytes).from_address(self.buf.data_ptr())
 
     def view(self, region_off: int, e: Entry) -> torch.Tensor:
@@ -190,7 +205,7 @@ class SnapshotWriter:
         """Bytes a slot needs for the current layout."""
         return slot_bytes(self.meta_cap, self.private_len, self.shared_len)
 
-    def encode_meta(self, step: int, extra_json: str, param_groups: list, every: int = 1,
+    def encode_meta(self, step: int, extra_json: str, param_groups: list[dict[str, Any]], every: int = 1,
                     objects_json: str = "{}") -> bytes:
         """The metadata of S_step; `extra_json` is the script's state dict, `objects_json` the data position and
         stateful objects (runtime/data.py), both already JSON."""
@@ -204,7 +219,7 @@ class SnapshotWriter:
         self.meta_cap = grown_capacity(self.meta_cap, meta_len)
         return True
 
-    def write(self, slot: SlotMap, step: int, extra: dict, param_groups: list, every: int = 1,
+    def write(self, slot: SlotMap, step: int, extra: dict[str, Any], param_groups: list[dict[str, Any]], every: int = 1,
               ready: "torch.cuda.Event | None" = None) -> None:
         """`ready`: on CUDA, an event recorded after the optimizer step on the training stream."""
         meta = self.encode_meta(step, json.dumps(extra), param_groups, every)
@@ -235,7 +250,8 @@ class SnapshotWriter:
 class CpuCopier:
     """CPU path: plain copies on the calling (background) thread; tensor copies release the GIL."""
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap,
+             ready: torch.cuda.Event | None = None) -> None:
         for dst, src in pairs:
             dst.copy_(src)
 
@@ -265,7 +281,7 @@ class CudaCopier:
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]  # torch's
 
     def _register(self, slot: SlotMap) -> None:
         ptr = slot.buf.data_ptr()
@@ -273,7 +289,8 @@ class CudaCopier:
             if ptr in CudaCopier._pinned:
                 return
             with torch.cuda.device(self.device):
-                rc = int(torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, CUDA_HOST_REGISTER_PORTABLE))
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch's
+                rc = int(cudart.cudaHostRegister(ptr, slot.nbytes, CUDA_HOST_REGISTER_PORTABLE))
             # registered by someone else in this process over the same mapping: pinned all the same
             if rc not in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
                 raise RuntimeError(f"cudaHostRegister of {slot.path} failed (cudaError {rc})")
@@ -289,10 +306,11 @@ class CudaCopier:
         with CudaCopier._pin_lock:
             if ptr in CudaCopier._pinned:
                 torch.cuda.synchronize(self.device)
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+                torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]  # torch's
                 CudaCopier._pinned.discard(ptr)
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap, ready=None) -> None:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], slot: SlotMap,
+             ready: torch.cuda.Event | None = None) -> None:
         self._register(slot)
         with torch.cuda.device(self.device):
             if ready is None:   # no event from the training thread: everything queued on the default stream so far
@@ -309,7 +327,7 @@ class CudaCopier:
         done.synchronize()
 
 
-def read_slot(slot: SlotMap, step: int) -> tuple[SlotHeader, dict] | None:
+def read_slot(slot: SlotMap, step: int) -> tuple[SlotHeader, dict[str, Any]] | None:
     """Header and metadata of the slot if it holds a checksum-valid S_step."""
     mv = slot.memview()
     try:
@@ -321,7 +339,7 @@ def read_slot(slot: SlotMap, step: int) -> tuple[SlotHeader, dict] | None:
     return h, json.loads(bytes(mv[HEADER_SIZE:HEADER_SIZE + h.meta_len]))
 
 
-def restore_into(slot: SlotMap, h: SlotHeader, meta: dict, model: torch.nn.Module,
+def restore_into(slot: SlotMap, h: SlotHeader, meta: dict[str, Any], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
     """Load S_step from a slot into the live model/optimizer/RNG (survivor or replacement alike).
 
@@ -332,7 +350,7 @@ def restore_into(slot: SlotMap, h: SlotHeader, meta: dict, model: torch.nn.Modul
     reset_fsdp(model)
     private = [Entry.from_json(j) for j in meta["private"]]
     shared = [Entry.from_json(j) for j in meta["shared"]]
-    dtensors: dict[str, dict] = meta.get("dtensors", {})
+    dtensors: dict[str, DTensorRecord] = meta.get("dtensors", {})
     tensors = {e.name: slot.view(h.private_off, e).clone() for e in private}
     tensors.update({e.name: slot.view(h.shared_off, e).clone() for e in shared})
     model_sd = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
@@ -341,9 +359,7 @@ def restore_into(slot: SlotMap, h: SlotHeader, meta: dict, model: torch.nn.Modul
         live = model.state_dict()          # FSDP2's state-dict hook swaps its sharded parameters in first
         with torch.no_grad():
             for k in sorted(sharded):
-                target = live.get(k)
-                _check_dtensor(f"model/{k}", target, dtensors[f"model/{k}"])
-                local = target.to_local()
+                local = _check_dtensor(f"model/{k}", live.get(k), dtensors[f"model/{k}"]).to_local()
                 if tuple(local.shape) != tuple(model_sd[k].shape):
                     raise ValueError(f"restore: model/{k} holds a local shard of shape {tuple(local.shape)}, the "
                                      f"snapshot one of {tuple(model_sd[k].shape)}")
@@ -401,8 +417,9 @@ def reset_fsdp(model: torch.nn.Module) -> None:
                 pass
 
 
-def _check_dtensor(name: str, live, recorded: dict, shape: bool = True) -> None:
-    """The live tensor a DTensor snapshot entry is restored into must have the layout it was taken with."""
+def _check_dtensor(name: str, live: object, recorded: DTensorRecord, shape: bool = True) -> DTensor:
+    """The live tensor a DTensor snapshot entry is restored into must have the layout it was taken with: it,
+    checked."""
     if not is_dtensor(live):
         raise ValueError(f"restore: {name} was a DTensor when snapshotted but the live model holds "
                          f"{type(live).__name__}: the script must build the same mesh and wrappers before protect()")
@@ -410,12 +427,13 @@ def _check_dtensor(name: str, live, recorded: dict, shape: bool = True) -> None:
     if placements != recorded["placements"] or (shape and list(live.shape) != recorded["shape"]):
         raise ValueError(f"restore: {name} was snapshotted as {recorded['shape']} with placements "
                          f"{recorded['placements']}, the live one is {list(live.shape)} with {placements}")
+    return live
 
 
-def _rewrap(name: str, local: torch.Tensor, param, recorded: dict):
+def _rewrap(name: str, local: torch.Tensor, param: torch.Tensor, recorded: DTensorRecord) -> DTensor:
     """Optimizer state of a DTensor parameter: its local shard, wrapped with the parameter's mesh and placements."""
     from torch.distributed.tensor import DTensor
-    _check_dtensor(name, param, recorded, shape=False)   # state may be shaped unlike its parameter; placed alike
+    param = _check_dtensor(name, param, recorded, shape=False)  # state may be shaped unlike its parameter; placed alike
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                               shape=torch.Size(recorded["shape"]), stride=tuple(recorded["stride"]))
 
@@ -423,7 +441,7 @@ def _rewrap(name: str, local: torch.Tensor, param, recorded: dict):
 class BackgroundCopier:
     """Runs one snapshot at a time on a helper thread; `wait()` joins the one in flight."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_seconds = 0.0
@@ -431,7 +449,7 @@ class BackgroundCopier:
     def submit(self, fn: Callable[[], None]) -> None:
         self.wait()
 
-        def run():
+        def run() -> None:
             t0 = time.perf_counter()
             try:
                 fn()
