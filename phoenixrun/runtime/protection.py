@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections import deque
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,8 @@ class Protection:
     """One rank's snapshots: written each `every` steps, committed before the next optimizer step, read back."""
 
     def __init__(self, link: AgentLink, rank: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 state: dict, position: RunPosition, every: int, peer_shared: bool, dtensor_shared: bool,
-                 quiesce_pending):
+                 state: dict[str, Any], position: RunPosition, every: int, peer_shared: bool, dtensor_shared: bool,
+                 quiesce_pending: Callable[[], bool]):
         self.link, self.rank = link, rank
         self.model, self.optimizer, self.state, self.position = model, optimizer, state, position
         self.quiesce_pending = quiesce_pending   # () -> bool: the master ordered this generation to stop
@@ -92,10 +93,11 @@ class Protection:
                    and self.link.commit_error is None and not self.link.closed):
                 self.link.cv.wait(0.5)
             ok = self.link.committed_step >= self.awaited_step
-            err, self.link.commit_error = self.link.commit_error, None
+            commit_err, self.link.commit_error = self.link.commit_error, None
         if not ok:
             self.stall_s = time.perf_counter() - t0
-            raise Quiesced(f"snapshot of step {self.awaited_step} not committed: {err or 'recovery in progress'}")
+            raise Quiesced(f"snapshot of step {self.awaited_step} not committed: "
+                           f"{commit_err or 'recovery in progress'}")
         if self._commit_barrier:
             # No rank ends this step - and drops its older snapshot by beginning the next - before every rank's
             # S_awaited is committed. Without it, where the optimizer step holds no collective (DDP with a plain
@@ -141,16 +143,17 @@ class Protection:
         self._iteration_t = now
         if step % self.every:
             return
-        if self.binding is None or self.binding.stale():
-            self._bind()                   # first snapshot, after a restore, or the optimizer state changed
-        self.binding.refresh_volatile()
-        writer, slots, link = self.writer, self.slots, self.link
+        binding, writer = self.binding, self.writer
+        if binding is None or writer is None or binding.stale():
+            binding, writer = self._bind()  # first snapshot, after a restore, or the optimizer state changed
+        binding.refresh_volatile()
+        slots, link = self.slots, self.link
         # on this thread: the script mutates its state dict next step
         state_json, encode_s = encode_state(self.state)
         warning = self._state_watch.check(len(state_json), encode_s, step)
         if warning is not None:
             log.warning("rank %d: %s", self.rank, warning)
-        meta = writer.encode_meta(step, state_json, self.binding.param_groups(), self.every,
+        meta = writer.encode_meta(step, state_json, binding.param_groups(), self.every,
                                   objects_json=json.dumps(self.position.capture()))
         if writer.fit(len(meta)):
             log.info("rank %d: snapshot %d outgrew its layout (metadata %d bytes): re-laid out for %d bytes of "
@@ -158,7 +161,7 @@ class Protection:
         meta_cap, nbytes = writer.meta_cap, writer.total_len
         ready = None
         if isinstance(writer.copier, CudaCopier):   # order the D2H copy after this step's optimizer update
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             ready.record()
         compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
         stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
@@ -179,7 +182,8 @@ class Protection:
         self.awaited_step = step
         self.copier.submit(copy)
 
-    def _bind(self) -> None:
+    def _bind(self) -> tuple[StateBinding, SnapshotWriter]:
+        """A new binding of the live state and its writer (slots allocated at the first): both, also kept."""
         old = self.writer
         self.binding = StateBinding(self.model, self.optimizer, peer_shared=self.peer_shared,
                                     dtensor_shared=self.dtensor_shared)
@@ -194,6 +198,7 @@ class Protection:
         if not self.slots:
             paths = self.link.request(wm.Alloc(nbytes=self.writer.total_len))["paths"]
             self.slots = [SlotMap(p) for p in paths]   # each as large as its file (slots grow one at a time)
+        return self.binding, self.writer
 
     # ---------------------------------------------------------------- recovery
     def wait_idle(self) -> None:
