@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from phoenixrun.runtime.snapshot import entry_view, local_optimizer
 from phoenixrun.slot_format import HEADER_SIZE, Entry, SlotHeader, crc_private, crc_shared
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 class ReshardError(RuntimeError):
@@ -54,7 +57,14 @@ def zero_partition(numels: list[list[int]], world: int) -> list[list[int]]:
     return out
 
 
-def decode_image(buf) -> tuple[dict, dict[str, torch.Tensor], bool]:
+# a snapshot's metadata (JSON: slot_format.py), one rank's optimizer state by parameter index (torch's state_dict
+# form), and a decoded image: (metadata, tensors by entry name, has_shared)
+Meta = dict[str, Any]
+OptState = dict[int, dict[str, Any]]
+Decoded = tuple[Meta, dict[str, torch.Tensor], bool]
+
+
+def decode_image(buf: Buffer) -> Decoded:
     """(metadata, tensors by entry name, has_shared) of a sealed slot image or a replica (the replicated prefix:
     no shared region). Both checksums are checked where their region is present."""
     mv = memoryview(buf)
@@ -72,11 +82,11 @@ def decode_image(buf) -> tuple[dict, dict[str, torch.Tensor], bool]:
     return meta, tensors, has_shared
 
 
-def shard_state(meta: dict, tensors: dict[str, torch.Tensor], local_to_global: list[int]) -> dict[int, dict]:
+def shard_state(meta: Meta, tensors: dict[str, torch.Tensor], local_to_global: list[int]) -> OptState:
     """One old rank's optimizer state, keyed by global parameter index."""
     out: dict[int, dict[str, Any]] = {}
 
-    def put(idx: str, name: str, v) -> None:
+    def put(idx: str, name: str, v: object) -> None:
         i = int(idx)
         if i >= len(local_to_global):
             raise ReshardError(f"the snapshot has optimizer state for local parameter {i}, the old partition "
@@ -92,13 +102,13 @@ def shard_state(meta: dict, tensors: dict[str, torch.Tensor], local_to_global: l
     return out
 
 
-def merge_shards(shards: dict[int, dict[int, dict]], old_world: int) -> dict[int, dict]:
+def merge_shards(shards: dict[int, OptState], old_world: int) -> OptState:
     """The union of every old rank's shard; ReshardError when a rank is missing or two hold the same parameter."""
     missing = sorted(set(range(old_world)) - set(shards))
     if missing:
         raise ReshardError(f"the optimizer shards of old rank(s) {missing} did not arrive: re-partitioning would "
                            "lose their state")
-    full: dict[int, dict] = {}
+    full: OptState = {}
     for r in sorted(shards):
         for idx, st in shards[r].items():
             if idx in full:
@@ -121,18 +131,18 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     return [out[i][:int(sizes[i].item())].numpy().tobytes() for i in range(world)]
 
 
-def _dumps(obj) -> bytes:
+def _dumps(obj: object) -> bytes:
     b = io.BytesIO()
     torch.save(obj, b)
     return b.getvalue()
 
 
-def _loads(data: bytes):
+def _loads(data: bytes) -> Any:   # what _dumps saved, of the caller's shape
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def reshard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: dict[int, bytes],
-            predecessor: int | None, old_world: int) -> dict:
+            predecessor: int | None, old_world: int) -> dict[str, Any]:
     """Load the re-partitioned state (module doc) into this rank's live model and optimizer; returns the script's
     `state` dict to restore. `images`: old rank -> the image bytes this rank read. Collective: every rank of the
     new world calls it, in the new world's default group."""
@@ -142,7 +152,7 @@ def reshard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: di
             raise ReshardError(f"old rank {r}'s snapshot holds DTensor or rank-private plain state: a shrink or grow "
                                "re-partitions only DDP + ZeRO (or a replicated optimizer)")
     zero = local_optimizer(optimizer) is not optimizer     # ZeroRedundancyOptimizer
-    shards: dict[int, dict[int, dict]] = {}
+    shards: dict[int, OptState] = {}
     if zero:
         numels = [[p.numel() for p in g["params"]] for g in optimizer.param_groups]
         old_part = zero_partition(numels, old_world)
@@ -151,7 +161,7 @@ def reshard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: di
     if predecessor is not None and (own is None or not own[2]):
         raise ReshardError(f"the snapshot of old rank {predecessor} (whose parameters this rank continues) is not "
                            "among the images this rank read")
-    carry = {"shards": shards}
+    carry: dict[str, Any] = {"shards": shards}
     if own is not None:
         carry["groups"] = own[0]["param_groups"]
     gathered = [_loads(b) for b in _all_gather_bytes(_dumps(carry))]
@@ -164,7 +174,7 @@ def reshard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: di
             dist.broadcast(t, 0)
     groups = gathered[0]["groups"]
     if zero:
-        all_shards: dict[int, dict[int, dict]] = {}
+        all_shards: dict[int, OptState] = {}
         for g in gathered:
             for r, s in g["shards"].items():
                 if r in all_shards:
@@ -175,18 +185,19 @@ def reshard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: di
     else:
         _load_replicated(optimizer, own, groups)
     # the script's state and the RNG: the predecessor's; a rank without one takes rank 0's
-    extra = own[0]["extra"] if own is not None else None
+    extra: Any = own[0]["extra"] if own is not None else None   # the script's state dict (None: no predecessor)
     mine = _dumps([extra, torch.get_rng_state()]) if dist.get_rank() == 0 else b""
     got = _loads(_all_gather_bytes(mine)[0])
     if own is None:
         extra = got[0]
         torch.set_rng_state(got[1])
-    return extra
+    state: dict[str, Any] = extra   # the script's state dict, as its predecessor (or rank 0) saved it
+    return state
 
 
-def _load_replicated(optimizer: torch.optim.Optimizer, own, groups: list[dict]) -> None:
+def _load_replicated(optimizer: torch.optim.Optimizer, own: Decoded | None, groups: list[dict[str, Any]]) -> None:
     """A plain optimizer: identical on every DP rank, taken from the predecessor's image (rank 0's otherwise)."""
-    state: dict[int, dict] = {}
+    state: OptState = {}
     if own is not None:
         meta, tensors, _ = own
         state = shard_state(meta, tensors, list(range(sum(len(g["params"]) for g in optimizer.param_groups))))
@@ -194,9 +205,9 @@ def _load_replicated(optimizer: torch.optim.Optimizer, own, groups: list[dict]) 
     optimizer.load_state_dict({"state": state, "param_groups": _global_groups(groups, optimizer)})
 
 
-def _global_groups(groups: list[dict], optimizer: torch.optim.Optimizer) -> list[dict]:
+def _global_groups(groups: list[dict[str, Any]], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The predecessor's param-group settings (lr, betas...), numbered over the live optimizer's parameters."""
-    base, out = 0, []
+    base, out = 0, list[dict[str, Any]]()
     for g, live in zip(groups, optimizer.param_groups):
         n = len(live["params"])
         out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(base, base + n))})
