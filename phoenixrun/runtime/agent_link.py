@@ -28,12 +28,12 @@ class AgentLink:
         self.sock.connect(path)
         self._wlock = threading.Lock()
         self._ids = itertools.count(1)
-        self._replies: dict[int, queue.Queue] = {}
+        self._replies: dict[int, queue.Queue[dict[str, Any]]] = {}   # a request's id -> where its reply goes
         self.orders: queue.Queue[WorkerOrder] = queue.Queue()   # assign / rebuild / quiesce, for the training thread
         self.cv = threading.Condition()
         self.committed_step = -1
         self.commit_error: str | None = None
-        self.last_commit: dict = {}
+        self.last_commit: dict[str, Any] = {}
         self.quiesce_generation = -1                       # highest generation we were told to quiesce for
         self.closed = False
         self.on_quiesce: Callable[[int], None] = lambda g: None
@@ -64,12 +64,12 @@ class AgentLink:
 
     def request(self, msg: dict[str, Any] | Request, timeout: float = 60.0) -> dict[str, Any]:
         rid = next(self._ids)
-        q: queue.Queue = queue.Queue()
+        q: queue.Queue[dict[str, Any]] = queue.Queue()
         self._replies[rid] = q
         wire = msg.to_wire() if isinstance(msg, Request) else msg
         self.send({**wire, "id": rid})
         try:
-            reply = q.get(timeout=timeout)
+            reply: dict[str, Any] = q.get(timeout=timeout)
         except queue.Empty:
             raise AgentGone(f"node agent did not answer {wire.get('op')} within {timeout}s") from None
         finally:
