@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from phoenixrun.protocol.directives import Directive, World
 from phoenixrun.agents.persister import Persister
@@ -30,24 +31,26 @@ class NodeState:
     master_host: str = "127.0.0.1"    # the host of the master this node (re)joined last: its TCPStore's
     restart_count: int = 0
     world: World = field(default_factory=lambda: World({}, {}))
-    job: dict = field(default_factory=dict)       # the master's reply to our registration
+    job: dict[str, Any] = field(default_factory=dict)   # the master's reply to our registration (its JSON)
     restore_step: int | None = None
     api: bool = False                  # a worker said hello through the phoenixrun API
     token: str | None = None           # from the master's reply to our registration: our later calls carry it
-    protection: dict[int, dict] = field(default_factory=dict)   # per rank: snapshot stats for the heartbeat
+    protection: dict[int, dict[str, Any]] = field(default_factory=dict)   # per rank: snapshot stats for the heartbeat
     persister: Persister | None = None   # with --persist-every, once registered
     # a shrink or grow's restart (control/reshape.py): old world, predecessors, and the old ranks' snapshot images
     # this node exported for its new workers (old rank -> (reading local rank, file))
-    reshard: dict | None = None
+    reshard: dict[str, Any] | None = None
 
     def become(self, role: AgentRole) -> None:
         """The node's new role; an illegal move raises RoleError (call with the lock held)."""
         self.role = role_move(self.role, role)
 
     def rank(self, local_rank: int) -> int:
+        if self.slot is None:
+            raise RuntimeError(f"local rank {local_rank}'s global rank asked before the master gave this node a slot")
         return self.slot * self.nproc_per_node + local_rank
 
-    def reshard_of(self, local_rank: int) -> dict | None:
+    def reshard_of(self, local_rank: int) -> dict[str, Any] | None:
         """The `reshard` part of a new worker's assignment: the images it reads and the old rank it continues."""
         if self.reshard is None:
             return None
@@ -60,13 +63,14 @@ class NodeState:
         return range(self.nproc_per_node)
 
     def job_store_port(self) -> int:
-        return self.store_port or self.job["store_port"]
+        port: int = self.store_port or self.job["store_port"]
+        return port
 
     def store_host(self) -> str:
         """The host of the master whose TCPStore the workers rendezvous on: the one this node (re)joined last."""
         return self.master_host
 
-    def joined(self, reply: dict, master_host: str) -> None:
+    def joined(self, reply: dict[str, Any], master_host: str) -> None:
         """A master's answer to our registration or rejoin: where its TCPStore is (call with the lock held)."""
         self.job["store_port"] = reply["store_port"]
         self.master_host = master_host
