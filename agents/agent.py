@@ -24,6 +24,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from phoenixrun import netaddr
 from phoenixrun.config import AgentConfig
@@ -167,7 +169,7 @@ class Agent:
             self._cleanup()
         return self.life.exit_code or 0
 
-    def _registered(self, reg: dict) -> None:
+    def _registered(self, reg: dict[str, Any]) -> None:
         node = self.node
         node.job = reg
         node.joined(reg, self.client.host)
@@ -181,7 +183,7 @@ class Agent:
         log.info("agent %s registered as %s%s", node.node_id, node.role.value,
                  f" (slot {node.slot})" if node.slot is not None else "")
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if (signum == signal.SIGTERM and self.drain is DrainStep.NONE and self.node.role == AgentRole.ACTIVE
                 and self.node.api):
             # preemption or maintenance of this node: its ranks move to a spare at a step boundary, and the master
@@ -223,7 +225,7 @@ class Agent:
         self.peer_server.close()
 
     # ------------------------------------------------------------------ what the master learns from us
-    def _heartbeat_state(self) -> dict:
+    def _heartbeat_state(self) -> dict[str, Any]:
         with self.node.lock:
             state = {"worker_pids": self.supervisor.live_pids(),
                      "snapshots": self.slots.available(), "replicas": self.replicas.available(),
@@ -232,7 +234,7 @@ class Agent:
                 state["warm_ready"] = self.warm_ready()
         return state
 
-    def _rejoin_state(self) -> dict:
+    def _rejoin_state(self) -> dict[str, Any]:
         node = self.node
         with node.lock:
             return {"role": node.role.value, "slot": node.slot, "generation": node.generation,

@@ -375,7 +375,7 @@ class ReplicaStore:
     zero-fill on top of the copy (benchmarks/replication_cpu.py). As for local slots, that buffer is invalid from the
     moment it is handed out until `put` has checked the bytes; the newer replica is never touched."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.frozen = False
         self._lock = threading.Lock()
         self._bufs: dict[int, list[bytearray | None]] = {}
