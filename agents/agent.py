@@ -31,7 +31,7 @@ from phoenixrun import netaddr
 from phoenixrun.config import AgentConfig
 from phoenixrun.protocol.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, poll_all
-from phoenixrun.protocol import ReportKind
+from phoenixrun.protocol import reports
 from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S
 from phoenixrun.agents.drills import FaultDrills
 from phoenixrun.agents.executor import DirectiveExecutor
@@ -198,15 +198,14 @@ class Agent:
         """Ask the master, now, to drain this node; if it cannot be asked (it is down, or stopping with the whole
         job), leave at once as on SIGTERM: waiting DRAIN_WAIT_S for nobody would outlast the launcher's grace."""
         log.warning("agent got SIGTERM: asking the master to drain this node")
-        why = self.reporter.send_now({"kind": ReportKind.DRAIN,
-                                      "reason": "agent got SIGTERM (preemption or maintenance)"})
+        why = self.reporter.send_now(reports.Drain(reason="agent got SIGTERM (preemption or maintenance)"))
         if why is not None:
             log.warning("cannot ask the master for a drain (%s): leaving", why)
             self._leave(signal.SIGTERM)
 
     def _leave(self, signum: int) -> None:
         log.warning("agent got signal %d: stopping workers", signum)
-        self.reporter.report({"kind": ReportKind.LEFT, "detail": f"agent got signal {signum}"})
+        self.reporter.report(reports.Left(detail=f"agent got signal {signum}"))
         self.life.stop(128 + signum)
 
     def _cleanup(self) -> None:
@@ -256,4 +255,4 @@ class Agent:
             return
         self._next_health_poll = time.time() + HEALTH_POLL_S
         for sig in poll_all(self.health):
-            self.reporter.report({"kind": ReportKind.HEALTH, "signal": sig.to_dict(), "detail": sig.detail, "t": time.time()})
+            self.reporter.report(reports.Health(signal=sig, detail=sig.detail, t=time.time()))

@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-from phoenixrun.protocol import ReportKind
+from phoenixrun.protocol import reports
 from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol import worker_orders
 from phoenixrun.protocol.directives import Directive
@@ -150,8 +150,8 @@ class DirectiveExecutor:
                 self.slots.frozen = True     # a drain's workers all stopped at the boundary: nothing more to write
             if not self.phases.quiesce_complete(self.slots.frozen):
                 return
-            ev = {"kind": ReportKind.QUIESCED, "snapshots": self.slots.available(), "replicas": self.replicas.available(),
-                  "next_step": self.phases.quiesced_next_step}
+            ev = reports.Quiesced(snapshots=self.slots.available(), replicas=self.replicas.available(),
+                                  next_step=self.phases.quiesced_next_step)
         self.reporter.report(ev)
 
     def _await_quiesced(self) -> None:
@@ -187,7 +187,7 @@ class DirectiveExecutor:
         except (PeerError, SlotError, OSError) as e:
             log.error("restore failed: %s", e)
             # integrity: the fetched state is not this rank's; retrying the same plan cannot help
-            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e), "integrity": isinstance(e, IntegrityError)})
+            self.reporter.report(reports.RestoreFailed(reason=str(e), integrity=isinstance(e, IntegrityError)))
 
     # ------------------------------------------------------------------ restart (torchrun's, or from disk)
     def _restart(self, o: cmd.Restart) -> None:
@@ -237,7 +237,7 @@ class DirectiveExecutor:
             log.error("cannot hand the snapshots over for the %s: %s", info.get("kind"), e)
             for _, written in files.values():
                 Path(written).unlink(missing_ok=True)
-            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e)})
+            self.reporter.report(reports.RestoreFailed(reason=str(e)))
             return
         with self.node.lock:
             self.slots.clear()
@@ -298,7 +298,7 @@ class DirectiveExecutor:
                 self.slots.install_image(self.node.rank(lr), persister.read(step, self.node.rank(lr)))
         except (PersistError, SlotError, OSError) as e:
             log.error("cannot restore checkpoint step %d: %s", step, e)
-            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "reason": str(e), "persist_step": step})
+            self.reporter.report(reports.RestoreFailed(reason=str(e), persist_step=step))
             return False
         persister.reset(step)
         log.info("staged checkpoint step %d from %s in %.2fs", step, persister.cfg.dir, time.time() - t0)

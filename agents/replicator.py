@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Mapping
 
-from phoenixrun.protocol import PeerOp, ReportKind, WorkerOp
+from phoenixrun.protocol import PeerOp, WorkerOp, reports
 from phoenixrun.protocol.restore import Part, RankSource, Refusal
 from phoenixrun.protocol.directives import World
 from phoenixrun.protocol.timings import Timings
@@ -62,8 +62,8 @@ class Replicator:
         except (PeerError, SlotError) as e:
             conn.send({"op": WorkerOp.COMMIT_FAILED, "step": step, "error": str(e)})
             if not self.slots.frozen:
-                self.reporter.report({"kind": ReportKind.COMM_ERROR, "rank": rank, "text": f"replication failed: {e}",
-                                      "step": step, "t": time.time()})
+                self.reporter.report(reports.CommError(rank=rank, text=f"replication failed: {e}", step=step,
+                                                          t=time.time()))
             return
         h2h = time.time() - t0
         conn.send({"op": WorkerOp.COMMITTED, "step": step, "h2h_s": round(h2h, 6),
@@ -141,7 +141,7 @@ class Replicator:
                 refusals.append(r)
                 log.warning("restore of rank %d: %s part from %s (rank %d) refused: %s", rank, part.value, addr,
                             source, e)
-                self.reporter.report({"kind": ReportKind.RESTORE_REFUSED, **r.to_report()})
+                self.reporter.report(r.to_report())
         if not refusals:
             raise SlotError(f"rank {rank}: the restore plan names no source of its {part.value} state")
         why = "; ".join(f"{r.addr} (rank {r.source_rank}): {r.reason}" for r in refusals)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.reports import Report
 from phoenixrun.agents.node import Lifecycle, NodeState
 
 log = logging.getLogger("phoenixrun.agent")
@@ -18,23 +19,23 @@ log = logging.getLogger("phoenixrun.agent")
 class Reporter:
     def __init__(self, node: NodeState, client: ControlClient, life: Lifecycle):
         self.node, self.client, self.life = node, client, life
-        self.outbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.outbox: queue.Queue[Report | None] = queue.Queue()
         self._flush_deadline = float("inf")
         self._sender: threading.Thread | None = None
 
-    def report(self, ev: dict[str, Any]) -> None:
+    def report(self, ev: Report) -> None:
         """Queue a report for the master; delivered in order, retried until it gets through."""
-        self.outbox.put({"node_id": self.node.node_id, "generation": self.node.generation, "slot": self.node.slot,
-                         "t": time.time(), **ev})
+        self.outbox.put(self._stamped(ev))
 
-    def send_now(self, ev: dict[str, Any], timeout: float = 2.0) -> str | None:
+    def _stamped(self, ev: Report) -> Report:
+        """With this node's header: its id, generation and slot now, and the time (unless ev has its own)."""
+        return ev.sent_by(self.node.node_id, self.node.generation, self.node.slot, time.time())
+
+    def send_now(self, ev: Report, timeout: float = 2.0) -> str | None:
         """Deliver one report now, past the outbox (the caller acts on whether the master got it): None if it
         did, else why not."""
         try:
-            reply = self.client.post("/v1/report", self._payload({"node_id": self.node.node_id,
-                                                                  "generation": self.node.generation,
-                                                                  "slot": self.node.slot, "t": time.time(), **ev}),
-                                     timeout=timeout)
+            reply = self.client.post("/v1/report", self._payload(self._stamped(ev)), timeout=timeout)
         except ControlError as e:
             return str(e)
         return reply.get("error") or ("fenced" if reply.get("fenced") else None)
@@ -50,8 +51,8 @@ class Reporter:
         if self._sender is not None:
             self._sender.join(timeout=flush_s + 0.5)
 
-    def _payload(self, ev: dict[str, Any]) -> dict[str, Any]:
-        return {**ev, "token": self.node.token}     # the current token: a rejoin since it was queued changes it
+    def _payload(self, ev: Report) -> dict[str, Any]:
+        return {**ev.to_wire(), "token": self.node.token}     # the current token: a rejoin since it was queued changes it
 
     def _send_reports(self) -> None:
         while True:
@@ -69,11 +70,11 @@ class Reporter:
                         break
                 except ControlError as e:    # master down or restarting: a fault seen now is handled later
                     if e.refused:            # the report itself was refused: sending it again will not help
-                        log.warning("report %s refused by the master: %s", ev.get("kind"), e)
+                        log.warning("report %s refused by the master: %s", ev.kind, e)
                         break
-                    log.debug("report %s not delivered yet: %s", ev.get("kind"), e)
+                    log.debug("report %s not delivered yet: %s", ev.kind, e)
                 if self.life.stopping and time.time() > self._flush_deadline:
-                    log.warning("report %s not delivered: the master is unreachable", ev.get("kind"))
+                    log.warning("report %s not delivered: the master is unreachable", ev.kind)
                     break
                 time.sleep(delay)
                 delay = min(2.0, delay * 2)

@@ -16,7 +16,7 @@ from typing import Any
 
 from phoenixrun.config import AgentConfig
 from phoenixrun.faults.mismatch import state_mismatch
-from phoenixrun.protocol import ReportKind, WorkerOp, worker_orders
+from phoenixrun.protocol import WorkerOp, reports, worker_orders
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS, REPORTED, PhaseAcks, StepTimes
@@ -341,7 +341,7 @@ class WorkerSupervisor:
                 self.last_progress.pop(lr, None)
                 self.pinged.pop(lr, None)
                 w.kill_tree(grace=0.1)
-                self.reporter.report({"kind": ReportKind.WORKER_HANG, "rank": w.rank, "detail": detail, "t": now})
+                self.reporter.report(reports.WorkerHang(rank=w.rank, detail=detail, t=now))
 
     def _refused_state(self, w: Worker, rc: int) -> None:
         """A worker that failed while its node restored a snapshot or checkpoint: if its error says the state's
@@ -351,8 +351,8 @@ class WorkerSupervisor:
         mismatch = state_mismatch(w.err_tail(wait=0.5))
         if mismatch is not None:
             log.error("rank %s refused the restored state of step %s: %s", w.rank, self.node.restore_step, mismatch)
-            self.reporter.report({"kind": ReportKind.RESTORE_FAILED, "rank": w.rank, "reason": mismatch,
-                                  "mismatch": True, "persist_step": self.node.restore_step})
+            self.reporter.report(reports.RestoreFailed(rank=w.rank, reason=mismatch, mismatch=True,
+                                                       persist_step=self.node.restore_step))
 
     def _reap(self) -> None:
         for lr, w in list(self.workers.items()):
@@ -368,10 +368,10 @@ class WorkerSupervisor:
             elif outcome is Exit.DONE:
                 self.done.add(lr)
                 if self.done >= set(self.node.local_ranks()):
-                    self.reporter.report({"kind": ReportKind.WORKERS_DONE})
+                    self.reporter.report(reports.WorkersDone())
             else:
                 detail = exit_detail(w.rank, rc)
                 log.warning("%s", detail)
                 self._refused_state(w, rc)
-                self.reporter.report({"kind": ReportKind.WORKER_EXIT, "rank": w.rank, "returncode": rc, "detail": detail,
-                                      "text": self.error_text.pop(lr, ""), "t": time.time()})
+                self.reporter.report(reports.WorkerExit(rank=w.rank, returncode=rc, detail=detail,
+                                                        text=self.error_text.pop(lr, ""), t=time.time()))

@@ -12,8 +12,9 @@ import logging
 import time
 from typing import Any, Callable
 
-from phoenixrun.faults import Signal
-from phoenixrun.protocol import ReportKind, WorkerOp
+from phoenixrun.faults import Signal, SignalKind
+from phoenixrun.redundancy import LayoutError, PeerSet
+from phoenixrun.protocol import WorkerOp, reports
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
@@ -72,8 +73,9 @@ class WorkerOps:
     def _rank(self, conn: WorkerConn) -> int:
         return self.node.rank(conn.local_rank)
 
-    def _report_observed(self, kind: ReportKind, conn: WorkerConn, m: wm.Observed) -> None:
-        self.reporter.report({"kind": kind, "rank": self._rank(conn), "text": m.text, "step": m.step, "t": time.time()})
+    def _report_observed(self, kind: type[reports.CommError | reports.NanLoss | reports.WorkerError], conn: WorkerConn,
+                         m: wm.Observed) -> None:
+        self.reporter.report(kind(rank=self._rank(conn), text=m.text, step=m.step, t=time.time()))
 
     # ------------------------------------------------------------------ handlers
     def _hello(self, conn: WorkerConn, m: wm.Hello) -> None:
@@ -100,8 +102,8 @@ class WorkerOps:
             # not transient: the snapshot cannot grow on this host. A fault of its own (classified as
             # snapshot_space), so that it is not mistaken for the comm error the worker reports next
             reply = {"error": str(e)}
-            self.reporter.report({"kind": ReportKind.HEALTH, "rank": rank, "detail": str(e), "t": time.time(), "signal": Signal(
-                kind="snapshot_space", node=self.node.slot, rank=rank, detail=str(e)).to_dict()})
+            self.reporter.report(reports.Health(rank=rank, detail=str(e), t=time.time(), signal=Signal(
+                kind=SignalKind.SNAPSHOT_SPACE, rank=rank, detail=str(e))))
         except SlotError as e:
             reply = {"error": str(e)}
         conn.send({"op": WorkerOp.REPLY, "id": m.id, **reply})
@@ -126,27 +128,31 @@ class WorkerOps:
                 # that refusal started a needless second local reset.
                 self.replicator.freeze(False)
         if timings is not None:
-            self.reporter.report({"kind": ReportKind.RESUMED, "timings": timings.to_wire()})
+            self.reporter.report(reports.Resumed(timings=timings))
 
     def _comm_error(self, conn: WorkerConn, m: wm.CommError) -> None:
-        self._report_observed(ReportKind.COMM_ERROR, conn, m)
+        self._report_observed(reports.CommError, conn, m)
 
     def _nan_loss(self, conn: WorkerConn, m: wm.NanLoss) -> None:
         """The script handed a non-finite loss to job.observe_loss()."""
         self.supervisor.error_text[conn.local_rank] = m.text
-        self._report_observed(ReportKind.NAN_LOSS, conn, m)
+        self._report_observed(reports.NanLoss, conn, m)
 
     def _error(self, conn: WorkerConn, m: wm.ScriptError) -> None:
         """The script's own exception, before the worker exits: report it now."""
         self.supervisor.error_text[conn.local_rank] = m.text
-        self._report_observed(ReportKind.WORKER_ERROR, conn, m)
+        self._report_observed(reports.WorkerError, conn, m)
 
     def _protection_mode(self, conn: WorkerConn, m: wm.ProtectionMode) -> None:
-        self.reporter.report({"kind": ReportKind.PROTECTION_MODE, "rank": self._rank(conn), "every": m.every,
-                              "step": m.step})
+        self.reporter.report(reports.ProtectionMode(rank=self._rank(conn), every=m.every, step=m.step))
 
     def _layout(self, conn: WorkerConn, m: wm.Layout) -> None:
-        self.reporter.report({"kind": ReportKind.LAYOUT, "peers": m.peers})
+        try:
+            peers = None if m.peers is None else PeerSet.from_wire(m.peers)
+        except LayoutError as e:
+            log.warning("rank 0 sent a layout the master would refuse: %s", e)
+            return
+        self.reporter.report(reports.Layout(peers=peers))
 
     def _stats(self, conn: WorkerConn, m: wm.Stats) -> None:
         with self.node.lock:

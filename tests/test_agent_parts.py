@@ -26,6 +26,7 @@ from phoenixrun.protocol.timings import Timings
 from phoenixrun.protocol.worker_orders import Assign
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.slot_format import SlotHeader
+from phoenixrun.protocol.reports import RestoreRefused, Resumed
 
 RUNTIME = Path(__file__).resolve().parents[1] / "phoenixrun" / "runtime"
 
@@ -307,10 +308,10 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
 
         link.send({"op": "comm_error", "text": "boom", "step": 6})
         link.send({"op": "resumed", "generation": 0, "timings": {"rebuild_s": 0.2}})
-        reports = [a.reporter.outbox.get(timeout=30) for _ in range(2)]
-        assert [(r["kind"], r.get("rank"), r.get("text")) for r in reports] == [("comm_error", 0, "boom"),
-                                                                                ("resumed", None, None)]
-        assert reports[1]["timings"] == {"rebuild_s": 0.2}
+        sent = [a.reporter.outbox.get(timeout=30) for _ in range(2)]
+        assert [(r.kind if r else None, r and r.rank, r and r.text) for r in sent] == [("comm_error", 0, "boom"),
+                                                                                      ("resumed", None, "")]
+        assert isinstance(sent[1], Resumed) and sent[1].timings == Timings(rebuild_s=0.2)
 
         # node 1 restores rank 0 from the peers: its private part from its own replica, the shared part from node 0
         timings = b.replicator.fetch({0: RankSource.from_wire({"private": [servers[1].addr],
@@ -463,7 +464,7 @@ def test_restore_takes_the_next_option_when_one_is_refused(two_agents):
         out = []
         while not b.reporter.outbox.empty():
             out.append(b.reporter.outbox.get_nowait())
-        return [(r["kind"], r["part"], r["addr"], r["source_rank"], r["integrity"]) for r in out]
+        return [(r.kind, r.part, r.addr, r.source_rank, r.integrity) for r in out if isinstance(r, RestoreRefused)]
 
     b.replicator.fetch({0: RankSource.from_wire({"private": [dead, holder], "shared": [[peer, 1], [peer, 0]]})}, STEP)
     mm = b.slots.view(0, b.slots.slot_of(0, STEP))

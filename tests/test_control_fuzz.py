@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from phoenixrun import auth
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
 from phoenixrun.protocol import messages as m
+from phoenixrun.protocol import reports
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.rejections import Rejections
@@ -91,38 +92,38 @@ def test_heartbeat_validation(payload, error):
 def test_report_validation(payload, error):
     p = {"node_id": "n1", **payload}
     if error is None:
-        r = m.parse_report(p, JOB, now=100.0)
-        assert r.event == {"node_id": "n1", "kind": "worker_exit", "generation": 0, "slot": None, "t": 100.0,
-                           "rank": 1, "returncode": -9}
+        r = reports.parse_report(p, JOB, now=100.0).report
+        assert r == reports.WorkerExit(node_id="n1", generation=0, slot=None, t=100.0, rank=1, returncode=-9)
     else:
         with pytest.raises(m.MessageError, match=error):
-            m.parse_report(p, JOB, now=100.0)
+            reports.parse_report(p, JOB, now=100.0)
 
 
 def test_report_fields_the_controller_acts_on_pass_validation():
     """A refused restore's integrity flag (the master then gives up the plan) and a health report's rank and
     snapshot_space signal (an agent that cannot grow a slot) must reach the controller."""
-    r = m.parse_report({"node_id": "n", "kind": "restore_failed", "reason": "x", "integrity": True}, JOB, now=1.0)
-    assert r.event["integrity"] is True
+    r = reports.parse_report({"node_id": "n", "kind": "restore_failed", "reason": "x", "integrity": True}, JOB,
+                             now=1.0).report
+    assert isinstance(r, reports.RestoreFailed) and r.integrity is True
     with pytest.raises(m.MessageError, match="integrity"):
-        m.parse_report({"node_id": "n", "kind": "restore_failed", "integrity": "yes"}, JOB, now=1.0)
+        reports.parse_report({"node_id": "n", "kind": "restore_failed", "integrity": "yes"}, JOB, now=1.0)
     refused = {"node_id": "n", "kind": "restore_refused", "rank": 1, "part": "shared", "addr": "h:7",
                "source_rank": 0, "reason": "checksum", "integrity": True}
-    r = m.parse_report(refused, JOB, now=1.0)
-    assert (r.event["rank"], r.event["part"], r.event["addr"], r.event["source_rank"], r.event["integrity"]) == \
-        (1, "shared", "h:7", 0, True)
+    rr = reports.parse_report(refused, JOB, now=1.0).report
+    assert isinstance(rr, reports.RestoreRefused)
+    assert (rr.rank, rr.part, rr.addr, rr.source_rank, rr.integrity) == (1, "shared", "h:7", 0, True)
     for field, bad, error in [("part", "optimizer", "part must be"), ("addr", "nowhere", "host:port"),
                               ("source_rank", 99, "out of range"), ("rank", None, "must be an integer")]:
         with pytest.raises(m.MessageError, match=error):
-            m.parse_report({**refused, field: bad}, JOB, now=1.0)
+            reports.parse_report({**refused, field: bad}, JOB, now=1.0)
     sig = {"kind": "snapshot_space", "node": 0, "rank": 1, "detail": "no room", "timestamp": 1.0}
-    r = m.parse_report({"node_id": "n", "kind": "health", "rank": 1, "signal": sig}, JOB, now=1.0)
-    assert r.event["rank"] == 1 and r.event["signal"]["kind"] == "snapshot_space"
+    h = reports.parse_report({"node_id": "n", "kind": "health", "rank": 1, "signal": sig}, JOB, now=1.0).report
+    assert isinstance(h, reports.Health) and h.rank == 1 and h.signal.kind == "snapshot_space"
 
 
 def test_report_time_far_from_the_masters_clock_is_replaced():
-    assert m.parse_report({"node_id": "n", "kind": "left", "t": 1e15}, JOB, now=100.0).event["t"] == 100.0
-    assert m.parse_report({"node_id": "n", "kind": "left", "t": 90.0}, JOB, now=100.0).event["t"] == 90.0
+    assert reports.parse_report({"node_id": "n", "kind": "left", "t": 1e15}, JOB, now=100.0).report.t == 100.0
+    assert reports.parse_report({"node_id": "n", "kind": "left", "t": 90.0}, JOB, now=100.0).report.t == 90.0
 
 
 @pytest.mark.parametrize("payload, error", [

@@ -11,6 +11,7 @@ from phoenixrun.control.decide import MIDWAY_WORKER_ACTION, fault_detected, midw
 from phoenixrun.control.events import EventLog, read_events
 from phoenixrun.faults import Action, Classification
 from phoenixrun.faults.taxonomy import FaultClass
+from phoenixrun.protocol import reports
 from phoenixrun.protocol.events import RECORDS, FaultDetected, NodeFenced, RecoveryDone
 from phoenixrun.protocol.names import Event, ReportKind
 
@@ -41,11 +42,11 @@ def test_optional_fields_are_written_only_when_given():
 
 
 @pytest.mark.parametrize("report, how", [
-    ({"kind": ReportKind.WORKER_EXIT, "rank": 3, "returncode": -9, "detail": "killed", "step": 7}, {}),
-    ({"kind": ReportKind.NODE_LOST, "detail": "silent"}, {"during_recovery": True}),
-    ({"kind": ReportKind.NODE_LOST}, {"signal": ReportKind.NODE_LOST, "symptom_of_loss": True, "detail": "gone"}),
-    ({"kind": ReportKind.WORKER_EXIT, "rank": 1}, {"action": "stop", "step": 4, "repeats": 3}),
-    ({"kind": ReportKind.WORKER_EXIT, "rank": 1}, {"verdict": "root_cause", "reporters": ["a"], "symptoms": []}),
+    (reports.WorkerExit(rank=3, returncode=-9, detail="killed", step=7), {}),
+    (reports.NodeLost(detail="silent"), {"during_recovery": True}),
+    (reports.NodeLost(), {"signal": ReportKind.NODE_LOST, "symptom_of_loss": True, "detail": "gone"}),
+    (reports.WorkerExit(rank=1, returncode=1), {"action": "stop", "step": 4, "repeats": 3}),
+    (reports.WorkerExit(rank=1, returncode=1), {"verdict": "root_cause", "reporters": ["a"], "symptoms": []}),
 ])
 def test_every_detection_writes_the_same_fields_with_the_class(report, how):
     fields = fault_detected(report, "n1", 1, LOCAL, **how).fields()
@@ -56,10 +57,10 @@ def test_every_detection_writes_the_same_fields_with_the_class(report, how):
 
 
 def test_a_worker_lost_mid_recovery_is_classified_and_filed_as_a_local_reset():
-    c = midway_worker_verdict({"kind": ReportKind.WORKER_EXIT, "rank": 0, "returncode": 1, "detail": "boom"}, 0, 2)
+    c = midway_worker_verdict(reports.WorkerExit(rank=0, returncode=1, detail="boom"), 0, 2)
     assert c.action is MIDWAY_WORKER_ACTION
     assert isinstance(c.fault_class, FaultClass)
-    assert "class" in fault_detected({"kind": ReportKind.WORKER_EXIT}, "n", 0, c, during_recovery=True).fields()
+    assert "class" in fault_detected(reports.WorkerExit(returncode=1), "n", 0, c, during_recovery=True).fields()
 
 
 def test_the_log_writes_a_record_with_its_name_and_generation(tmp_path):

@@ -4,7 +4,7 @@ from phoenixrun import auth
 from phoenixrun.config import MasterConfig
 from phoenixrun.control import layout_file
 from phoenixrun.control.master import Master
-from phoenixrun.protocol import ReportKind
+from phoenixrun.protocol import reports
 from phoenixrun.redundancy import Mesh, PeerSet
 
 HSDP = PeerSet(Mesh(("replicate", "shard"), (2, 2), (0, 1, 2, 3)), frozenset({"shard"}))
@@ -18,7 +18,7 @@ def _master(run_dir, run_id="job-a", nnodes=2):
 def test_a_restarted_master_has_the_peer_set_its_predecessor_was_told(tmp_path):
     first = _master(tmp_path)
     assert first.job.course.peer_set is None
-    first.recovery.absorb({"kind": ReportKind.LAYOUT, "peers": HSDP.to_wire(), "node_id": "n0"})
+    first.recovery.absorb(reports.Layout(peers=HSDP, node_id="n0"))
     assert first.job.course.peer_set == HSDP
     again = _master(tmp_path)
     assert again.job.course.peer_set == HSDP
@@ -27,8 +27,8 @@ def test_a_restarted_master_has_the_peer_set_its_predecessor_was_told(tmp_path):
 
 def test_a_job_without_dtensor_peers_overwrites_the_set(tmp_path):
     first = _master(tmp_path)
-    first.recovery.absorb({"kind": ReportKind.LAYOUT, "peers": HSDP.to_wire(), "node_id": "n0"})
-    first.recovery.absorb({"kind": ReportKind.LAYOUT, "peers": None, "node_id": "n0"})   # a new start of the job
+    first.recovery.absorb(reports.Layout(peers=HSDP, node_id="n0"))
+    first.recovery.absorb(reports.Layout(peers=None, node_id="n0"))   # a new start of the job
     assert _master(tmp_path).job.course.peer_set is None
 
 

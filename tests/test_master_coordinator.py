@@ -11,6 +11,7 @@ from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.recovery import Cascade
 from phoenixrun.control.state import Phase
 from phoenixrun.faults import Action
+from phoenixrun.protocol import reports
 
 
 def _master(tmp_path, nnodes: int) -> Master:
@@ -49,7 +50,7 @@ def test_a_finished_job_ends_with_exit_code_0(tmp_path):
     assert {m.directives.get(n).fields["command"] for n in ("a", "b")} == {"stop"}
 
 
-@pytest.mark.parametrize("kind, cls", [("node_lost", "node_lost"), ("left", "node_lost")])
+@pytest.mark.parametrize("kind, cls", [(reports.NodeLost, "node_lost"), (reports.Left, "node_lost")])
 def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, kind, cls):
     """The same report files the same class during a recovery as outside one (a lost heartbeat and a node that
     left were once host_pcie and network_storage outside a recovery, host_pcie for both inside one)."""
@@ -58,7 +59,7 @@ def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, k
         _register(m, nid)
     while not m._inbox.empty():
         m._inbox.get_nowait()
-    m._inbox.put({"kind": kind, "node_id": "b", "t": 5.0, "detail": "gone"})
+    m._inbox.put(kind(node_id="b", t=5.0, detail="gone"))
     lost: set[int] = set()
     with pytest.raises(Cascade, match="lost during recovery"):
         m.recovery.pump(1.0, lost)
@@ -67,7 +68,7 @@ def test_a_node_lost_during_recovery_is_filed_as_the_classifier_says(tmp_path, k
     m.events.close()
     f = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fault_detected"]
     assert [(e["node"], e["signal"], e["class"], e["kind"], e["action"], e["during_recovery"]) for e in f] == \
-        [("b", kind, cls, cls, "node_replace", True)]
+        [("b", kind.KIND, cls, cls, "node_replace", True)]
 
 
 # ---------------------------------------------------------------- faults while a recovery waits for a spare (issue 31)
@@ -89,9 +90,9 @@ def test_a_restart_waiting_for_a_spare_outlives_the_survivors_faults(tmp_path):
     from phoenixrun.control.recovery import Stop
     m = _waiting(tmp_path, 2, max_restarts=2, spare_wait=0.3)
     a, b = m.nodes["a"].slot, m.nodes["b"].slot
-    for ev in ({"kind": "worker_exit", "node_id": "a", "generation": 0, "rank": 0, "returncode": 1},
-               {"kind": "restore_failed", "node_id": "a", "generation": 0, "reason": "stale", "integrity": True},
-               {"kind": "node_lost", "node_id": "a", "t": 1.0, "detail": "gone"}):
+    for ev in (reports.WorkerExit(node_id="a", generation=0, rank=0, returncode=1),
+               reports.RestoreFailed(node_id="a", generation=0, reason="stale", integrity=True),
+               reports.NodeLost(node_id="a", t=1.0, detail="gone")):
         m._inbox.put(ev)
     lost = {b}
     with pytest.raises(Stop) as e:
@@ -113,14 +114,14 @@ def test_a_hot_swap_cascade_keeps_its_promoted_spares_and_its_spare_wait(tmp_pat
     lost = {1, 2}
     swap = HotSwap(m.recovery.cycle, lost, time.time(), time.time())
     g = m.job.course.generation + 1
-    m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g, "next_step": 5})
-    m._inbox.put({"kind": "worker_exit", "node_id": "a", "generation": g, "rank": 0, "returncode": 1})
+    m._inbox.put(reports.Quiesced(node_id="a", generation=g, next_step=5))
+    m._inbox.put(reports.WorkerExit(node_id="a", generation=g, rank=0, returncode=1))
     with pytest.raises(Cascade, match="died during recovery"):
         m.recovery.cycle.once(swap, 1)
     assert swap.fresh == {1: "s0"} and lost == {2} and set(swap.waiting) == {2}
     assert m.nodes["s0"].slot == 1 and m.nodes["s0"].role.value == "active"
     swap.waiting[2] -= 30.0                # the spare wait has run out meanwhile: no second wait
-    m._inbox.put({"kind": "quiesced", "node_id": "a", "generation": g + 1, "next_step": 5})
+    m._inbox.put(reports.Quiesced(node_id="a", generation=g + 1, next_step=5))
     t0 = time.time()
     with pytest.raises(Stop) as e:
         m.recovery.cycle.once(swap, 2)
@@ -145,8 +146,8 @@ def test_a_torchrun_style_restart_puts_the_fault_on_the_lost_node_not_on_the_sur
         m._inbox.get_nowait()
     dead = {m.nodes["b"].peer_addr}
     m.coordinator.probe = m.recovery.flight.probe = lambda addrs, timeout, silent_is_dead: dead & set(addrs)
-    m.coordinator._dispatch({"kind": "worker_exit", "node_id": "a", "generation": 0, "rank": 0, "returncode": 1,
-                             "detail": "rank 0 exited with code 1", "t": time.time()})
+    m.coordinator._dispatch(reports.WorkerExit(node_id="a", generation=0, rank=0, returncode=1,
+                                               detail="rank 0 exited with code 1", t=time.time()))
     assert m.job.course.restart_count == 1 and m.nodes["s0"].slot == 1
     assert m.nodes["a"].last_fault is None
     assert m.nodes["b"].last_fault == "node_lost: agent unreachable"
@@ -177,7 +178,7 @@ def test_a_hot_swap_that_keeps_failing_falls_back_to_the_checkpoint_after_backin
         raise Cascade("s0: no source of its private state could be used")
     m.recovery.cycle.once = failing_cycle
     m.recovery.fallback = lambda lost, reason, counted=True: tried.append(reason) or True
-    m.recovery.hot_swap({1}, m.nodes["b"], {"kind": "node_lost", "detail": "gone", "t": time.time()},
+    m.recovery.hot_swap({1}, m.nodes["b"], reports.NodeLost(detail="gone", t=time.time()),
                         Action.NODE_REPLACE, None)
     assert len(cycles) == 6 and len(tried) == 1 and "recovery kept failing (6 tries)" in tried[0]
     gaps = [b - a for a, b in zip(cycles, cycles[1:])]
@@ -194,7 +195,7 @@ def test_a_job_ends_once_and_its_controller_then_stops(tmp_path):
     m._finish(0, "test over")
     m._finish(1, "a later failure")
     assert (m.job.course.exit_code, m.job.course.reason, m.phase.value) == (0, "test over", "finished")
-    m._inbox.put({"kind": "node_lost", "node_id": "a", "t": time.time(), "detail": "gone"})
+    m._inbox.put(reports.NodeLost(node_id="a", t=time.time(), detail="gone"))
     controller = threading.Thread(target=m.coordinator.run, daemon=True)
     controller.start()
     controller.join(60)

@@ -1,56 +1,60 @@
 """The master's fault decisions as pure functions (control/decide.py): tables."""
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from phoenixrun.control.decide import (JobEnd, Remedy, Response, attempt_ranks, attempt_verdict, carried_out_first,
                                        detail_of, escalated, exit_code_of, fallback_reason, is_definite, loss_verdict,
                                        respond, signal_of)
-from phoenixrun.faults import Action, Classification, FaultClass, Signal, correlate
+from phoenixrun.faults import Action, Classification, FaultClass, Signal, SignalKind, correlate
 from phoenixrun.faults.correlate import Correlation, NodeDecision, Verdict
 from phoenixrun.faults.escalate import Escalation
+from phoenixrun.protocol import reports as r
 
 
 @pytest.mark.parametrize("ev, kind, code, detail", [
-    ({"kind": "node_lost", "detail": "no heartbeat for 5.1s"}, "node_heartbeat_lost", None, "no heartbeat for 5.1s"),
-    ({"kind": "left", "detail": "bye"}, "node_unreachable", None, "bye"),
-    ({"kind": "nan_loss", "rank": 3, "text": "loss nan"}, "nan_loss", None, "loss nan"),
-    ({"kind": "worker_error", "rank": 1, "text": "ValueError"}, "user_exception", None, "ValueError"),
-    ({"kind": "worker_hang", "rank": 1, "detail": "no progress"}, "worker_hang", None, "no progress"),
-    ({"kind": "worker_exit", "rank": 0, "returncode": -9, "detail": "killed"}, "worker_exit", -9, "killed"),
-    ({"kind": "worker_exit", "rank": 0, "returncode": 1, "text": "tb", "detail": "d"}, "worker_exit", 1, "tb"),
-    ({"kind": "comm_error", "rank": 2, "text": "gloo"}, "collective_error", None, "gloo"),
-    ({"kind": "health", "signal": {"kind": "xid", "code": 79, "detail": "fell off"}}, "xid", 79, "fell off"),
+    (r.NodeLost(detail="no heartbeat for 5.1s"), "node_heartbeat_lost", None, "no heartbeat for 5.1s"),
+    (r.Left(detail="bye"), "node_unreachable", None, "bye"),
+    (r.NanLoss(rank=3, text="loss nan"), "nan_loss", None, "loss nan"),
+    (r.WorkerError(rank=1, text="ValueError"), "user_exception", None, "ValueError"),
+    (r.WorkerHang(rank=1, detail="no progress"), "worker_hang", None, "no progress"),
+    (r.WorkerExit(rank=0, returncode=-9, detail="killed"), "worker_exit", -9, "killed"),
+    (r.WorkerExit(rank=0, returncode=1, text="tb", detail="d"), "worker_exit", 1, "tb"),
+    (r.CommError(rank=2, text="gloo"), "collective_error", None, "gloo"),
+    (r.Health(signal=Signal(kind=SignalKind.XID, code=79, detail="fell off")), "xid", 79, "fell off"),
 ])
 def test_signal_of_a_report(ev, kind, code, detail):
-    s = signal_of({**ev, "t": 12.5}, 3)
+    s = signal_of(replace(ev, t=12.5), 3)
     assert (s.kind.value, s.node, s.code, s.detail) == (kind, 3, code, detail)
-    if ev["kind"] != "health":
+    if not isinstance(ev, r.Health):
         assert s.timestamp == 12.5
 
 
 @pytest.mark.parametrize("ev, definite", [
-    ({"kind": "node_lost"}, True),
-    ({"kind": "worker_exit", "returncode": -9}, True),
-    ({"kind": "worker_exit", "returncode": 1}, False),      # an exit without a reason may be a peer's symptom
-    ({"kind": "worker_hang"}, False),
-    ({"kind": "comm_error", "text": "gloo"}, False),
-    ({"kind": "worker_error", "text": "ValueError"}, True),
+    (r.NodeLost(), True),
+    (r.WorkerExit(returncode=-9), True),
+    (r.WorkerExit(returncode=1), False),      # an exit without a reason may be a peer's symptom
+    (r.WorkerHang(), False),
+    (r.CommError(text="gloo"), False),
+    (r.WorkerError(text="ValueError"), True),
 ])
 def test_definite_root_causes(ev, definite):
-    assert is_definite({**ev, "t": 1.0}, 0, max_local_resets=3) is definite
-    assert is_definite({**ev, "t": 1.0}, None, max_local_resets=3) is False     # a node without a slot
+    assert is_definite(replace(ev, t=1.0), 0, max_local_resets=3) is definite
+    assert is_definite(replace(ev, t=1.0), None, max_local_resets=3) is False     # a node without a slot
 
 
-@pytest.mark.parametrize("rc, code", [(None, None), (0, 0), (1, 1), (-9, 137), (-15, 143)])
-def test_exit_code_of(rc, code):
-    assert exit_code_of({"returncode": rc}) == code
+@pytest.mark.parametrize("ev, code", [(r.CommError(), None), (r.WorkerExit(returncode=0), 0),
+                                      (r.WorkerExit(returncode=1), 1), (r.WorkerExit(returncode=-9), 137),
+                                      (r.WorkerExit(returncode=-15), 143)])
+def test_exit_code_of(ev, code):
+    assert exit_code_of(ev) == code
 
 
 def test_detail_of():
-    assert detail_of({"detail": "d", "text": "t"}) == "d"
-    assert detail_of({"text": "t" * 400}) == "t" * 300
-    assert detail_of({}) == ""
+    assert detail_of(r.CommError(detail="d", text="t")) == "d"
+    assert detail_of(r.CommError(text="t" * 400)) == "t" * 300
+    assert detail_of(r.NodeLost()) == ""
 
 
 def _decision(node: int, action: Action | None) -> NodeDecision:
@@ -109,17 +113,18 @@ def test_escalated_classification():
 
 def test_fallback_reason():
     c = Classification(FaultClass.SOFTWARE_UNKNOWN, Action.EXTERNAL_FALLBACK, True, "non-finite loss")
-    assert fallback_reason(c, {"kind": "nan_loss", "text": "loss=nan", "rank": 1}, 0) == \
+    assert fallback_reason(c, r.NanLoss(text="loss=nan", rank=1), 0) == \
         "non-finite loss: loss=nan (rank 1 on slot 0)"
-    assert fallback_reason(c, {"kind": "health", "rank": None}, 2) == "non-finite loss (rank None on slot 2)"
+    assert fallback_reason(c, r.Health(signal=Signal(kind=SignalKind.XID, code=79)), 2) == \
+        "non-finite loss (rank None on slot 2)"
 
 
-@pytest.mark.parametrize("kind, cls", [("node_lost", FaultClass.NODE_LOST), ("left", FaultClass.NODE_LOST)])
+@pytest.mark.parametrize("kind, cls", [(r.NodeLost, FaultClass.NODE_LOST), (r.Left, FaultClass.NODE_LOST)])
 def test_a_node_lost_mid_recovery_is_filed_by_the_classifier(kind, cls):
-    c = loss_verdict({"kind": kind, "node_id": "b"}, 1, max_local_resets=3)     # no "t": a probe's own report
+    c = loss_verdict(kind(node_id="b"), 1, max_local_resets=3)     # no "t": a probe's own report
     assert (c.fault_class, c.action) == (cls, Action.NODE_REPLACE)
     with pytest.raises(ValueError, match="not a node loss"):
-        loss_verdict({"kind": "worker_exit"}, 1, max_local_resets=3)
+        loss_verdict(r.WorkerExit(returncode=1), 1, max_local_resets=3)
 
 
 def test_attempt_ranks_and_verdict():

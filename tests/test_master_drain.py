@@ -164,17 +164,18 @@ def test_an_admissible_drain_is_queued_for_the_controller(tmp_path):
     m = _running(tmp_path, spares=1)
     assert m.drain({"slot": 1, "reason": "kernel update"}) == {"ok": True, "node": "b", "slot": 1}
     ev = m._inbox.get_nowait()
-    assert (ev["kind"], ev["node_id"], ev["reason"], ev["by"]) == ("drain", "b", "kernel update", "operator")
+    assert isinstance(ev, reports.Drain)
+    assert (ev.node_id, ev.reason, ev.by) == ("b", "kernel update", "operator")
 
 
 def test_a_sigterm_drain_without_a_spare_leaves_as_before(tmp_path):
     """No spare: the agent that asked is told to stop as on SIGTERM and its slot is handled as a node that left."""
     m = _running(tmp_path)
-    m.coordinator._drain(m.nodes["b"], {"kind": "drain", "node_id": "b", "reason": "agent got SIGTERM", "t": 1.0})
+    m.coordinator._drain(m.nodes["b"], reports.Drain(node_id="b", reason="agent got SIGTERM", t=1.0))
     d = m.directives.get("b").fields
     assert (d["command"], d["exit_code"]) == ("stop", 143) and "no spare node" in d["reason"]
     left = m._inbox.get_nowait()
-    assert (left["kind"], left["node_id"]) == ("left", "b") and "drain refused" in left["detail"]
+    assert isinstance(left, reports.Left) and left.node_id == "b" and "drain refused" in left.detail
     m.events.close()
     req = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "drain_requested"]
     assert [(e["node"], e["slot"], e["by"], e["accepted"]) for e in req] == [("b", 1, "agent", False)]
@@ -183,6 +184,7 @@ def test_a_sigterm_drain_without_a_spare_leaves_as_before(tmp_path):
 
 # ---------------------------------------------------------------- stragglers (decide.stragglers)
 from phoenixrun.control.decide import stragglers  # noqa: E402
+from phoenixrun.protocol import reports
 
 
 @pytest.mark.parametrize("samples, ratio, window, found", [
@@ -229,10 +231,8 @@ def test_a_drain_whose_restore_fails_its_checksum_becomes_a_hot_swap(tmp_path, m
                         swaps.append((set(lost), node.node_id, dict(fresh or {}))))
     g = m.job.course.generation + 1
     for r, nid in enumerate(("a", "b")):
-        m._inbox.put({"kind": "quiesced", "node_id": nid, "generation": g, "next_step": 5,
-                      "snapshots": {str(r): [3, 4]}})
-    m._inbox.put({"kind": "restore_failed", "node_id": "s0", "generation": g, "reason": "checksum mismatch",
-                  "integrity": True})
+        m._inbox.put(reports.Quiesced(node_id=nid, generation=g, next_step=5, snapshots={r: [3, 4]}))
+    m._inbox.put(reports.RestoreFailed(node_id="s0", generation=g, reason="checksum mismatch", integrity=True))
     m.recovery.drain(m.nodes["b"], "kernel update", 1.0)
     assert swaps == [(set(), "b", {1: "s0"})]
     assert m.directives.get("b").fields["command"] == "stop"

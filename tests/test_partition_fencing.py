@@ -15,6 +15,7 @@ from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.recovery import Cascade
 from phoenixrun.control.state import NodeRecord, Role, fence_reply
 from phoenixrun.protocol.directives import Quiesce, Run
+from phoenixrun.protocol import reports
 
 
 def _node(role, slot=None):
@@ -43,7 +44,7 @@ def test_replaced_node_is_fenced_on_every_endpoint(tmp_path):
     m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=1, nproc_per_node=1), auth.new_secret())
     m.store_port = 0                              # not started: no store, no HTTP; the handlers are called directly
     token = _register(m, "a")["token"]
-    assert m._inbox.get_nowait()["kind"] == "joined"
+    assert isinstance(m._inbox.get_nowait(), reports.Joined)
     assert m.heartbeat({"node_id": "a", "token": token})["ok"]
     with m.cv:                                    # what _replace_slots does to the node it replaces
         m.nodes["a"].role, m.nodes["a"].slot = Role.FAILED, None
@@ -121,15 +122,15 @@ def test_a_burst_of_node_losses_during_recovery_is_one_cascade(tmp_path):
     while not m._inbox.empty():
         m._inbox.get_nowait()
     for nid in ("b", "c"):
-        m._inbox.put({"kind": "node_lost", "node_id": nid, "detail": "no heartbeat for 5.1s"})
-    m._inbox.put({"kind": "worker_exit", "node_id": "a", "rank": 0, "returncode": 1})
-    m._inbox.put({"kind": "left", "node_id": "d"})
-    m._inbox.put({"kind": "node_lost", "node_id": "spare", "detail": "no heartbeat for 5.1s"})
+        m._inbox.put(reports.NodeLost(node_id=nid, detail="no heartbeat for 5.1s"))
+    m._inbox.put(reports.WorkerExit(node_id="a", rank=0, returncode=1))
+    m._inbox.put(reports.Left(node_id="d"))
+    m._inbox.put(reports.NodeLost(node_id="spare", detail="no heartbeat for 5.1s"))
     lost: set[int] = set()
     with pytest.raises(Cascade, match="2 more queued node losses"):
         m._pump(0.1, lost)
     assert lost == {m.nodes[n].slot for n in ("b", "c", "d")}
-    assert m._inbox.get_nowait()["kind"] == "worker_exit" and m._inbox.empty()
+    assert isinstance(m._inbox.get_nowait(), reports.WorkerExit) and m._inbox.empty()
     assert m.nodes["spare"].role == Role.FAILED                # a lost spare taken with them is never promoted
     m.events.close()
     detected = [e["node"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "fault_detected"]

@@ -9,27 +9,29 @@ from phoenixrun.control.decide import (CASCADE_LIMIT, MIDWAY_WORKER_ACTION, Afte
                                        Recovery, after_failure, midway, mismatch_reason, no_spare)
 from phoenixrun.control.state import PHASE_MOVES, Phase, PhaseError, phase_move
 from phoenixrun.faults import Action
+from phoenixrun.protocol import reports as r
 from tests.transitions import check_move
 
 G = 7   # the generation of the recovery in flight
 
 
 @pytest.mark.parametrize("ev, in_play, verdict", [
-    ({"kind": "restore_failed", "mismatch": True, "integrity": True}, False, Midway.MISMATCH),  # from any node
-    ({"kind": "restore_failed", "integrity": True}, False, Midway.PLAN_FAILED),
-    ({"kind": "restore_failed", "reason": "port full"}, True, Midway.RETRY),
-    ({"kind": "restore_failed"}, False, Midway.RETRY),
-    ({"kind": "node_lost"}, True, Midway.NODE_LOST),
-    ({"kind": "left"}, True, Midway.NODE_LOST),
-    ({"kind": "node_lost"}, False, Midway.IGNORE),          # a spare, a failed node, a slot lost already
-    ({"kind": "worker_exit", "generation": G}, True, Midway.WORKER_LOST),
-    ({"kind": "worker_hang", "generation": G}, True, Midway.WORKER_LOST),
-    ({"kind": "worker_exit", "generation": G - 1}, True, Midway.IGNORE),   # the restore respawns those
-    ({"kind": "worker_exit", "generation": G}, False, Midway.IGNORE),
-    ({"kind": "worker_exit"}, True, Midway.IGNORE),
-    ({"kind": "comm_error", "generation": G}, True, Midway.IGNORE),         # expected while quiescing
-    ({"kind": "worker_error", "generation": G}, True, Midway.IGNORE),
-    ({"kind": "heartbeat"}, True, Midway.IGNORE),
+    (r.RestoreFailed(mismatch=True, integrity=True), False, Midway.MISMATCH),  # from any node
+    (r.RestoreFailed(integrity=True), False, Midway.PLAN_FAILED),
+    (r.RestoreFailed(reason="port full"), True, Midway.RETRY),
+    (r.RestoreFailed(), False, Midway.RETRY),
+    (r.NodeLost(), True, Midway.NODE_LOST),
+    (r.Left(), True, Midway.NODE_LOST),
+    (r.NodeLost(), False, Midway.IGNORE),          # a spare, a failed node, a slot lost already
+    (r.WorkerExit(generation=G, returncode=1), True, Midway.WORKER_LOST),
+    (r.WorkerHang(generation=G), True, Midway.WORKER_LOST),
+    (r.WorkerExit(generation=G - 1, returncode=1), True, Midway.IGNORE),   # the restore respawns those
+    (r.WorkerExit(generation=G, returncode=1), False, Midway.IGNORE),
+    (r.WorkerExit(returncode=1), True, Midway.IGNORE),
+    (r.CommError(generation=G), True, Midway.IGNORE),         # expected while quiescing
+    (r.WorkerError(generation=G), True, Midway.IGNORE),
+    (r.Joined(), True, Midway.IGNORE),
+    (r.Quiesced(generation=G - 1), True, Midway.IGNORE),      # an ack of an earlier phase
 ])
 def test_midway(ev, in_play, verdict):
     assert midway(ev, in_play, G) is verdict
@@ -40,7 +42,7 @@ def test_a_worker_lost_midway_is_a_local_reset():
 
 
 def test_mismatch_reason_names_the_checkpoint_and_the_fix():
-    ev = {"rank": 3, "reason": "2 tensors, the script has 4"}
+    ev = r.RestoreFailed(rank=3, reason="2 tensors, the script has 4", mismatch=True)
     assert mismatch_reason(ev, 40, "/ckpt").startswith(
         "checkpoint step 40 in /ckpt does not match the script (rank 3: 2 tensors, the script has 4)")
     assert mismatch_reason(ev, None, "/ckpt").startswith("the restored state does not match")

@@ -10,6 +10,7 @@ import gc
 import logging
 import queue
 import time
+from typing import Any
 
 from phoenixrun.control.decide import (FAULT_REPORTS, NODE_LOSSES, JobEnd, Remedy, carried_out_first, escalated,
                                        exit_code_of, fallback_reason, fault_detected, fault_text, is_definite,
@@ -25,7 +26,7 @@ from phoenixrun.faults import Classification, correlate
 from phoenixrun.faults.escalate import Attempt, Limits, committed_step, escalate
 from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import DrainRequested, JobFinished, JobStarted, MasterRecovered
-from phoenixrun.protocol.names import ReportKind
+from phoenixrun.protocol import reports as r
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -66,14 +67,14 @@ class Coordinator:
 
     def _wait_for_start(self) -> JobEnd | None:
         job = self.job
-        held: list[dict] = []     # reports a restarted master gets before it runs: handled once it does
+        held: list[r.Report] = []     # reports a restarted master gets before it runs: handled once it does
         t0 = said = checked = time.monotonic()
         while True:
             try:
                 ev = self.inbox.get(timeout=0.2)
                 self.recovery.absorb(ev)
-                resumed_fault = job.course.resumed_at is not None and ev.get("kind") != "joined"
-                if resumed_fault or ev.get("interrupted"):
+                resumed_fault = job.course.resumed_at is not None and not isinstance(ev, r.Joined)
+                if resumed_fault or (isinstance(ev, r.Joined) and ev.interrupted):
                     held.append(ev)
             except queue.Empty:
                 pass
@@ -114,7 +115,7 @@ class Coordinator:
             return JobEnd(1, f"cannot resume from the checkpoints in {self.cfg.persistence.persist_dir}")
         return None
 
-    def _resume(self, held: list[dict]) -> None:
+    def _resume(self, held: list[r.Report]) -> None:
         """Carry on a running job after a master restart. A slot nobody rejoined for lost its node
         while the master was down: it gets a stand-in record and the usual node-lost handling."""
         job = self.job
@@ -132,50 +133,49 @@ class Coordinator:
             self.events.emit(MasterRecovered(nodes=len(job.members.nodes) - len(missing), missing_slots=missing,
                                              restart_count=job.course.restart_count), job.course.generation)
         for s in missing:
-            self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": f"lost-slot{s}", "t": time.time(),
-                            "detail": "did not rejoin the restarted master"})
+            self.inbox.put(r.NodeLost(node_id=f"lost-slot{s}", t=time.time(),
+                                      detail="did not rejoin the restarted master"))
         for ev in held:
-            if ev.get("interrupted"):   # it was mid-recovery when the master died: recover again
-                ev = {"kind": ReportKind.COMM_ERROR, "node_id": ev["node_id"], "t": time.time(),
-                      "text": "recovery interrupted by a master restart"}
+            if isinstance(ev, r.Joined) and ev.interrupted:   # it was mid-recovery when the master died: recover again
+                ev = r.CommError(node_id=ev.node_id, t=time.time(), text="recovery interrupted by a master restart")
             self.inbox.put(ev)
 
-    def _dispatch(self, ev: dict) -> JobEnd | None:
+    def _dispatch(self, ev: r.Report) -> JobEnd | None:
         """Handle one report; the job's end once every node's workers finished."""
         job = self.job
         self.recovery.absorb(ev)
-        kind = ev.get("kind")
+        if isinstance(ev, r.AttemptCheck):
+            self.recovery.check_attempt(ev)
+            return None
         with job.cv:
-            node = job.members.nodes.get(ev.get("node_id", ""))
-            active = node is not None and node.role == Role.ACTIVE and node.slot is not None
-        if kind == ReportKind.WORKERS_DONE and active and ev.get("generation") == job.course.generation:
+            node = job.members.nodes.get(ev.node_id)
+        if node is None or node.role != Role.ACTIVE or node.slot is None:
+            return None
+        if isinstance(ev, r.WorkersDone) and ev.generation == job.course.generation:
             job.members.done_nodes.add(node.node_id)
             if all(nid in job.members.done_nodes for nid in job.members.slots.values()):
                 return JobEnd(0, "all workers finished")
             return None
-        if kind == ReportKind.ATTEMPT_CHECK:
-            self.recovery.check_attempt(ev)
-            return None
-        if kind == ReportKind.DRAIN and active:
+        if isinstance(ev, r.Drain):
             self._drain(node, ev)
             return None
-        if not active or kind not in FAULT_REPORTS:
+        if ev.kind not in FAULT_REPORTS:
             return None
-        if not job.hot_swap_capable() and ev.get("generation", job.course.generation) < job.course.generation:
+        if not job.hot_swap_capable() and ev.generation is not None and ev.generation < job.course.generation:
             return None   # a worker of an attempt already restarted (reported after the restart's drain)
         incident = self._incident(ev)
         if incident is not None:
             self._handle_fault(*incident)
         return None
 
-    def _drain(self, node: NodeRecord, ev: dict) -> None:
+    def _drain(self, node: NodeRecord, ev: r.Drain) -> None:
         """A drain asked for by an operator (`phoenixrun drain`) or by the node's agent (it got SIGTERM). Judged
         again now (a fault may have come first). Refused: the operator was told already (the request is checked
         when it arrives) - unless the state changed since; an agent that asked is treated as it was before
         drains existed: it is told to stop as on SIGTERM and its slot is handled as a node that left."""
         job = self.job
-        by = ev.get("by", "agent")
-        reason = ev.get("reason") or ev.get("detail") or "drain"
+        by = ev.by
+        reason = ev.reason or ev.detail or "drain"
         with job.cv:
             refusal = job.drain_refusal(node.slot)
             self.events.emit(DrainRequested(node=node.node_id, slot=node.slot, reason=reason, by=by,
@@ -184,20 +184,19 @@ class Coordinator:
                 self.orders.direct([node.node_id], cmd.Stop(exit_code=128 + 15,
                                                             reason=f"drain refused ({refusal}): leaving as on SIGTERM"))
         if refusal is None:
-            self.recovery.drain(node, reason, ev.get("t", time.time()))
+            self.recovery.drain(node, reason, ev.at(time.time()))
         elif by == "agent":
             log.warning("drain of slot %s refused: %s; the node leaves", node.slot, refusal)
-            self.inbox.put({"kind": ReportKind.LEFT, "node_id": node.node_id, "t": time.time(),
-                            "detail": f"{reason}; drain refused: {refusal}"})
+            self.inbox.put(r.Left(node_id=node.node_id, t=time.time(), detail=f"{reason}; drain refused: {refusal}"))
         else:
             log.warning("drain of slot %s refused: %s", node.slot, refusal)
 
-    def _slot_of(self, ev: dict) -> int | None:
+    def _slot_of(self, ev: r.Report) -> int | None:
         with self.job.cv:
-            node = self.job.members.nodes.get(ev.get("node_id", ""))
+            node = self.job.members.nodes.get(ev.node_id)
         return None if node is None else node.slot
 
-    def _incident(self, ev: dict) -> tuple[NodeRecord, dict, Classification, dict] | None:
+    def _incident(self, ev: r.Report) -> tuple[NodeRecord, r.Report, Classification, dict[str, Any]] | None:
         """Root cause vs symptom: gather the reports of one incident and let `faults.correlate` decide.
 
         A definite root cause (a killed worker, a lost node, an Xid...) is acted on at once, with whatever
@@ -212,8 +211,7 @@ class Coordinator:
         definite = is_definite(ev, self._slot_of(ev), resets)
         if not definite:
             for n in unreachable_nodes(self.probe, actives):
-                events.append({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": time.time(),
-                               "detail": "agent unreachable"})
+                events.append(r.NodeLost(node_id=n.node_id, t=time.time(), detail="agent unreachable"))
                 definite = True
         deadline = time.time() + (0.0 if definite else self.cfg.recovery.correlation_window)
         unrelated = []
@@ -222,7 +220,7 @@ class Coordinator:
                 other = self.inbox.get(timeout=max(0.0, deadline - time.time()))
             except queue.Empty:
                 break
-            if other.get("kind") in FAULT_REPORTS:
+            if other.kind in FAULT_REPORTS:
                 self.recovery.absorb(other)
                 events.append(other)
                 if is_definite(other, self._slot_of(other), resets):
@@ -232,10 +230,9 @@ class Coordinator:
         for other in unrelated:              # not part of the incident: handled in turn afterwards
             self.inbox.put(other)
         with job.cv:
-            slot_of = {e["node_id"]: job.members.nodes[e["node_id"]].slot for e in events if e.get("node_id") in job.members.nodes}
+            slot_of = {e.node_id: job.members.nodes[e.node_id].slot for e in events if e.node_id in job.members.nodes}
             history = {s: list(h) for s, h in job.course.fault_history.items()}
-        pairs = [(signal_of(e, slot_of[e["node_id"]]), e) for e in events
-                 if slot_of.get(e["node_id"]) is not None]
+        pairs = [(signal_of(e, slot_of[e.node_id]), e) for e in events if slot_of.get(e.node_id) is not None]
         # fault_history holds one signal per incident handled (this window gathers an incident's reports), so
         # entries are never merged by time: merged, local resets 0.5 s apart never escalated (issue 20)
         corr = correlate([sig for sig, _ in pairs], history, max_local_resets=resets, incident_gap_s=0.0)
@@ -245,15 +242,15 @@ class Coordinator:
         ev = next(e for sig, e in pairs if sig is d.signal)
         verdict = self._escalated(d.classification, ev)
         with job.cv:
-            node = job.members.nodes[ev["node_id"]]
+            node = job.members.nodes[ev.node_id]
             # recorded with the fault: how the window was decided and who reported what (nodes by id)
-            ids = {job.members.nodes[e["node_id"]].slot: e["node_id"] for _, e in pairs}
+            ids = {job.members.nodes[e.node_id].slot: e.node_id for _, e in pairs}
         context = {"verdict": d.verdict.value,
                    "reporters": sorted({ids[x.node] for x in corr.decisions}),
                    "symptoms": sorted({ids[x.node] for x in corr.symptoms})}
         return node, ev, verdict, context
 
-    def _escalated(self, c: Classification, ev: dict) -> Classification:
+    def _escalated(self, c: Classification, ev: r.Report) -> Classification:
         """No loop: a fault acted on at the committed step of earlier attempts (no progress since) gets a
         stronger remedy, and past the last one the job stops (faults/escalate.py). Hot swap only: a
         torchrun-style job's restarts are bounded by --max-restarts."""
@@ -265,22 +262,23 @@ class Coordinator:
             e = escalate(c, step, job.course.attempts, Limits(local_resets=self.cfg.recovery.max_local_resets))
             job.course.attempts = [*job.course.attempts[-63:], Attempt(step, e.action or c.action)]
             if e.stop:
-                node = job.members.nodes.get(ev.get("node_id", ""))
+                node = job.members.nodes.get(ev.node_id)
                 self.recovery.incidents.open(self.events.emit(fault_detected(
-                    ev, ev.get("node_id"), node and node.slot, c, action="stop", step=step, repeats=e.repeats),
+                    ev, ev.node_id, None if node is None else node.slot, c, action="stop", step=step, repeats=e.repeats),
                     job.course.generation))
         if e.stop:
             raise Stop(exit_code_of(ev) or 1, e.reason)
         return escalated(c, e)
 
-    def _handle_fault(self, node: NodeRecord, ev: dict, verdict: Classification, context: dict | None = None) -> None:
+    def _handle_fault(self, node: NodeRecord, ev: r.Report, verdict: Classification,
+                      context: dict[str, Any] | None = None) -> None:
         job = self.job
         with job.cv:
             job.course.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
             before, node.last_fault = node.last_fault, fault_text(verdict, ev)
             self.recovery.incidents.open(self.events.emit(
                 fault_detected(ev, node.node_id, node.slot, verdict, **(context or {})), job.course.generation))
-            response = respond(job.hot_swap_capable(), verdict.action, ev.get("kind"))
+            response = respond(job.hot_swap_capable(), verdict.action, ev.kind)
         failing_code = exit_code_of(ev)
         if response.remedy is Remedy.FALLBACK:
             why = fallback_reason(verdict, ev, node.slot)
@@ -297,7 +295,7 @@ class Coordinator:
         else:
             self.recovery.hot_swap(lost, node, ev, verdict.action, failing_code)
 
-    def _restart_plain(self, lost: set[int], node: NodeRecord, ev: dict, verdict: Classification,
+    def _restart_plain(self, lost: set[int], node: NodeRecord, ev: r.Report, verdict: Classification,
                        failing_code: int | None, before: str | None = None) -> None:
         """A script without the API: torchrun's semantics, a full restart on any failure while --max-restarts
         allows. A worker's failure may be the symptom of a node loss not yet detected (a survivor's gloo
@@ -308,37 +306,36 @@ class Coordinator:
         job = self.job
         reporter_lost = node.slot in lost
         time.sleep(self.cfg.recovery.correlation_window)
-        losses = self.inbox.take(lambda e: e.get("kind") in NODE_LOSSES)
+        losses = self.inbox.take(lambda e: e.kind in NODE_LOSSES)
         with job.cv:
             actives = [n for n in job.members.actives() if n.slot not in lost]
-            reported = {e.get("node_id"): e for e in losses}
+            reported = {e.node_id: e for e in losses}
         gone = [n for n in actives if n.node_id in reported]
         # refusals only: a killed node's agent refuses at once, and on a loaded machine a live agent answering
         # late must not be taken for lost (with no spare that would end the job); silence is the heartbeats'
         gone += unreachable_nodes(self.probe, [n for n in actives if n.node_id not in reported], timeout=1.0,
                                   silent_is_dead=False)
-        why = f"rank {ev.get('rank')} on slot {node.slot}: {ev.get('kind')} ({verdict.reason})"
+        why = f"rank {ev.rank} on slot {node.slot}: {ev.kind.value} ({verdict.reason})"
         if gone:
             with job.cv:
                 for n in gone:
                     lost.add(n.slot)
-                    loss = reported.get(n.node_id) or {"kind": ReportKind.NODE_LOST, "node_id": n.node_id,
-                                                       "detail": "agent unreachable"}
+                    loss = reported.get(n.node_id) or r.NodeLost(node_id=n.node_id, detail="agent unreachable")
                     c = loss_verdict(loss, n.slot, self.cfg.recovery.max_local_resets)
                     n.last_fault = fault_text(c, loss)
-                    rec = self.events.emit(fault_detected(loss, n.node_id, n.slot, c, signal=ReportKind.NODE_LOST,
+                    rec = self.events.emit(fault_detected(loss, n.node_id, n.slot, c, signal=r.NodeLost.KIND,
                                                           detail="node lost with the failure", symptom_of_loss=True),
                                            job.course.generation)
                     if n is gone[0] and not reporter_lost:    # the incident is the loss (what the console says)
                         first = self.recovery.incidents.current or rec
-                        self.recovery.incidents.open({**rec, "detail": loss.get("detail") or rec["detail"],
+                        self.recovery.incidents.open({**rec, "detail": loss.detail or rec["detail"],
                                                      "t": first.get("t", rec["t"])})
                 if not reporter_lost:      # its report was a symptom of the loss: not its fault
                     node.last_fault = before
-            why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.get('rank')}'s "
-                   f"{ev.get('kind')} was its symptom)")
+            why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.rank}'s "
+                   f"{ev.kind.value} was its symptom)")
         for e in losses:   # losses of spares and of nodes already handled: the usual bookkeeping
-            if e.get("node_id") not in {n.node_id for n in gone}:
+            if e.node_id not in {n.node_id for n in gone}:
                 self.recovery.absorb(e)
         self.recovery.restart(lost, failing_code, why)
 

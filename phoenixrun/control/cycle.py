@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union
+from typing import Protocol, Union
 
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
 from phoenixrun.control.decide import AfterFailure, Failure, Next, Recovery, after_failure, no_spare
@@ -27,8 +27,8 @@ from phoenixrun.control.reshape import ReshapePlan
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, RecoveryPlan, Role, pick_spare
 from phoenixrun.faults.escalate import settle
 from phoenixrun.protocol import directives as cmd
+from phoenixrun.protocol import reports
 from phoenixrun.protocol.events import EventRecord, FallbackRestart, RecoveryPlanned, SparePromoted
-from phoenixrun.protocol.names import ReportKind
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.protocol.timings import Timings
 
@@ -55,13 +55,13 @@ class Quiesce:
 @dataclass(frozen=True)
 class Quiesced:
     generation: int
-    acks: dict[str, dict[str, Any]]   # node id -> its quiesced ack
+    acks: dict[str, reports.Quiesced]   # node id -> its quiesced ack
     seconds: float
 
     @property
     def reached(self) -> int:
         """The survivors' next step as they quiesced (what a restore replays from)."""
-        return max((a.get("next_step", 0) for a in self.acks.values()), default=0)
+        return max((a.next_step for a in self.acks.values()), default=0)
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ Restore = Union[FromMemory, FromCheckpoint, Reshard]
 @dataclass(frozen=True)
 class Restored:
     generation: int
-    acks: dict[str, dict[str, Any]]   # node id -> its resumed ack
+    acks: dict[str, reports.Resumed]   # node id -> its resumed ack
     phases: dict[str, float]      # plan_s, restore_s and the ranks' slowest timings
 
 
@@ -138,11 +138,11 @@ def failure_of(e: Exception) -> Failure:
         else Failure.CASCADE
 
 
-def slowest(acks: dict[str, dict[str, Any]]) -> dict[str, float]:
+def slowest(acks: dict[str, reports.Resumed]) -> dict[str, float]:
     """The slowest rank's figure for each phase (protocol/timings.py) any resumed ack reported. Pure."""
     out = Timings()
     for r in acks.values():
-        out = out.slowest(Timings.from_wire(r.get("timings") or {}))
+        out = out.slowest(r.timings)
     return out.to_wire()
 
 
@@ -189,7 +189,7 @@ class Cycle:
             g = job.course.generation
             job.course.phase = Phase.QUIESCE
             self.orders.direct(q.members, cmd.Quiesce(at_step=q.at_step))
-        acks = Acks(ReportKind.QUIESCED, g, q.members, on_ack=self.flight.quiesced_inventory)
+        acks = Acks(reports.Quiesced, g, q.members, on_ack=self.flight.quiesced_inventory)
         self.flight.wait(acks, p.lost)
         return Quiesced(g, acks.got, round(time.time() - t, 4))
 
@@ -205,7 +205,7 @@ class Cycle:
                 expected = self._reshard(r)
             g = self.job.course.generation
         t = time.time()
-        acks = Acks(ReportKind.RESUMED, g, expected)
+        acks = Acks(reports.Resumed, g, expected)
         self.flight.wait(acks, lost)
         return Restored(g, acks.got, {"plan_s": plan_s, "restore_s": round(time.time() - t, 4), **slowest(acks.got)})
 

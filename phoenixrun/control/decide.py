@@ -13,16 +13,17 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from phoenixrun.control.state import NodeRecord, PlanError, RecoveryPlan, Role, restore_step
 from phoenixrun.faults import Action, Classification, Correlation, NodeDecision, Signal, SignalKind, classify
 from phoenixrun.faults.escalate import Escalation
 from phoenixrun.faults.taxonomy import ACTION_PRECEDENCE
 from phoenixrun.protocol.events import FaultDetected
+from phoenixrun.protocol import reports as r
 from phoenixrun.protocol.names import Command, ReportKind
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.topology import Layout
@@ -45,33 +46,28 @@ class JobEnd:
     reason: str
 
 
-def signal_of(ev: dict[str, Any], slot: int | None) -> Signal:
+def signal_of(ev: r.Report, slot: int | None) -> Signal:
     """The fault signal a report (an inbox event) carries, filed under the reporting node's slot."""
-    kind = ev.get("kind")
-    t = ev.get("t", 0.0)
-    if kind == ReportKind.NODE_LOST:
-        return Signal(kind=SignalKind.NODE_HEARTBEAT_LOST, node=slot, detail=ev.get("detail", ""), timestamp=t)
-    if kind == ReportKind.LEFT:
-        return Signal(kind=SignalKind.NODE_UNREACHABLE, node=slot, detail=ev.get("detail", ""), timestamp=t)
-    if kind == ReportKind.HEALTH:
-        return Signal.from_dict({**ev["signal"], "node": slot})
-    if kind == ReportKind.NAN_LOSS:
-        return Signal(kind=SignalKind.NAN_LOSS, node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
-                      timestamp=t)
-    if kind == ReportKind.WORKER_ERROR:
-        return Signal(kind=SignalKind.USER_EXCEPTION, node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
-                      timestamp=t)
-    if kind == ReportKind.WORKER_HANG:
-        return Signal(kind=SignalKind.WORKER_HANG, node=slot, rank=ev.get("rank"), detail=ev.get("detail", ""),
-                      timestamp=t)
-    if kind == ReportKind.WORKER_EXIT:
-        return Signal(kind=SignalKind.WORKER_EXIT, node=slot, rank=ev.get("rank"), code=ev.get("returncode"),
-                      detail=ev.get("text") or ev.get("detail", ""), timestamp=t)
-    return Signal(kind=SignalKind.COLLECTIVE_ERROR, node=slot, rank=ev.get("rank"), detail=ev.get("text", ""),
-                  timestamp=t)
+    t = ev.at(0.0)
+    if isinstance(ev, r.NodeLost):
+        return Signal(kind=SignalKind.NODE_HEARTBEAT_LOST, node=slot, detail=ev.detail, timestamp=t)
+    if isinstance(ev, r.Left):
+        return Signal(kind=SignalKind.NODE_UNREACHABLE, node=slot, detail=ev.detail, timestamp=t)
+    if isinstance(ev, r.Health):
+        return replace(ev.signal, node=slot)
+    if isinstance(ev, r.NanLoss):
+        return Signal(kind=SignalKind.NAN_LOSS, node=slot, rank=ev.rank, detail=ev.text, timestamp=t)
+    if isinstance(ev, r.WorkerError):
+        return Signal(kind=SignalKind.USER_EXCEPTION, node=slot, rank=ev.rank, detail=ev.text, timestamp=t)
+    if isinstance(ev, r.WorkerHang):
+        return Signal(kind=SignalKind.WORKER_HANG, node=slot, rank=ev.rank, detail=ev.detail, timestamp=t)
+    if isinstance(ev, r.WorkerExit):
+        return Signal(kind=SignalKind.WORKER_EXIT, node=slot, rank=ev.rank, code=ev.returncode,
+                      detail=ev.text or ev.detail, timestamp=t)
+    return Signal(kind=SignalKind.COLLECTIVE_ERROR, node=slot, rank=ev.rank, detail=ev.text, timestamp=t)
 
 
-def is_definite(ev: dict[str, Any], slot: int | None, max_local_resets: int) -> bool:
+def is_definite(ev: r.Report, slot: int | None, max_local_resets: int) -> bool:
     """The report names its node's fault by itself (no need to wait for the rest of the incident)."""
     if slot is None:
         return False
@@ -79,20 +75,20 @@ def is_definite(ev: dict[str, Any], slot: int | None, max_local_resets: int) -> 
     return c.root_cause and not c.ambiguous
 
 
-def exit_code_of(ev: dict[str, Any]) -> int | None:
+def exit_code_of(ev: r.Report) -> int | None:
     """The exit code a failing worker's report implies for the job (a signal n: 128 - n, as a shell)."""
-    rc: int | None = ev.get("returncode")
-    if rc is None:
+    if not isinstance(ev, r.WorkerExit):
         return None
+    rc = ev.returncode
     return 128 - rc if rc < 0 else rc
 
 
-def detail_of(ev: Mapping[str, Any]) -> str:
+def detail_of(ev: r.Report) -> str:
     """A report's description, as events record it."""
-    return (ev.get("detail") or ev.get("text") or "")[:300]
+    return ev.described()[:300]
 
 
-def fault_detected(ev: Mapping[str, Any], node: str | None, slot: int | None, c: Classification, *,
+def fault_detected(ev: r.Report, node: str | None, slot: int | None, c: Classification, *,
                    action: str | None = None, step: int | None = None, detail: str | None = None,
                    signal: str | None = None, verdict: str | None = None, reporters: list[str] | None = None,
                    symptoms: list[str] | None = None, repeats: int | None = None,
@@ -100,17 +96,17 @@ def fault_detected(ev: Mapping[str, Any], node: str | None, slot: int | None, c:
     """The `fault_detected` record of report `ev` classified as `c`, the same fields wherever the fault was found
     (the escalation's stop, an incident, a loss with a restart, a fault during a recovery). Pure."""
     return FaultDetected(
-        node=node, slot=slot, signal=signal or ev.get("kind"), rank=ev.get("rank"), returncode=ev.get("returncode"),
+        node=node, slot=slot, signal=signal or ev.kind, rank=ev.rank, returncode=ev.returncode if isinstance(ev, r.WorkerExit) else None,
         detail=detail_of(ev) if detail is None else detail, fault_class=c.fault_class.value,
-        action=action or c.action.value, step=ev.get("step") if step is None else step, verdict=verdict,
+        action=action or c.action.value, step=ev.step if step is None else step, verdict=verdict,
         reporters=reporters, symptoms=symptoms, repeats=repeats, during_recovery=during_recovery,
         symptom_of_loss=symptom_of_loss)
 
 
-def midway_worker_verdict(ev: Mapping[str, Any], slot: int | None, max_local_resets: int) -> Classification:
+def midway_worker_verdict(ev: r.Report, slot: int | None, max_local_resets: int) -> Classification:
     """How a worker lost mid-recovery is filed: the classifier's class for its report, the action always
     MIDWAY_WORKER_ACTION (its node is alive: the next cycle's restore respawns it from the node's snapshot)."""
-    c = classify(signal_of(dict(ev), slot), max_local_resets=max_local_resets)
+    c = classify(signal_of(ev, slot), max_local_resets=max_local_resets)
     return Classification(c.fault_class, MIDWAY_WORKER_ACTION, c.root_cause, c.reason, c.ambiguous)
 
 
@@ -126,9 +122,9 @@ def carried_out_first(corr: Correlation) -> NodeDecision | None:
     return max(acted, key=lambda d: ACTION_PRECEDENCE[d.acted_action])   # max keeps the first of equals
 
 
-def fault_text(c: Classification, ev: dict[str, Any]) -> str:
+def fault_text(c: Classification, ev: r.Report) -> str:
     """A node's "last fault" as `status` shows it: the class and what the report said. Pure."""
-    return f"{c.fault_class.value}: {ev.get('detail') or ev.get('text', '')}"[:200]
+    return f"{c.fault_class.value}: {ev.described()}"[:200]
 
 
 def escalated(c: Classification, e: Escalation) -> Classification:
@@ -164,18 +160,18 @@ def respond(hot_swap_capable: bool, action: Action, report_kind: str | None) -> 
                     fence=replace and report_kind in STILL_UP)
 
 
-def fallback_reason(c: Classification, ev: dict[str, Any], slot: int | None) -> str:
+def fallback_reason(c: Classification, ev: r.Report, slot: int | None) -> str:
     """Why the job falls back to its persistent checkpoint (or stops), as events and the exit reason say."""
-    what = f"{c.reason}: {ev['text']}" if ev.get("kind") == "nan_loss" and ev.get("text") else c.reason
-    return f"{what} (rank {ev.get('rank')} on slot {slot})"
+    what = f"{c.reason}: {ev.text}" if isinstance(ev, r.NanLoss) and ev.text else c.reason
+    return f"{what} (rank {ev.rank} on slot {slot})"
 
 
-def loss_verdict(ev: dict[str, Any], slot: int, max_local_resets: int) -> Classification:
+def loss_verdict(ev: r.Report, slot: int, max_local_resets: int) -> Classification:
     """How a node loss found while a recovery or a restart is under way is filed: by the classifier, as the
     same report outside a recovery (node_lost: a vanished or silent agent, a node that said it leaves); either
     way its slot goes to a spare."""
-    if ev.get("kind") not in NODE_LOSSES:
-        raise ValueError(f"not a node loss: {ev.get('kind')!r}")
+    if ev.kind not in NODE_LOSSES:
+        raise ValueError(f"not a node loss: {ev.kind.value!r}")
     return classify(signal_of(ev, slot), max_local_resets=max_local_resets)
 
 
@@ -358,29 +354,29 @@ class Midway(str, Enum):
 MIDWAY_WORKER_ACTION = Action.LOCAL_RESET
 
 
-def midway(ev: dict[str, Any], in_play: bool, generation: int) -> Midway:
+def midway(ev: r.Report, in_play: bool, generation: int) -> Midway:
     """How a report is handled while a recovery of `generation` waits for acks; `in_play`: it comes from an active
     node whose slot is not lost already. A refused restore counts from any node. Pure."""
-    kind = ev.get("kind")
-    if kind == K.RESTORE_FAILED:
-        if ev.get("mismatch"):
+    kind = ev.kind
+    if isinstance(ev, r.RestoreFailed):
+        if ev.mismatch:
             return Midway.MISMATCH
-        return Midway.PLAN_FAILED if ev.get("integrity") else Midway.RETRY
+        return Midway.PLAN_FAILED if ev.integrity else Midway.RETRY
     if not in_play:
         return Midway.IGNORE
     if kind in NODE_LOSSES:
         return Midway.NODE_LOST
-    if kind in (K.WORKER_EXIT, K.WORKER_HANG) and ev.get("generation") == generation:
+    if kind in (K.WORKER_EXIT, K.WORKER_HANG) and ev.generation == generation:
         # dropped as "expected", it cost the whole --recovery-timeout (39.9 s and 127.8 s recoveries in a soak,
         # two crash-worker 0.5 s apart)
         return Midway.WORKER_LOST
     return Midway.IGNORE
 
 
-def mismatch_reason(ev: dict[str, Any], step: int | None, persist_dir: Path | None) -> str:
+def mismatch_reason(ev: r.Report, step: int | None, persist_dir: Path | None) -> str:
     """The job's end reason when a rank refused the restored state's layout. Pure."""
     where = f"checkpoint step {step} in {persist_dir}" if step is not None and persist_dir else "the restored state"
-    return (f"{where} does not match the script (rank {ev.get('rank')}: {ev.get('reason')}): it was written by "
+    return (f"{where} does not match the script (rank {ev.rank}: {ev.reason}): it was written by "
             "another model or optimizer; start a new run (without --resume, another --rdzv-id or --run-dir), or "
             "point --persist-dir at this script's checkpoints")
 

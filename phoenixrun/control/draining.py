@@ -18,6 +18,7 @@ from phoenixrun.control.decide import AfterFailure, Recovery, drain_step, plan_d
 from phoenixrun.control.inflight import Cascade
 from phoenixrun.control.state import NodeRecord, PlanError, Role, pick_spare
 from phoenixrun.protocol import directives as cmd
+from phoenixrun.protocol import reports as r
 from phoenixrun.protocol.events import RecoveryDone, RecoveryStarted, SparePromoted
 
 log = logging.getLogger("phoenixrun.master")
@@ -85,7 +86,7 @@ class Drain:
     def failed(self, error: Exception, after: AfterFailure) -> None:
         pass
 
-    def interrupted(self, error: Exception) -> tuple[set[int], dict]:
+    def interrupted(self, error: Exception) -> tuple[set[int], r.Report]:
         """A fault (or a deadline) during the drain: the drained node is stopped; its slot is hot-swapped as a lost
         node's (state from replica holders and DP peers), with whatever else was lost. The hot swap's lost slots
         and its ev."""
@@ -97,4 +98,4 @@ class Drain:
                 self.lost.add(slot)
             node.role, node.slot = Role.DRAINED, None
             self.cycle.orders.direct([node.node_id], cmd.Stop(exit_code=0, reason=f"drain interrupted: {error}"))
-        return self.lost, {"kind": "drain", "detail": f"drain interrupted: {error}", "t": time.time()}
+        return self.lost, r.Drain(detail=f"drain interrupted: {error}", t=time.time())

@@ -13,8 +13,10 @@ import time
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
 from phoenixrun.control.cycle import Cycle, FromCheckpoint, Quiesced, Restored, Resume
 from phoenixrun.control.decide import AfterFailure, Recovery
+from phoenixrun.control.inflight import Cascade
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.protocol.events import CheckpointRejected, FallbackDone
+from phoenixrun.protocol.reports import RestoreFailed
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -56,9 +58,9 @@ class Fallback:
 
     def failed(self, error: Exception, after: AfterFailure) -> None:
         """A checkpoint whose load failed (its ranks said so) is never tried again."""
-        ev = getattr(error, "event", {})
-        if self.step is not None and ev.get("persist_step") == self.step:
+        ev = error.event if isinstance(error, Cascade) else None
+        if self.step is not None and isinstance(ev, RestoreFailed) and ev.persist_step == self.step:
             self.job.course.bad_checkpoints.add(self.step)
-            self.cycle.events.emit(CheckpointRejected(step=self.step, reason=ev.get("reason", "")),
+            self.cycle.events.emit(CheckpointRejected(step=self.step, reason=ev.reason),
                                    self.job.course.generation)
         log.warning("fallback to checkpoint step %d interrupted: %s", self.step, error)

@@ -9,12 +9,13 @@ import hmac
 import logging
 import secrets
 import time
+from typing import Any
 
 from phoenixrun.control import wire
 from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import (FaultInjected, NodeFenced, NodeJoined, NodeRefused, NodeRejoined,
                                        Straggler)
-from phoenixrun.protocol import messages
+from phoenixrun.protocol import messages, reports
 from phoenixrun.control.decide import RUNS_WORKERS
 from phoenixrun.control.directives import Directive
 from phoenixrun.control.events import EventLog
@@ -24,7 +25,7 @@ from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.roster import digest
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
-from phoenixrun.protocol.names import ReportKind
+from phoenixrun.protocol.names import REPORT_KINDS, ReportKind
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -81,7 +82,7 @@ class Handlers:
                                         agent_pid=node.agent_pid, fault_domain=node.fault_domain), self.job.course.generation)
             if role == Role.SPARE:
                 self.orders.direct([node.node_id], cmd.Wait(warm=self.job.hot_swap_capable()))
-            self.inbox.put({"kind": ReportKind.JOINED, "node_id": node.node_id})
+            self.inbox.put(reports.Joined(node_id=node.node_id))
             return self._job_json(role, slot, self._new_token(node.node_id))
 
     def _reregister(self, node: NodeRecord, msg: messages.Register) -> dict:
@@ -183,7 +184,7 @@ class Handlers:
                                       interrupted=r.frozen), self.job.course.generation)
         if role == Role.SPARE:
             self.orders.direct([nid], cmd.Wait(warm=node.api))
-        self.inbox.put({"kind": ReportKind.JOINED, "node_id": nid, "interrupted": r.frozen})
+        self.inbox.put(reports.Joined(node_id=nid, interrupted=r.frozen))
         return self._job_json(role, slot, self._new_token(nid))
 
     def _job_json(self, role: Role, slot: int | None, token: str) -> dict:
@@ -247,8 +248,8 @@ class Handlers:
                                    window=self.cfg.stragglers.straggler_window, threshold=self.cfg.stragglers.straggler_ratio,
                                    replace=replace), self.job.course.generation)
         if replace:
-            self.inbox.put({"kind": ReportKind.DRAIN, "node_id": node.node_id, "by": "straggler", "t": time.time(),
-                            "reason": f"straggler: {node.straggler}x slower than its peers"})
+            self.inbox.put(reports.Drain(node_id=node.node_id, by="straggler", t=time.time(),
+                                        reason=f"straggler: {node.straggler}x slower than its peers"))
 
     def inject(self, p: dict) -> dict:
         """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
@@ -270,12 +271,12 @@ class Handlers:
             if refusal is not None:
                 raise messages.MessageError(f"cannot drain slot {msg.slot}: {refusal}", code=409, reason="drain_refused")
             nid = self.job.members.slots[msg.slot]
-        self.inbox.put({"kind": ReportKind.DRAIN, "node_id": nid, "reason": msg.reason, "by": "operator",
-                        "t": time.time()})
+        self.inbox.put(reports.Drain(node_id=nid, reason=msg.reason, by="operator", t=time.time()))
         return {"ok": True, "node": nid, "slot": msg.slot}
 
-    def report(self, p: dict) -> dict:
-        msg = messages.parse_report(p, self._msg_job, time.time())
+    def report(self, p: dict[str, Any]) -> dict[str, Any]:
+        sent = reports.parse_report(p, self._msg_job, time.time())
+        msg = sent.report
         with self.job.cv:
             node = self.job.members.nodes.get(msg.node_id)
             if node is None:
@@ -283,12 +284,12 @@ class Handlers:
             fenced = self._fence(msg.node_id, "report")
             if fenced:
                 return fenced
-            self._check_token(msg.node_id, msg.token, "report")
+            self._check_token(msg.node_id, sent.token, "report")
             gen = msg.generation
             if gen is not None and gen > self.job.course.generation:
                 raise messages.MessageError(f"report generation {gen} was never issued (the job is at generation "
                                             f"{self.job.course.generation})", code=409, reason="generation_not_issued")
-            if messages.REPORT_KINDS[msg.kind] and gen is not None and gen < self.job.course.generation:
+            if REPORT_KINDS[msg.kind] and gen is not None and gen < self.job.course.generation:
                 # about workers of a generation already replaced: moot (a late or replayed report)
                 self.rejections.note(time.time(), node.host, "stale_generation", "/v1/report",
                                      f"{msg.kind} of generation {gen} from {msg.node_id} (now {self.job.course.generation})")
@@ -297,7 +298,7 @@ class Handlers:
                 raise messages.MessageError(
                     f"workers_done from {msg.node_id}: it was not told to run workers in generation {self.job.course.generation}",
                     code=409, reason="not_running")
-        self.inbox.put(msg.event)
+        self.inbox.put(msg)
         return {"ok": True}
 
     def _may_be_done(self, node: NodeRecord, generation: int | None) -> bool:

@@ -11,7 +11,7 @@ import logging
 import queue
 import random
 import time
-from typing import Callable, Iterable
+from typing import Callable, Generic, Iterable, TypeVar
 
 from phoenixrun.control import layout_file
 from phoenixrun.control.decide import (NODE_LOSSES, Midway, fault_detected, fault_text, loss_verdict, midway,
@@ -19,8 +19,8 @@ from phoenixrun.control.decide import (NODE_LOSSES, Midway, fault_detected, faul
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.orders import Inbox
-from phoenixrun.control.state import NodeRecord, PlanError, Role, by_rank
-from phoenixrun.protocol.names import ReportKind
+from phoenixrun.control.state import NodeRecord, PlanError, Role
+from phoenixrun.protocol import reports as r
 
 log = logging.getLogger("phoenixrun.master")
 
@@ -34,9 +34,9 @@ Probe = Callable[[list[str], float, bool], set[str]]   # control/probe.py's unre
 class Cascade(Exception):
     """A new fault arrived while a recovery was in flight: start over at QUIESCE."""
 
-    def __init__(self, reason: str, event: dict | None = None):
+    def __init__(self, reason: str, event: r.Report | None = None):
         super().__init__(reason)
-        self.event = event or {}
+        self.event = event
 
 
 class Stop(Exception):
@@ -47,19 +47,31 @@ class Stop(Exception):
         self.exit_code, self.reason = exit_code, reason
 
 
-class Acks:
+A = TypeVar("A", r.Quiesced, r.Resumed)
+
+
+class Acks(Generic[A]):
     """Acknowledgements of one recovery phase (`quiesced` or `resumed` of generation g): O(1) per
     ack, so waiting for 16K of them is not quadratic."""
 
-    def __init__(self, kind: str, generation: int, expected: Iterable[str],
-                 on_ack: Callable[[dict], None] | None = None):
-        self.kind, self.generation, self.on_ack = kind, generation, on_ack
+    def __init__(self, kind: type[A], generation: int, expected: Iterable[str],
+                 on_ack: Callable[[A], None] | None = None):
+        self.kind: type[A] = kind
+        self.generation = generation
+        self.on_ack: Callable[[A], None] | None = on_ack
         self.pending = set(expected)
-        self.got: dict[str, dict] = {}
+        self.got: dict[str, A] = {}
 
-    def add(self, ev: dict) -> None:
-        self.got[ev["node_id"]] = ev
-        self.pending.discard(ev["node_id"])
+    def take(self, ev: r.Report) -> bool:
+        """Record ev if it is one of these acks."""
+        if not isinstance(ev, self.kind) or ev.generation != self.generation:
+            return False
+        self.add(ev)
+        return True
+
+    def add(self, ev: A) -> None:
+        self.got[ev.node_id] = ev
+        self.pending.discard(ev.node_id)
         if self.on_ack is not None:
             self.on_ack(ev)
 
@@ -82,26 +94,26 @@ class InFlight:
     def __init__(self, job: JobState, events: EventLog, inbox: Inbox, probe: Probe):
         self.cfg, self.job, self.events, self.inbox, self.probe = job.cfg, job, events, inbox, probe
 
-    def absorb(self, ev: dict) -> None:
+    def absorb(self, ev: r.Report) -> None:
         self.job.absorb(ev, self.events.emit)
-        if ev.get("kind") == ReportKind.LAYOUT:    # kept for a restarted master (control/layout_file.py)
+        if isinstance(ev, r.Layout):    # kept for a restarted master (control/layout_file.py)
             layout_file.save(self.cfg.run_dir, self.cfg.run_id, self.job.course.peer_set)
 
     def drain_stale(self) -> None:
         """Drop reports about the generation that was just torn down."""
         g = self.job.course.generation
-        self.inbox.take(lambda ev: ev.get("kind") != "node_lost" and ev.get("generation", g) < g)
+        self.inbox.take(lambda ev: not isinstance(ev, r.NodeLost) and ev.generation is not None and ev.generation < g)
 
-    def quiesced_inventory(self, ack: dict) -> None:
+    def quiesced_inventory(self, ack: r.Quiesced) -> None:
         """A survivor's snapshot inventory as it quiesced (fresher than its last heartbeat's), taken as each
         ack arrives: 16K of them in one go after the last ack were 60 ms of the plan at 16K nodes. Without
         the lock: the fields are replaced whole (as heartbeats replace them), never changed in place, so a
         reader under the lock sees the old inventory or the new one."""
-        node = self.job.members.nodes.get(ack.get("node_id", ""))
+        node = self.job.members.nodes.get(ack.node_id)
         if node is not None:
-            node.snapshots, node.replicas = by_rank(ack.get("snapshots")), by_rank(ack.get("replicas"))
+            node.snapshots, node.replicas = ack.snapshots, ack.replicas
 
-    def wait(self, acks: Acks, lost: set[int], timeout: float | None = None) -> None:
+    def wait(self, acks: Acks[A], lost: set[int], timeout: float | None = None) -> None:
         """Consume reports until every expected ack came; past the deadline (--recovery-timeout) -> Cascade.
 
         A node dying mid-recovery must not cost a heartbeat timeout: when acks stop coming for
@@ -129,8 +141,8 @@ class InFlight:
                 # late is no evidence (at 16K nodes, late answers declared live nodes lost); silence is the
                 # heartbeat monitor's to judge
                 for n in unreachable_nodes(self.probe, waiting, timeout=0.2, silent_is_dead=False):
-                    self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": time.time(),
-                                     "detail": "agent unreachable during recovery"})
+                    self.inbox.put(r.NodeLost(node_id=n.node_id, t=time.time(),
+                                              detail="agent unreachable during recovery"))
 
     def settle(self, seconds: float, lost: set[int]) -> None:
         """Handle reports for `seconds` before a recovery's next cycle: a node lost meanwhile joins `lost` (the
@@ -142,31 +154,29 @@ class InFlight:
             except (Cascade, PlanError) as c:
                 log.info("while settling before the next recovery cycle: %s", c)
 
-    def pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
+    def pump(self, timeout: float, lost: set[int], acks: Acks[r.Quiesced] | Acks[r.Resumed] | None = None) -> None:
         """Handle one report (or none within timeout), as decide.midway files it."""
         try:
             ev = self.inbox.get(timeout=timeout)
         except queue.Empty:
             return
-        kind = ev.get("kind")
-        if acks and kind == acks.kind and ev.get("generation") == acks.generation:
-            acks.add(ev)   # the common case, 16K times a phase: no lock (absorb has nothing to do for acks)
-            return
+        if acks is not None and acks.take(ev):
+            return   # the common case, 16K times a phase: no lock (absorb has nothing to do for acks)
         self.absorb(ev)
         with self.job.cv:
-            node = self.job.members.nodes.get(ev.get("node_id", ""))
+            node = self.job.members.nodes.get(ev.node_id)
             in_play = node is not None and node.role == Role.ACTIVE and node.slot not in lost
         verdict = midway(ev, in_play, self.job.course.generation)
-        why = f"{ev.get('node_id')}: {ev.get('reason')}"
+        why = f"{ev.node_id}: {ev.reason}"
         if verdict is Midway.MISMATCH:
             raise Stop(EXIT_MISMATCH, mismatch_reason(ev, self.job.course.restored_step, self.cfg.persistence.persist_dir))
         if verdict is Midway.PLAN_FAILED:
             raise PlanError(why)
         if verdict is Midway.RETRY:
             raise Cascade(why, ev)
-        if verdict is Midway.NODE_LOST:
+        if verdict is Midway.NODE_LOST and node is not None:
             self._node_lost(ev, node, lost)
-        if verdict is Midway.WORKER_LOST:
+        if verdict is Midway.WORKER_LOST and node is not None:
             # its node will never ack this phase: a new cycle quiesces the live workers and the restore respawns
             # the dead one from the node's snapshot (dropped as expected, it cost the whole --recovery-timeout)
             with self.job.cv:
@@ -174,27 +184,27 @@ class InFlight:
                 c = midway_worker_verdict(ev, node.slot, self.cfg.recovery.max_local_resets)
                 self.events.emit(fault_detected(ev, node.node_id, node.slot, c, during_recovery=True),
                                  self.job.course.generation)
-            raise Cascade(f"rank {ev.get('rank')} on slot {node.slot} died during recovery: "
-                          f"{ev.get('detail') or kind}", ev)
+            raise Cascade(f"rank {ev.rank} on slot {node.slot} died during recovery: "
+                          f"{ev.detail or ev.kind.value}", ev)
 
-    def _node_lost(self, ev: dict, node: NodeRecord, lost: set[int]) -> None:
+    def _node_lost(self, ev: r.Report, node: NodeRecord, lost: set[int]) -> None:
         """A node in play is gone: its slot, and those of the losses queued behind it (a rack, a switch: one cycle
         per lost node would spend the cascade budget on a single correlated failure), go to spares -> Cascade."""
-        queued = self.inbox.take(lambda e: e.get("kind") in NODE_LOSSES)
+        queued = self.inbox.take(lambda e: e.kind in NODE_LOSSES)
         for loss in queued:
             self.absorb(loss)             # a lost spare is marked failed, as pump would have
         newly = 0
         with self.job.cv:
             for loss in [ev, *queued]:
-                n = self.job.members.nodes.get(loss.get("node_id", ""))
-                if n is None or n.role != Role.ACTIVE or n.slot in lost:
+                n = self.job.members.nodes.get(loss.node_id)
+                if n is None or n.role != Role.ACTIVE or n.slot is None or n.slot in lost:
                     continue
                 lost.add(n.slot)     # whatever the classifier says: a lost node's slot goes to a spare
                 newly += 1
                 c = loss_verdict(loss, n.slot, self.cfg.recovery.max_local_resets)
                 n.last_fault = fault_text(c, loss)
-                self.events.emit(fault_detected(loss, n.node_id, n.slot, c, detail=loss.get("detail", ""),
+                self.events.emit(fault_detected(loss, n.node_id, n.slot, c, detail=loss.detail,
                                                 during_recovery=True), self.job.course.generation)
         raise Cascade(f"node {node.node_id} (slot {node.slot}) lost during recovery: "
-                      f"{ev.get('detail') or ev.get('kind')}"
+                      f"{ev.detail or ev.kind.value}"
                       + (f" (and {newly - 1} more queued node losses)" if newly > 1 else ""))

@@ -13,7 +13,7 @@ one; and `stopped` is an Event of its own.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, cast
+from typing import Callable
 
 from phoenixrun.config import MasterConfig
 from phoenixrun.control.course import Course
@@ -22,8 +22,7 @@ from phoenixrun.control.membership import Membership
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.control.telemetry import Telemetry
 from phoenixrun.protocol.events import ProtectionMode, RestoreRefused, SpareLost
-from phoenixrun.protocol.names import ReportKind
-from phoenixrun.redundancy import PeerSet
+from phoenixrun.protocol import reports
 from phoenixrun.topology import Layout
 
 
@@ -109,29 +108,28 @@ class JobState:
         """Throughput samples for status (Telemetry.note_progress), from the nodes holding slots."""
         self.telemetry.note_progress(self.members.slots.values())   # a view: walked only when due
 
-    def absorb(self, ev: dict[str, Any], emit: Callable[..., None]) -> None:
+    def absorb(self, ev: reports.Report, emit: Callable[..., None]) -> None:
         """What any report changes whatever the phase (a spare lost, the protection mode); faults are the
         coordinator's. `emit`: the event log's."""
-        kind = ev.get("kind")
         with self.cv:
-            node = self.members.nodes.get(ev.get("node_id", ""))
-            if kind == ReportKind.NODE_LOST and node is not None and node.role == Role.SPARE:
+            node = self.members.nodes.get(ev.node_id)
+            if isinstance(ev, reports.NodeLost) and node is not None and node.role == Role.SPARE:
                 node.role = Role.FAILED
                 node.last_fault = "heartbeat lost"
                 emit(SpareLost(node=node.node_id), self.course.generation)
-            elif kind == ReportKind.LEFT and node is not None and node.role == Role.SPARE:
+            elif isinstance(ev, reports.Left) and node is not None and node.role == Role.SPARE:
                 node.role = Role.FAILED
-            elif kind == ReportKind.PROTECTION_MODE and ev.get("every") != self.course.protect_every:
-                self.course.protect_every = cast(int, ev.get("every"))
-                emit(ProtectionMode(every=self.course.protect_every, step=ev.get("step"),
+            elif isinstance(ev, reports.ProtectionMode) and ev.every != self.course.protect_every:
+                self.course.protect_every = ev.every
+                emit(ProtectionMode(every=self.course.protect_every, step=ev.step,
                                     reason="replication does not hide behind compute" if self.course.protect_every > 1
                                     else "replication hides behind compute again"), self.course.generation)
-            elif kind == ReportKind.LAYOUT:
+            elif isinstance(ev, reports.Layout):
                 # rank 0 at protect(), once per job start: where DTensor state has copies (validated by the parser)
-                self.course.peer_set = PeerSet.from_wire(ev["peers"]) if ev.get("peers") else None
-            elif kind == ReportKind.RESTORE_REFUSED:
+                self.course.peer_set = ev.peers
+            elif isinstance(ev, reports.RestoreRefused):
                 # the agent goes on with the plan's next option; recorded so an operator sees which holder or
                 # peer held bad bytes (or could not be reached)
-                emit(RestoreRefused(node=ev.get("node_id"), rank=ev.get("rank"), part=ev.get("part"),
-                                    addr=ev.get("addr"), source_rank=ev.get("source_rank"),
-                                    integrity=ev.get("integrity"), reason=ev.get("reason")), self.course.generation)
+                emit(RestoreRefused(node=ev.node_id, rank=ev.rank, part=ev.part, addr=ev.addr,
+                                    source_rank=ev.source_rank, integrity=ev.integrity, reason=ev.reason),
+                     self.course.generation)

@@ -16,7 +16,7 @@ from phoenixrun.control.orders import Inbox
 from phoenixrun.control.probe import unreachable
 from phoenixrun.control.state import Phase, Role
 from phoenixrun.protocol.events import MasterStalled
-from phoenixrun.protocol.names import ReportKind
+from phoenixrun.protocol.reports import NodeLost
 
 if TYPE_CHECKING:
     from phoenixrun.control.watch_desk import WatchDesk
@@ -68,8 +68,8 @@ class HeartbeatMonitor:
                 for nid in stale:
                     n = job.members.nodes[nid]
                     if n.role not in GONE:
-                        self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": n.node_id, "t": now,
-                                        "detail": f"no heartbeat for {seen - n.last_heartbeat:.1f}s"})
+                        self.inbox.put(NodeLost(node_id=n.node_id, t=now,
+                                                detail=f"no heartbeat for {seen - n.last_heartbeat:.1f}s"))
                     n.last_heartbeat = now  # report once per timeout period
                     job.members.heard.move_to_end(nid)
 
@@ -121,9 +121,9 @@ class HeartbeatMonitor:
                 elif verdict == Link.PROBE:
                     ask.append((nid, closed_at, n.peer_addr))
                 elif verdict == Link.LOST:
-                    self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": nid, "t": now,
-                                    "detail": f"its connection to the master closed {now - closed_at:.2f}s ago and "
-                                              f"its agent's port {n.peer_addr} refuses connections"})
+                    self.inbox.put(NodeLost(node_id=nid, t=now,
+                                            detail=f"its connection to the master closed {now - closed_at:.2f}s ago "
+                                                   f"and its agent's port {n.peer_addr} refuses connections"))
                     n.last_heartbeat = now      # the silence path does not report it again this timeout period
                     job.members.heard.move_to_end(nid)
         return wait, ask

@@ -17,16 +17,18 @@ from phoenixrun.control.events import EventLog
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.protocol.directives import Assignment, Order, World
 from phoenixrun.protocol.events import DirectiveSent
+from phoenixrun.protocol.reports import Report
 
 NOTHING = Assignment()     # a node given nothing of its own
 
 
-class Inbox(queue.Queue):
+class Inbox(queue.Queue[Report]):
     """Reports (and the master's own findings) for the controller thread, in arrival order."""
 
-    def take(self, which: Callable[[dict], bool]) -> list[dict]:
+    def take(self, which: Callable[[Report], bool]) -> list[Report]:
         """Remove and return the queued reports `which` picks; the others stay queued, in order."""
-        taken, keep = [], []
+        taken: list[Report] = []
+        keep: list[Report] = []
         while True:
             try:
                 ev = self.get_nowait()

@@ -28,6 +28,7 @@ from phoenixrun.control.resize import Grow, Shrink
 from phoenixrun.control.restart import Restart
 from phoenixrun.control.state import NodeRecord, Phase, PlanError, pick_spare
 from phoenixrun.faults import Action
+from phoenixrun.protocol import reports as r
 from phoenixrun.protocol.events import RecoveryFailed, RecoveryStarted
 
 # what the master's other parts name from here
@@ -45,7 +46,7 @@ class Recoveries:
         self.restarts = Restart(self.cycle)
 
     # ---------------------------------------------------------------- the inbox, as a recovery reads it
-    def absorb(self, ev: dict) -> None:
+    def absorb(self, ev: r.Report) -> None:
         self.flight.absorb(ev)
 
     def drain_stale(self) -> None:
@@ -58,7 +59,7 @@ class Recoveries:
     def restart(self, lost: set[int], failing_code: int | None, why: str) -> None:
         self.restarts(lost, failing_code, why)
 
-    def check_attempt(self, ev: dict) -> None:
+    def check_attempt(self, ev: r.AttemptCheck) -> None:
         self.restarts.check(ev)
 
     # ---------------------------------------------------------------- persistent fallback
@@ -81,19 +82,19 @@ class Recoveries:
         return True
 
     # ---------------------------------------------------------------- hot swap
-    def hot_swap(self, lost: set[int], node: NodeRecord, ev: dict, action: Action,
+    def hot_swap(self, lost: set[int], node: NodeRecord, ev: r.Report, action: Action,
                  failing_code: int | None, fresh: dict[int, str] | None = None) -> None:
         """control/hotswap.py. fresh: slots a spare was promoted into before (an interrupted drain's), which hold
         no state yet."""
         t0 = time.time()
-        cause = ev.get("detail") or ev.get("text") or ev.get("kind")
+        cause = ev.described() or ev.kind.value
         if self.incidents.current is None:   # not opened by the coordinator (an interrupted drain): this is it
-            self.incidents.open({"t": ev.get("t", t0), "node": node.node_id, "slot": node.slot,
-                                "signal": ev.get("kind"), "detail": cause})
+            self.incidents.open({"t": ev.at(t0), "node": node.node_id, "slot": node.slot,
+                                "signal": ev.kind.value, "detail": cause})
         with self.job.cv:
             self.events.emit(RecoveryStarted(failed_node=node.node_id, slot=node.slot, cause=cause,
                                              action=action.value), self.job.course.generation + 1)
-        out = self.cycle.drive(HotSwap(self.cycle, lost, t0, ev.get("t", t0), fresh))
+        out = self.cycle.drive(HotSwap(self.cycle, lost, t0, ev.at(t0), fresh))
         if out is None:
             return
         e = out.error
@@ -103,7 +104,7 @@ class Recoveries:
             return
         # Next.FALL_BACK: no in-memory state to resume from: the persistent checkpoint, else torchrun's restart
         if isinstance(e, PlanError):
-            self.inbox.take(lambda q: q.get("kind") == "restore_failed")   # other ranks' of the same plan
+            self.inbox.take(lambda q: isinstance(q, r.RestoreFailed))   # other ranks' of the same plan
             self.events.emit(RecoveryFailed(reason=str(e)), self.job.course.generation)
             why, lost = f"in-memory recovery impossible: {e}", set()
         else:

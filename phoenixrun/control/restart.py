@@ -12,7 +12,7 @@ from phoenixrun.control.inflight import Stop
 from phoenixrun.control.state import Phase
 from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol.events import Restarted
-from phoenixrun.protocol.names import ReportKind
+from phoenixrun.protocol.reports import AttemptCheck
 
 
 class Restart:
@@ -53,22 +53,22 @@ class Restart:
 
     def _arm_check(self, generation: int, joined: int | None) -> None:
         timer = threading.Timer(self.cfg.recovery.recovery_timeout, self.cycle.flight.inbox.put,
-                                args=({"kind": ReportKind.ATTEMPT_CHECK, "generation": generation, "joined": joined},))
+                                args=(AttemptCheck(generation=generation, joined=joined),))
         timer.daemon = True
         timer.start()
 
-    def check(self, ev: dict[str, Any]) -> None:
+    def check(self, ev: AttemptCheck) -> None:
         """Did restart attempt `generation` come up? (decide.attempt_verdict) Up: done; hanging: the job stops
         with the ranks that are missing; else look again one --recovery-timeout later."""
-        g = ev.get("generation")
-        store = self._attempt_stores.get(g) if isinstance(g, int) else None
-        if store is None or g != self.job.course.generation or self.job.course.phase != Phase.RUNNING:
+        g = ev.generation
+        store = None if g is None else self._attempt_stores.get(g)
+        if g is None or store is None or g != self.job.course.generation or self.job.course.phase != Phase.RUNNING:
             return
         world = self.job.course.layout.world_size
         joined = attempt_ranks(store.list_keys(), world)
         if len(joined) == world:
             return
-        missing = attempt_verdict(joined, world, ev.get("joined"))
+        missing = attempt_verdict(joined, world, ev.joined)
         if missing is not None:
             raise Stop(1, f"restart {self.job.course.restart_count} did not come up: rank(s) {missing} never reached "
                           f"init_process_group within --recovery-timeout {self.cfg.recovery.recovery_timeout:g}s "

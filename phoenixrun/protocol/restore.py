@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+from phoenixrun.protocol.reports import RestoreRefused
 
 
 class Part(StrEnum):
@@ -24,7 +27,7 @@ class RankSource:
     private: tuple[str, ...]                  # peer addresses of the replica holders that have the step
     shared: tuple[tuple[str, int], ...]       # (peer address, rank) of surviving peers that have the step
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.private or not self.shared:
             raise ValueError("a restore source needs at least one replica holder and one peer")
 
@@ -41,11 +44,11 @@ class RankSource:
     def shared_rank(self) -> int:
         return self.shared[0][1]
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"private": list(self.private), "shared": [[a, r] for a, r in self.shared]}
 
     @classmethod
-    def from_wire(cls, d) -> RankSource:
+    def from_wire(cls, d: Any) -> RankSource:
         """Parse a directive's `fetch[rank]`; ValueError naming what is wrong."""
         if not isinstance(d, dict):
             raise ValueError(f"a restore source must be an object, got {type(d).__name__}")
@@ -69,7 +72,7 @@ class Refusal:
     reason: str
     integrity: bool           # the bytes failed the lost rank's checksum (False: unreachable, or it had none)
 
-    def to_report(self) -> dict:
-        """The `restore_refused` report's fields (kind added by the sender)."""
-        return {"rank": self.rank, "part": self.part.value, "addr": self.addr, "source_rank": self.source_rank,
-                "reason": self.reason, "integrity": self.integrity}
+    def to_report(self) -> RestoreRefused:
+        """The `restore_refused` report of it."""
+        return RestoreRefused(rank=self.rank, part=self.part.value, addr=self.addr, source_rank=self.source_rank,
+                              reason=self.reason, integrity=self.integrity)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S, DIRECTIVE_POLL_S
 from phoenixrun.protocol.directives import decode
-from phoenixrun.protocol.names import Command, Endpoint, ReportKind
+from phoenixrun.protocol import reports
+from phoenixrun.protocol.names import Command, Endpoint
 from phoenixrun.protocol.status import Status
 from phoenixrun.sim.swarm_relay import SwarmRelays
 from phoenixrun.sim.swarm_watch import SwarmWatch
@@ -337,12 +338,12 @@ class Swarm:
             s.close()
 
     # ------------------------------------------------------------------ agent behaviour
-    def _inventory(self, a: SimAgent) -> dict:
+    def _inventory(self, a: SimAgent) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """Its snapshots and replicas: rank -> steps."""
         steps = [self.step - 1, self.step]
         if a.slot is None:
-            return {"snapshots": {}, "replicas": {}}
-        return {"snapshots": {r: steps for r in self.layout.ranks_of_slot(a.slot)},
-                "replicas": {r: steps for r in self.holds.get(a.slot, [])}}
+            return {}, {}
+        return {r: steps for r in self.layout.ranks_of_slot(a.slot)}, {r: steps for r in self.holds.get(a.slot, [])}
 
     async def _advance_steps(self) -> None:
         while not self._stop.is_set():
@@ -359,8 +360,9 @@ class Swarm:
         if not a.role:                    # not registered yet
             loop.call_later(self.cfg.heartbeat_s, self._heartbeat, a, conn)
             return
+        snapshots, replicas = self._inventory(a)
         payload = {"node_id": a.node_id, "token": a.token, "worker_pids": list(range(self.cfg.nproc_per_node)),
-                   **self._inventory(a), "protection": {}, "api": True}
+                   "snapshots": snapshots, "replicas": replicas, "protection": {}, "api": True}
         t0 = time.monotonic()
 
         def done(f: asyncio.Future) -> None:
@@ -442,10 +444,11 @@ class Swarm:
             a.slot = order.own.slot
         if cmd == Command.QUIESCE:
             self.recovering = True
-            self._report(a, {"kind": ReportKind.QUIESCED, "generation": g, "slot": a.slot, **self._inventory(a),
-                             "next_step": self.step + 1})
+            snapshots, replicas = self._inventory(a)
+            self._report(a, reports.Quiesced(node_id=a.node_id, generation=g, slot=a.slot, snapshots=snapshots,
+                                             replicas=replicas, next_step=self.step + 1))
         elif cmd == Command.RESTORE:
-            self._report(a, {"kind": ReportKind.RESUMED, "generation": g, "slot": a.slot, "timings": {}})
+            self._report(a, reports.Resumed(node_id=a.node_id, generation=g, slot=a.slot))
         elif cmd == Command.RUN:
             a.role = "active"
             if d.get("resume"):
@@ -463,7 +466,7 @@ class Swarm:
                     fut.set_result(True)
             self._targets[key] = [w for w in waiting if not w[1].done()]
 
-    def _report(self, a: SimAgent, ev: dict) -> None:
+    def _report(self, a: SimAgent, ev: reports.Report) -> None:
         """Send a report now, as an agent's own connection would (pipelined on a shared one: a slow
         reply must not hold up the reports queued behind it)."""
         conn = self._report_conns[a.index % len(self._report_conns)]
@@ -472,11 +475,10 @@ class Swarm:
             if f.cancelled() or self._stop.is_set():
                 return
             if f.exception() is not None:
-                self.errors.append(f"report {ev['kind']}: {f.exception()}")
+                self.errors.append(f"report {ev.kind}: {f.exception()}")
             elif f.result()[0] != Status.OK:
-                self.errors.append(f"report {ev['kind']}: HTTP {f.result()[0]} {f.result()[1][:100]!r}")
-        conn.send_within(self._raw(Endpoint.REPORT, {"node_id": a.node_id, "token": a.token, **ev})
-                         ).add_done_callback(done)
+                self.errors.append(f"report {ev.kind}: HTTP {f.result()[0]} {f.result()[1][:100]!r}")
+        conn.send_within(self._raw(Endpoint.REPORT, {**ev.to_wire(), "token": a.token})).add_done_callback(done)
 
     # ------------------------------------------------------------------ control
     async def fail(self, a: SimAgent, fault: str = "kill") -> float:
