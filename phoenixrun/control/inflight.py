@@ -176,7 +176,7 @@ class InFlight:
             raise Cascade(why, ev)
         if verdict is Midway.NODE_LOST and node is not None:
             self._node_lost(ev, node, lost)
-        if verdict is Midway.WORKER_LOST and node is not None:
+        if verdict is Midway.WORKER_LOST and node is not None and node.slot is not None:
             # its node will never ack this phase: a new cycle quiesces the live workers and the restore respawns
             # the dead one from the node's snapshot (dropped as expected, it cost the whole --recovery-timeout)
             with self.job.cv:

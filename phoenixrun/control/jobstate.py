@@ -108,7 +108,7 @@ class JobState:
         """Throughput samples for status (Telemetry.note_progress), from the nodes holding slots."""
         self.telemetry.note_progress(self.members.slots.values())   # a view: walked only when due
 
-    def absorb(self, ev: reports.Report, emit: Callable[..., None]) -> None:
+    def absorb(self, ev: reports.Report, emit: Callable[..., object]) -> None:
         """What any report changes whatever the phase (a spare lost, the protection mode); faults are the
         coordinator's. `emit`: the event log's."""
         with self.cv:

@@ -100,4 +100,5 @@ class Orders:
         # job's last event stays job_finished)
         if r.targets > 1 and r.command != "stop":
             self.events.emit(DirectiveSent(command=r.command, version=r.version, nodes=r.targets,
-                                           seconds=round(t - r.set_at, 4)), r.generation)
+                                           seconds=round(t - r.set_at, 4)),
+                             self.job.course.generation if r.generation is None else r.generation)

@@ -104,7 +104,8 @@ def str_field(v: Any, name: str, limit: int = MAX_ID, ident: bool = False, empty
         v = v[:limit]
     if not v and not empty:
         raise MessageError(f"{name} must not be empty")
-    return v
+    out: str = v
+    return out
 
 
 def bool_field(v: Any, name: str) -> bool:
@@ -319,10 +320,10 @@ def parse_register(p: Any, job: Job) -> Register:
 def _nonce(v: Any) -> str | None:
     if v is None:
         return None
-    v = str_field(v, "nonce", limit=128, ident=True)
-    if len(v) < 16:
-        raise MessageError(f"nonce must be 16 to 128 characters, got {len(v)}")
-    return v
+    nonce = str_field(v, "nonce", limit=128, ident=True)
+    if len(nonce) < 16:
+        raise MessageError(f"nonce must be 16 to 128 characters, got {len(nonce)}")
+    return nonce
 
 
 def parse_rejoin(r: Any, job: Job) -> Rejoin:
