@@ -11,14 +11,14 @@ import time
 from typing import Any, Callable
 
 from phoenixrun.control.ring_watch import PING_S, SUSPECT_AFTER_S, is_suspect, silent_for
-from phoenixrun.protocol.suspect import SUSPECT_KIND
+from phoenixrun.protocol.reports import Report, Suspect
 from phoenixrun.agents.peer import PeerError
 
 log = logging.getLogger("phoenixrun.agent")
 
 PING_OP = "ping"
 Call = Callable[[str, dict[str, Any]], object]       # PeerClient.call (a client with a short io timeout)
-Send = Callable[[dict[str, Any]], object]            # Reporter.send_now
+Send = Callable[[Report], object]                    # Reporter.send_now
 
 
 def answer_ping(header: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
@@ -78,7 +78,7 @@ class NeighbourWatch:
             if due:
                 quiet = silent_for(last, since, now)
                 log.warning("neighbour %s (%s) has not answered for %.2fs: reported to the master", nid, addr, quiet)
-                self.send({"kind": SUSPECT_KIND, "suspect": nid, "silent_for": round(quiet, 3)})
+                self.send(Suspect(suspect=nid, silent_for=round(quiet, 3)))
 
 
 PING_IO_TIMEOUT_S = SUSPECT_AFTER_S / 2     # a ping that takes this long is a missed answer, not a stuck round

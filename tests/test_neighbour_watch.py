@@ -9,6 +9,8 @@ from typing import Any
 
 from phoenixrun.agents.neighbour_watch import PING_IO_TIMEOUT_S, PING_OP, NeighbourWatch, answer_ping
 from phoenixrun.agents.peer import PeerClient, PeerServer
+from phoenixrun.protocol.names import ReportKind
+from phoenixrun.protocol.reports import Suspect
 
 SECRET = "s" * 32
 
@@ -22,7 +24,7 @@ def test_a_hung_and_a_dead_neighbour_are_reported_once_a_live_one_never() -> Non
     sent: list[dict[str, Any]] = []
     both = threading.Event()
 
-    def send(ev: dict[str, Any]) -> None:
+    def send(ev: Suspect) -> None:
         sent.append(ev)
         if len(sent) >= 2:
             both.set()
@@ -40,5 +42,5 @@ def test_a_hung_and_a_dead_neighbour_are_reported_once_a_live_one_never() -> Non
         t.join(10)
         live.close()
         hung.close()
-    assert sorted(e["suspect"] for e in sent) == ["dead", "hung"], sent
-    assert all(e["kind"] == "suspect" and e["silent_for"] >= 0.5 for e in sent), sent
+    assert sorted(e.suspect for e in sent) == ["dead", "hung"], sent
+    assert all(e.kind == ReportKind.SUSPECT and e.silent_for >= 0.5 for e in sent), sent

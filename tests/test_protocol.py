@@ -19,7 +19,7 @@ from phoenixrun.protocol.status import REASON_PHRASES, Status, refused
 FROZEN = {
     Command: {"noop", "wait", "run", "restart", "quiesce", "restore", "stop"},
     ReportKind: {"left", "workers_done", "worker_exit", "worker_hang", "restore_failed", "restore_refused", "resumed", "quiesced",
-                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "layout", "drain",
+                 "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "layout", "drain", "suspect",
                  "joined", "node_lost", "attempt_check"},
     WorkerOp: {"hello", "alloc", "slots", "write", "written", "progress", "pong", "quiesced", "resumed",
                "comm_error", "nan_loss", "error", "protection_mode", "stats", "layout", "reply", "assign", "rebuild",

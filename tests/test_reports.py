@@ -36,6 +36,7 @@ EVERY_KIND = [
     r.Layout(**HEAD, peers=PEERS),
     r.Layout(**HEAD, peers=None),
     r.Drain(**HEAD, reason="agent got SIGTERM"),
+    r.Suspect(**HEAD, suspect="n2", silent_for=0.612),
 ]
 
 
@@ -92,6 +93,8 @@ def test_a_bad_header_field_is_refused(patch, error):
     (r.Health(**HEAD, signal=Signal(kind=SignalKind.XID, code=1)), {"signal": {"kind": "bogus"}}, "not a valid"),
     (r.Layout(**HEAD), {"peers": [1]}, "peers must be an object"),
     (r.Layout(**HEAD), {"peers": {"names": ["dp"], "shape": [2], "varies": []}}, "a mesh of 2 ranks"),
+    (r.Suspect(**HEAD, suspect="n2", silent_for=1.0), {"silent_for": -1}, "silent_for must be seconds"),
+    (r.Suspect(**HEAD, suspect="n2", silent_for=1.0), {"suspect": ""}, "suspect"),
 ])
 def test_a_bad_field_of_a_kind_is_refused(ev, patch, error):
     with pytest.raises(MessageError, match=error):

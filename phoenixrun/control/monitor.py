@@ -80,7 +80,7 @@ class HeartbeatMonitor:
         if n is None or n.role in GONE:
             return
         now = time.time()
-        self.inbox.put({"kind": ReportKind.NODE_LOST, "node_id": node_id, "t": now, "detail": detail})
+        self.inbox.put(NodeLost(node_id=node_id, t=now, detail=detail))
         n.last_heartbeat = now
         self.job.members.heard.move_to_end(node_id)
 

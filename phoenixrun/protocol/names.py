@@ -46,6 +46,7 @@ class ReportKind(StrEnum):
     HEALTH = "health"
     LAYOUT = "layout"          # where the job's DTensor state has identical copies (redundancy.PeerSet), once
     DRAIN = "drain"            # the agent got SIGTERM: move its ranks to a spare (also queued for `phoenixrun drain`)
+    SUSPECT = "suspect"        # a ring neighbour stopped answering (control/ring_watch.py; the watch desk judges)
     # queued by the master itself, never accepted from the wire
     JOINED = "joined"
     NODE_LOST = "node_lost"
@@ -61,7 +62,7 @@ REPORT_KINDS: dict[ReportKind, bool] = {
     ReportKind.QUIESCED: False, ReportKind.COMM_ERROR: True, ReportKind.NAN_LOSS: True,
     ReportKind.WORKER_ERROR: True, ReportKind.PROTECTION_MODE: False, ReportKind.HEALTH: False,
     ReportKind.LAYOUT: False,
-    ReportKind.DRAIN: False}
+    ReportKind.DRAIN: False, ReportKind.SUSPECT: False}
 
 
 class WorkerOp(StrEnum):

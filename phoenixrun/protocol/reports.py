@@ -25,6 +25,7 @@ from phoenixrun.protocol.names import ReportKind
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.redundancy import LayoutError, PeerSet
 
+MAX_SILENT_S = 3600.0                    # a suspect's silence beyond an hour is not a measurement
 TEXTS = ("detail", "text", "reason")     # free text any report may carry (cut to MAX_TEXT)
 
 
@@ -270,6 +271,26 @@ class Drain(Report):
     by: str = "agent"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Suspect(Report):
+    """A ring watcher's: its neighbour `suspect` has not answered its pings for `silent_for` seconds (the watcher's
+    own clock: a duration, so no skew between hosts enters). The master's watch desk judges it
+    (control/watch_desk.py); protocol/suspect.py is the master's edge for it."""
+    KIND = ReportKind.SUSPECT
+    suspect: str = ""
+    silent_for: float = 0.0
+
+    def _own_wire(self) -> dict[str, Any]:
+        return {"suspect": self.suspect, "silent_for": self.silent_for}
+
+    @classmethod
+    def _own(cls, p: Mapping[str, Any], job: Job) -> dict[str, Any]:
+        silent = num_field(p.get("silent_for"), "silent_for")
+        if not 0 <= silent <= MAX_SILENT_S:
+            raise MessageError(f"silent_for must be seconds in [0, {MAX_SILENT_S:g}], got {silent!r}")
+        return {"suspect": str_field(p.get("suspect"), "suspect", ident=True, empty=False), "silent_for": silent}
+
+
 # ---------------------------------------------------------------- queued by the master itself, never on the wire
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Joined(Report):
@@ -292,10 +313,10 @@ class AttemptCheck(Report):
 
 
 SENT = (Left, WorkersDone, WorkerExit, WorkerHang, CommError, NanLoss, WorkerError, RestoreFailed, RestoreRefused,
-        Resumed, Quiesced, ProtectionMode, Health, Layout, Drain)
+        Resumed, Quiesced, ProtectionMode, Health, Layout, Drain, Suspect)
 KINDS: dict[ReportKind, type[Report]] = {c.KIND: c for c in SENT}     # what an agent may send
 AnyReport = Union[Left, WorkersDone, WorkerExit, WorkerHang, CommError, NanLoss, WorkerError, RestoreFailed,
-                  RestoreRefused, Resumed, Quiesced, ProtectionMode, Health, Layout, Drain, Joined, NodeLost,
+                  RestoreRefused, Resumed, Quiesced, ProtectionMode, Health, Layout, Drain, Suspect, Joined, NodeLost,
                   AttemptCheck]
 _BY_VALUE = {k.value: c for k, c in KINDS.items()}
 

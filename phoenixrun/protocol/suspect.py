@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from phoenixrun.protocol.messages import MessageError
+from phoenixrun.protocol.names import ReportKind
+from phoenixrun.protocol.reports import MAX_SILENT_S
 
-SUSPECT_KIND = "suspect"
-MAX_SILENT_S = 3600.0
+SUSPECT_KIND = ReportKind.SUSPECT.value
 _ID = re.compile(r"[A-Za-z0-9._:@/+\-]{1,256}\Z")
 
 

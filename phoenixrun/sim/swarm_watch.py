@@ -17,9 +17,9 @@ import time
 from typing import Callable
 
 from phoenixrun.control.ring_watch import PING_S, is_suspect
-from phoenixrun.protocol.suspect import SUSPECT_KIND
+from phoenixrun.protocol.reports import Suspect
 
-Report = Callable[[str, dict[str, object]], None]     # (watcher node id, report fields)
+Report = Callable[[str, Suspect], None]                # (watcher node id, its report)
 
 
 class SwarmWatch:
@@ -65,4 +65,4 @@ class SwarmWatch:
                     if is_suspect(since, 0.0, now, lag):
                         self.reported.add((w, node_id))
                         self.reports += 1
-                        report(w, {"kind": SUSPECT_KIND, "suspect": node_id, "silent_for": round(now - since, 3)})
+                        report(w, Suspect(node_id=w, suspect=node_id, silent_for=round(now - since, 3)))
