@@ -1,7 +1,8 @@
 """The agent's worker supervisor: spawns this node's workers, hands them their assignment, reaps them, reports
 their exits, and kills those that hang (the hang watchdog) or do not quiesce in time.
 
-What a worker's state means is decided by pure functions (`hang_check`, `exit_outcome`, `exit_detail`); the
+What a worker's state means is decided by pure functions (`hang_check` in agents/watchdog.py, `exit_outcome`,
+`exit_detail`); the
 supervisor carries out the decision. Call its methods with the node's lock held unless they say otherwise.
 """
 from __future__ import annotations
@@ -23,34 +24,11 @@ from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS,
 from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import LocalSlots
 from phoenixrun.agents.standby import NodeView, StandbyWorker, Tend, tend
+from phoenixrun.agents.watchdog import Hang, Watched, hang_check
 from phoenixrun.agents.workers import Placement, Worker, standby_env, worker_env
+from phoenixrun.protocol import progress_block
 
 log = logging.getLogger("phoenixrun.agent")
-# A live worker's agent-link thread answers a ping within milliseconds on an idle machine, but not on a loaded
-# one: at load average 15-19 on 2 cores a fixed 1 s grace declared live workers hung again and again after a
-# recovery (tests/test_fault_matrix.py, job exit 75). The grace is the hang timeout itself, at least this floor:
-# a stopped process never answers, a starved one answers late.
-PING_GRACE_MIN_S = 1.0
-
-
-class Hang(Enum):
-    OK = "ok"          # progress within the hang timeout
-    PING = "ping"      # no progress: ask its agent-link thread whether the process is alive
-    WAIT = "wait"      # pinged, no answer yet, still within the grace
-    HUNG = "hung"      # pinged and silent past the grace: kill it, report a hang
-
-
-def hang_check(now: float, last_progress: float, pinged: float | None, hang_timeout: float) -> Hang:
-    """A running worker last heard from at `last_progress`, pinged at `pinged` (None: not pinged). Pure.
-    No progress means blocked in a collective on someone else's hang, or hung itself: its agent-link thread
-    answers a ping unless the whole process is stuck."""
-    if now - last_progress <= hang_timeout:
-        return Hang.OK
-    if pinged is None:
-        return Hang.PING
-    if now - pinged > max(PING_GRACE_MIN_S, hang_timeout):
-        return Hang.HUNG
-    return Hang.WAIT
 
 
 # A worker that left the protected loop (its link closed) is not watched for hangs: its results and teardown may
@@ -94,9 +72,12 @@ class WorkerSupervisor:
         self.waiting_hello: dict[int, WorkerConn] = {}   # warm spare workers: their assignment comes with a restore
         self.done: set[int] = set()
         self.reported_exit: set[int] = set()             # exits already accounted for (or caused by us)
-        self.last_progress: dict[int, float] = {}
+        self.last_progress: dict[int, float] = {}        # the last sign of progress in a message (monotonic)
         self.step_times = StepTimes()                    # what the quiesce grace follows (phases.quiesce_grace)
-        self.pinged: dict[int, float] = {}
+        self.pinged: dict[int, float] = {}               # the hang watchdog's last question (monotonic) ...
+        self.answered: dict[int, float] = {}             # ... and the last answer (agents/watchdog.py)
+        # where each worker records the step it is in, for the hang watchdog (inherited by every worker)
+        self.board = progress_block.ProgressBlock.create()
         self.left_loop: dict[int, float] = {}            # when a live worker closed its link (until named)
         self.error_text: dict[int, str] = {}             # a worker's own exception, sent before it exits
         self.standby = StandbyWorker(cfg.standby_worker)  # the pre-started process a dead worker's rank goes to
@@ -115,6 +96,7 @@ class WorkerSupervisor:
     def _env(self, p: Placement) -> dict[str, str]:
         env = worker_env(dict(os.environ), p)
         env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.node.job["tp"]), str(self.node.job["pp"])
+        env[progress_block.ENV] = str(self.board.fd)
         return env
 
     def _shown(self, local_rank: int) -> bool:
@@ -123,7 +105,8 @@ class WorkerSupervisor:
     def spawn(self, local_rank: int, rank_known: bool) -> None:
         p = self.placement(local_rank, rank_known)
         self.workers[local_rank] = Worker(self.cfg.spec, p, self._env(p), sys.stdout, self.cfg.log_dir, self.cfg.tee,
-                                          show=self._shown(local_rank), err=sys.stderr)
+                                          show=self._shown(local_rank), err=sys.stderr, pass_fds=(self.board.fd,),
+                                          on_exit=self._exited)
         self._fresh(local_rank)
 
     def _fresh(self, local_rank: int) -> None:
@@ -268,14 +251,18 @@ class WorkerSupervisor:
             p = self.placement(0, rank_known=False, name="standby")
             self.standby.start(Worker(self.cfg.spec, p, standby_env(self._env(p)), sys.stdout, self.cfg.log_dir,
                                       self.cfg.tee, show=self.cfg.local_ranks_filter is None, err=sys.stderr,
-                                      name="standby"), node.restart_count)
+                                      name="standby", pass_fds=(self.board.fd,)), node.restart_count)
         elif action is Tend.RETIRE:
             self.standby.retire()
 
     # ------------------------------------------------------------------ the hang watchdog
     def progressed(self, local_rank: int) -> None:
-        self.last_progress[local_rank] = time.time()
-        self.pinged.pop(local_rank, None)
+        """A message that shows progress (agents/worker_ops.py PROGRESS_OPS): the worker is watched from now on."""
+        self.last_progress[local_rank] = time.monotonic()
+
+    def answered_ping(self, local_rank: int) -> None:
+        """Its agent-link thread answered the watchdog's question: the process is alive."""
+        self.answered[local_rank] = time.monotonic()
 
     def stepped(self, local_rank: int, seconds) -> None:
         """A worker's `progress` carried the longest step it took since its last one (what the grace follows)."""
@@ -295,7 +282,6 @@ class WorkerSupervisor:
         with self.node.lock:
             if self.conns.get(lr) is conn:   # (the conn stays: a quiesce still counts a live one that never acks)
                 self.last_progress.pop(lr, None)
-                self.pinged.pop(lr, None)
                 self.left_loop[lr] = time.time()
 
     def watch(self) -> None:
@@ -326,22 +312,38 @@ class WorkerSupervisor:
                         "tearing its groups down, or stuck there): waiting for it, as torchrun would; "
                         "`py-spy dump --pid %d` shows where it is", w.rank, w.pid, now - left, w.pid)
             del self.left_loop[lr]
+        mono = time.monotonic()
         for lr, w in list(self.workers.items()):
-            last, conn = self.last_progress.get(lr), self.conns.get(lr)
-            if w.rank is None or w.poll() is not None or last is None or conn is None:
+            conn = self.conns.get(lr)
+            if w.rank is None or w.poll() is not None or conn is None:
                 continue
-            verdict = hang_check(now, last, self.pinged.get(lr), self.cfg.hang_timeout)
+            record = self.board.read(lr)
+            seen = Watched(armed=self.last_progress.get(lr), step_start=record[1] if record else None,
+                           pinged=self.pinged.get(lr), answered=self.answered.get(lr))
+            verdict = hang_check(mono, seen, self.cfg.hang_timeout)
             if verdict is Hang.PING:
-                self.pinged[lr] = now
+                self.pinged[lr] = mono
                 conn.send({"op": WorkerOp.PING})
             elif verdict is Hang.HUNG:
-                detail = f"rank {w.rank} made no progress for {now - last:.1f}s and does not answer"
-                log.warning("%s: killing it", detail)
-                self.reported_exit.add(lr)      # reported as a hang, not as the exit we cause
-                self.last_progress.pop(lr, None)
-                self.pinged.pop(lr, None)
-                w.kill_tree(grace=0.1)
-                self.reporter.report(reports.WorkerHang(rank=w.rank, detail=detail, t=now))
+                self._hung(lr, w, seen, mono, now)
+
+    def _hung(self, lr: int, w: Worker, seen: Watched, mono: float, now: float) -> None:
+        """Kill a hung worker at once (a stopped process cannot act on a SIGTERM) and report the hang."""
+        started = max(seen.armed or mono, seen.step_start or 0.0)
+        detail = f"rank {w.rank} made no progress for {mono - started:.1f}s and does not answer"
+        log.warning("%s: killing it", detail)
+        self.reported_exit.add(lr)      # reported as a hang, not as the exit we cause
+        self.last_progress.pop(lr, None)
+        self.pinged.pop(lr, None)
+        self.reporter.report(reports.WorkerHang(rank=w.rank, detail=detail, t=now))
+        w.kill_now()
+
+    def _exited(self, w: Worker) -> None:
+        """A worker's process exited (its own thread calls this at once): its exit is reported now, not at the next
+        watch - a worker death's detection is the time to the agent's report, not a poll interval."""
+        with self.node.lock:
+            if self.workers.get(w.local_rank) is w:
+                self._reap()
 
     def _refused_state(self, w: Worker, rc: int) -> None:
         """A worker that failed while its node restored a snapshot or checkpoint: if its error says the state's

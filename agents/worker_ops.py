@@ -27,9 +27,9 @@ from phoenixrun.agents.supervisor import WorkerSupervisor
 log = logging.getLogger("phoenixrun.agent")
 
 Handler = Callable[[WorkerConn, Any], None]     # each takes its op's message (protocol/worker_messages.py)
-# ops that show the worker is alive and making progress (a pong: alive, just waiting on a peer): the hang
-# watchdog restarts its clock
-PROGRESS_OPS = frozenset({WorkerOp.PROGRESS, WorkerOp.WRITE, WorkerOp.WRITTEN, WorkerOp.RESUMED, WorkerOp.PONG})
+# ops that show the worker is making progress: the hang watchdog watches it from then on, and its step's clock starts
+# no earlier (a pong shows only that it is alive: agents/watchdog.py)
+PROGRESS_OPS = frozenset({WorkerOp.PROGRESS, WorkerOp.WRITE, WorkerOp.WRITTEN, WorkerOp.RESUMED})
 
 
 class WorkerOps:
@@ -165,4 +165,6 @@ class WorkerOps:
                 self.supervisor.stepped(conn.local_rank, m.step_s)
 
     def _alive(self, conn: WorkerConn, m: wm.Pong) -> None:
-        """Nothing to do beyond restarting the hang clock (PROGRESS_OPS)."""
+        """The answer to the hang watchdog's question: the process is alive."""
+        if conn.local_rank is not None:
+            self.supervisor.answered_ping(conn.local_rank)

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 import psutil
 
@@ -102,11 +102,15 @@ _console_lock = threading.Lock()   # one chunk of one worker at a time on the ag
 class Worker:
     def __init__(self, spec: WorkerSpec, placement: Placement, env: dict[str, str], out: IO[str] | None,
                  log_dir: Path | None, tee: bool, show: bool = True, err: IO[str] | None = None,
-                 name: str | None = None):
+                 name: str | None = None, pass_fds: tuple[int, ...] = (),
+                 on_exit: Callable[[Worker], None] | None = None):
         """out/err: where the worker's stdout/stderr go, prefixed (the agent's own by default); show: False
         keeps this worker off the console (torchrun's --local-ranks-filter; may change while it runs: a standby
         that takes a local rank); stdin is inherited, as under torchrun (breakpoint() and input() work); name:
-        what its output and log directory are called until it has a rank [default: spare<local rank>]."""
+        what its output and log directory are called until it has a rank [default: spare<local rank>]; pass_fds:
+        descriptors it inherits (its agent's progress block: phoenixrun/protocol/progress_block.py); on_exit: called
+        with this worker, on a thread of its own, as soon as its process has exited (no poll interval between a
+        worker's death and its agent acting on it)."""
         self.placement = placement
         self.rank = placement.rank
         self.local_rank = placement.local_rank
@@ -119,7 +123,7 @@ class Worker:
             d.mkdir(parents=True, exist_ok=True)
             files = (open(d / "stdout.log", "ab", buffering=0), open(d / "stderr.log", "ab", buffering=0))
         self.proc = subprocess.Popen(spec.argv(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, pass_fds=pass_fds)
         self.pid = self.proc.pid
         self.started = time.time()
         self._console = tee or files is None
@@ -131,6 +135,12 @@ class Worker:
                                                           files[i] if files else None, i == 1), daemon=True)
             t.start()
             self._pumps.append(t)
+        if on_exit is not None:
+            threading.Thread(target=self._await_exit, args=(on_exit,), daemon=True, name=f"exit-{self.pid}").start()
+
+    def _await_exit(self, on_exit: Callable[[Worker], None]) -> None:
+        self.proc.wait()     # (poll() from other threads reads None until this has reaped it: never a stale exit)
+        on_exit(self)
 
     def _prefix(self) -> str:
         return f"[rank{self.rank}]:" if self.rank is not None else f"[{self.name}]:"
@@ -173,6 +183,24 @@ class Worker:
 
     def poll(self) -> int | None:
         return self.proc.poll()
+
+    def kill_now(self, wait: float = 2.0) -> None:
+        """SIGKILL the worker's whole tree at once (a hung worker: a stopped process cannot act on a SIGTERM, and
+        there is nothing of it to save), and wait up to `wait` seconds for the worker to be gone."""
+        try:
+            procs = [psutil.Process(self.pid)]
+            procs += procs[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
 
     def kill_tree(self, grace: float = 2.0) -> None:
         try:

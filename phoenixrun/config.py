@@ -471,8 +471,8 @@ class AgentConfig(_Settings):
     # 20, as the CLI (`phoenixrun`, `phoenixrun agent`) and docs/cli.md always said; the class said 30
     hang_timeout: float = setting(
         20.0, flag="--hang-timeout", min=0.1,
-        doc="A worker making no progress this long (outside a recovery) is hung: its agent kills it and the "
-            "node gets a local reset.")
+        doc="Per step: a worker whose step (outside a recovery) runs this long and that does not answer its "
+            "agent's liveness check is hung: its agent kills it and the node gets a local reset.")
     node_rank: int | None = setting(
         None, flag="--node-rank", min=0,
         doc="Slot this node asks for (as torchrun's --node-rank); a rank >= nnodes joins as a spare [default: the "

@@ -15,8 +15,7 @@ from phoenixrun.agents.peer import PeerServer
 from phoenixrun.agents.phases import (QUIESCE_GRACE_CAP_S, QUIESCE_GRACE_FLOOR_S, PhaseAcks, StepTimes,
                                       quiesce_grace)
 from phoenixrun.agents.replicator import holders_of, peer_addr_of
-from phoenixrun.agents.supervisor import (EXIT_WAIT_WARN_MIN_S, PING_GRACE_MIN_S, Exit, Hang, exit_detail, exit_outcome,
-                                         exit_overdue, hang_check)
+from phoenixrun.agents.supervisor import EXIT_WAIT_WARN_MIN_S, Exit, exit_detail, exit_outcome, exit_overdue
 from phoenixrun.agents.workers import WorkerSpec
 from phoenixrun.protocol import WorkerOp
 from phoenixrun.protocol.directives import World, decode
@@ -83,26 +82,6 @@ def test_a_clean_finish_is_not_a_warning(caplog, code, job_end, level):
 ])
 def test_waits_for_io_process(d, expected):
     assert waits_for_io_process(decode(d).order) is expected
-
-
-T = 30.0   # hang timeout
-
-
-@pytest.mark.parametrize("now, last, pinged, expected", [
-    (100.0, 100.0 - T, None, Hang.OK),                   # exactly the timeout: still fine
-    (100.0, 100.0 - T - 0.1, None, Hang.PING),
-    (100.0, 0.0, 100.0 - T, Hang.WAIT),                  # pinged a timeout ago: a starved worker answers late
-    (100.0, 0.0, 100.0 - T - 0.1, Hang.HUNG),
-    (100.0, 99.0, 0.0, Hang.OK),                         # progress since the ping: not hung
-])
-def test_hang_check(now, last, pinged, expected):
-    assert hang_check(now, last, pinged, T) is expected
-
-
-def test_hang_grace_has_a_floor():
-    # a short hang timeout still gives a pinged worker PING_GRACE_MIN_S to answer
-    assert hang_check(10.0, 0.0, 10.0 - PING_GRACE_MIN_S + 0.01, 0.1) is Hang.WAIT
-    assert hang_check(10.0, 0.0, 10.0 - PING_GRACE_MIN_S - 0.01, 0.1) is Hang.HUNG
 
 
 @pytest.mark.parametrize("now, left, hang_timeout, expected", [

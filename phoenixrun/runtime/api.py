@@ -37,6 +37,7 @@ import torch.distributed as dist
 from phoenixrun.config import WorkerSettings
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol import worker_orders
+from phoenixrun.protocol.progress_block import ProgressBlock
 from phoenixrun.protocol.worker_orders import WorkerOrder
 from phoenixrun.runtime import boundaries, layout_check, process_group
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
@@ -411,6 +412,8 @@ class Job:
         self.recovery = RecoveryClient(rt, self.protection, lambda: self.next_step, self._restored)
         self._in_step = False
         self._last_ping = 0.0
+        # each step's start, for the agent's hang watchdog: a store into memory it shares, no message
+        self._progress = ProgressBlock.attach(os.environ)
         self._enter_t = 0.0             # when the current step began (0: none since the start or a recovery)
         self._longest_step_s = 0.0      # longest step since the last progress message (the agent's quiesce grace)
         self.next_step = 0
@@ -552,7 +555,9 @@ class _StepScope:
         if job._enter_t:                  # the last step, with what the loop did between steps
             job._longest_step_s = max(job._longest_step_s, now - job._enter_t)
         job._enter_t = now
-        if now - job._last_ping > 1.0:    # progress heartbeat for the agent's hang watchdog and quiesce grace
+        if job._progress is not None:     # the hang watchdog's clock: this step began now (protocol/progress_block.py)
+            job._progress.write(job.rt.local_rank, self.k, now)
+        if now - job._last_ping > 1.0:    # the longest recent step, for the agent's quiesce grace
             job._last_ping = now
             step_s = None
             if job._longest_step_s:
