@@ -16,7 +16,8 @@ Any other `phoenixrun inject` fault spec (xid:79, partition, nan, ...) is inject
 
 Per trial: detection (the fault -> its `fault_detected`), recovery (`recovery_done.duration_s`), back to training
 (the fault -> `recovery_done`), lost time (the fault -> every rank finished the step in flight again, from the
-ranks' own progress logs) and the load average at the fault. torchrun's arm (benchmarks/recovery.py's
+ranks' own progress logs), the load average at the fault, and how many of the job's worker processes are new after
+it (new_pids: a survivor that kept its process is not counted). torchrun's arm (benchmarks/recovery.py's
 torchrun_trial: the same job on 4 workers, `--max-restarts 1`, a checkpoint every 50 steps, a worker SIGKILLed at
 step 80) runs TRIALS times in the same sitting; the lost-time ratio per class is torchrun's median over the
 class's median. (torchrun treats every class as a worker death, and a hang only after the collective timeout:
@@ -109,6 +110,25 @@ def _steady(job: Job, fault: str, prog: Path, since_step: int) -> Row:
     return state
 
 
+def _worker_pids(state: Row) -> set[int]:
+    return {p for n in state.get("nodes", []) if n["role"] == "active" for p in n["worker_pids"]}
+
+
+def _live_pids(job: Job) -> set[int] | None:
+    """The active nodes' worker pids once the master's state lists only live ones, all of them (the agents'
+    heartbeats carry them: a dead worker's pid is listed until the next)."""
+    import psutil
+    s = job.state()
+    pids = _worker_pids(s) if s else set()
+    if len(pids) != NODES * NPROC:
+        return None
+    try:
+        alive = all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    except psutil.Error:
+        return None
+    return pids if alive else None
+
+
 def _make_fault(job: Job, fault: str, state: Row) -> float:
     """The fault, now; returns its time (for an injected one, after the master recorded it)."""
     node = next(n for n in state["nodes"] if n["slot"] == 1 and n["role"] == "active")
@@ -141,6 +161,8 @@ def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> Row:
         raise RuntimeError(f"the fault landed at step {target} of {steps}: give the job more steps")
     t_back = wait_all_reached(prog, NODES * NPROC, target, t0, job.proc)
     done = _until(lambda: _first(by_event(job.events(), "recovery_done")[done_before:]), job, "recovery_done")
+    before = _worker_pids(state)
+    after = _until(lambda: _live_pids(job), job, "the workers' pids after the recovery")
     detected = [e for e in by_event(job.events(), "fault_detected")
                 if not e.get("during_recovery") and e["t"] >= t0 - 0.5]
     return {"fault": fault, "load_avg": round(load, 2), "lost_s": round(t_back - t0, 3),
@@ -148,7 +170,10 @@ def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> Row:
             "recovery_s": done["duration_s"], "back_s": round(done["t"] - t0, 3),
             "class": detected[0].get("class") if detected else "drain", "action": done.get("cause") or
             (detected[0].get("action") if detected else None), "replayed_steps": done.get("replayed_steps"),
-            "phases": done.get("phases"), "step_reached": target}
+            "phases": done.get("phases"), "step_reached": target,
+            # workers that are not the processes of before the fault (the fault's own victim included): 1 for a
+            # worker death or hang (its rank went to the standby or a new process), 0 for a rebuild in place
+            "new_pids": len(after - before)}
 
 
 def run_class(tmp: Path, fault: str, trials: int, size: str, hang_timeout: float) -> tuple[list[Row], list[str]]:
