@@ -133,6 +133,7 @@ class DirectiveExecutor:
         """at_step: a drain's quiesce - the workers run on to that step boundary and stop there once its snapshot
         is committed; the slots are frozen only when they all did (until then their last snapshots still commit,
         and other nodes' replicas of that step still arrive: the replica store is not frozen by a drain)."""
+        self.slots.fetching.abandon("a new recovery quiesces this node")   # its workers ack instead of waiting
         with self.node.lock:
             self.drain_at = at_step
             if at_step is None:
@@ -172,22 +173,59 @@ class DirectiveExecutor:
 
     # ------------------------------------------------------------------ restore from peers
     def _restore(self, step: int, fetch: Mapping[int, RankSource]) -> None:
+        pause_point("restore", step)     # tests: a worker that dies while the others rebuild
+        if fetch:
+            self._restore_fetched(step, fetch)
+            return
         try:
-            pause_point("restore", step)     # tests: a worker that dies while the others rebuild
-            timings = self.replicator.fetch(fetch, step)
             with self.node.lock:
                 self.node.become(AgentRole.ACTIVE)
                 self.node.restore_step = step
                 self.replicator.restore_point(step)
                 if self.node.persister is not None:
                     self.node.persister.reset(step)
-                self.phases.expect_resume(self.node.local_ranks(), timings)
+                self.phases.expect_resume(self.node.local_ranks())
                 self.supervisor.last_progress.clear()
                 self.supervisor.resume(step)
+        except (SlotError, OSError) as e:
+            self._restore_failed(e)
+
+    def _restore_fetched(self, step: int, fetch: Mapping[int, RankSource]) -> None:
+        """A replacement's restore: its workers get their ranks now and set up (a warm spare's build the script's
+        model and optimizer) while their state is fetched; their restore's `slots` request waits for the fetch
+        (agents/fetch_gate.py). One after the other, the fetch and the set-up were the recovery's critical path."""
+        with self.node.lock:
+            self.node.become(AgentRole.ACTIVE)
+            self.node.restore_step = step
+            token = self.slots.fetching.close(fetch)
+            self.phases.expect_resume(self.node.local_ranks())
+            self.supervisor.last_progress.clear()
+            self.supervisor.resume(step)
+        try:
+            timings = self.replicator.fetch(fetch, step)
+            with self.node.lock:
+                self.replicator.restore_point(step)
+                if self.node.persister is not None:
+                    self.node.persister.reset(step)
+                # no worker of a fetched rank can have resumed yet: it waits for this fetch
+                self.phases.resume_timings = self.phases.resume_timings.slowest(timings)
         except (PeerError, SlotError, OSError) as e:
-            log.error("restore failed: %s", e)
-            # integrity: the fetched state is not this rank's; retrying the same plan cannot help
-            self.reporter.report(reports.RestoreFailed(reason=str(e), integrity=isinstance(e, IntegrityError)))
+            self.slots.fetching.open(token, error=f"its state could not be fetched: {e}")
+            self._restore_failed(e)
+            return
+        self.slots.fetching.open(token, paths=self._slot_paths)
+
+    def _slot_paths(self, rank: int) -> dict[str, Any]:
+        """The reply to a worker's `slots` request that waited for the fetch."""
+        try:
+            return {"paths": self.slots.paths(rank)}
+        except SlotError as e:
+            return {"error": str(e)}
+
+    def _restore_failed(self, e: Exception) -> None:
+        log.error("restore failed: %s", e)
+        # integrity: the fetched state is not this rank's; retrying the same plan cannot help
+        self.reporter.report(reports.RestoreFailed(reason=str(e), integrity=isinstance(e, IntegrityError)))
 
     # ------------------------------------------------------------------ restart (torchrun's, or from disk)
     def _restart(self, o: cmd.Restart) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from phoenixrun.agents.fetch_gate import FetchGate
 from phoenixrun.slot_format import SlotHeader, checksum, crc_private, crc_shared
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -160,6 +161,7 @@ class LocalSlots:
         self.frozen = False
         self._lock = threading.Lock()
         self._ranks: dict[int, _RankSlots] = {}
+        self.fetching = FetchGate()   # ranks a restore is fetching: their workers' `slots` requests wait for it
 
     def allocate(self, rank: int, nbytes: int) -> list[str]:
         """Both slots of `rank`, at least `nbytes` each - except a committed slot, which is never replaced

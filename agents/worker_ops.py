@@ -92,6 +92,9 @@ class WorkerOps:
             if isinstance(m, wm.Alloc):
                 reply = {"paths": self.slots.allocate(rank, int(m.nbytes))}
             elif isinstance(m, wm.Slots):
+                if self.slots.fetching.defer(rank, lambda r: conn.send({"op": WorkerOp.REPLY, "id": m.id, **r})):
+                    log.info("rank %d waits for its state: its agent is fetching it", rank)
+                    return      # answered when the fetch is over (agents/fetch_gate.py)
                 reply = {"paths": self.slots.paths(rank)}
             else:   # the slot to write, grown first if the snapshot needs more (then at a new path)
                 assert isinstance(m, wm.Write)

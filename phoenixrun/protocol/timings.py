@@ -19,6 +19,9 @@ class Timings:
     state_s: float | None = None            # worker: model and optimizer state loaded from the node's snapshot (one call)
     reshard_s: float | None = None          # worker: the old ranks' state re-partitioned into it (shrink, grow)
     worker_recovery_s: float | None = None  # worker: from its restore to resumed, all of it
+    setup_s: float | None = None            # worker: a replacement's, from its assignment to its restore (the script
+                                            # building its model and optimizer: overlaps the agent's fetch)
+    state_wait_s: float | None = None       # worker: a replacement's restore waiting for its agent's fetch to end
     fetch_s: float | None = None            # agent: a replacement's fetch of its ranks' state from the plan's sources
     params_fetch_s: float | None = None     # agent: of fetch_s, the shared (model) parts from data-parallel peers
 

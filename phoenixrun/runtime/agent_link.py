@@ -22,6 +22,11 @@ class AgentGone(RuntimeError):
     """The node agent closed the channel: this worker cannot be protected or recovered."""
 
 
+class StateUnavailable(RuntimeError):
+    """The agent has not got the state this request needs and will not get it from the fetch under way (the fetch
+    failed, or a new recovery began): the master plans again, and this worker waits for its next order."""
+
+
 class AgentLink:
     def __init__(self, path: str):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -75,7 +80,8 @@ class AgentLink:
         finally:
             self._replies.pop(rid, None)
         if reply.get("error"):
-            raise RuntimeError(f"node agent refused {wire.get('op')}: {reply['error']}")
+            raise (StateUnavailable if reply.get("unavailable") else RuntimeError)(
+                f"node agent refused {wire.get('op')}: {reply['error']}")
         return reply
 
     def _read(self) -> None:

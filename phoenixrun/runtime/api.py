@@ -312,6 +312,7 @@ class _Runtime:
         self.link.send(wm.Hello(local_rank=local_rank, pid=os.getpid(), api=True))
         assign = self.next_order(worker_orders.Assign)
         assert isinstance(assign, worker_orders.Assign)
+        self.assigned_at = time.time()             # a replacement's set-up is measured from here (Timings.setup_s)
         self.rank, self.world_size = assign.rank, assign.world_size
         self.local_rank = assign.local_rank        # a standby learns it here (agents/standby.py)
         self.master_addr, self.master_port = assign.master_addr, int(assign.master_port)

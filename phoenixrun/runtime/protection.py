@@ -206,10 +206,16 @@ class Protection:
         self.copier.wait()
         self.copier.error = None
 
-    def restore(self, step: int) -> None:
-        """Model, optimizer, `state` and the run's position from this node's snapshot of `step`."""
-        paths = self.link.request(wm.Slots())["paths"]
-        for p in paths:
+    def slot_paths(self) -> list[str]:
+        """This rank's snapshot slots on its node. A replacement's request waits while its agent fetches their state
+        (StateUnavailable: that fetch will not bring it)."""
+        paths: list[str] = self.link.request(wm.Slots())["paths"]
+        return paths
+
+    def restore(self, step: int, paths: list[str] | None = None) -> None:
+        """Model, optimizer, `state` and the run's position from this node's snapshot of `step` (in `paths`, this
+        rank's slots: asked for when not given)."""
+        for p in self.slot_paths() if paths is None else paths:
             slot = SlotMap(p)
             found = read_slot(slot, step)
             if found is None:

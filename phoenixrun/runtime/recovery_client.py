@@ -19,6 +19,7 @@ from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.protocol.worker_orders import Quiesce, Rebuild
+from phoenixrun.runtime.agent_link import StateUnavailable
 from phoenixrun.runtime.protection import Protection, Quiesced
 from phoenixrun.runtime.reshard import reshard
 
@@ -113,7 +114,14 @@ class RecoveryClient:
     def join(self, generation: int, restore_step: int) -> None:
         """A replacement process (spare or local reset): restore from the agent's slot, then rendezvous."""
         t0 = time.time()
-        self.protection.restore(restore_step)
+        try:
+            paths = self.protection.slot_paths()   # waits while its agent fetches the state (agents/fetch_gate.py)
+        except StateUnavailable as e:
+            log.warning("rank %d: no state to restore from (%s); waiting for the master's next order", self.rt.rank, e)
+            self.await_rebuild(t0)
+            return
+        t_in = time.time()
+        self.protection.restore(restore_step, paths)
         t1 = time.time()
         if self.link.quiesce_generation >= generation:
             self.await_rebuild(t0)
@@ -126,7 +134,8 @@ class RecoveryClient:
         self.restored(restore_step)
         t2 = time.time()
         self.link.send(wm.Resumed(generation=generation, timings=Timings(
-            state_s=t1 - t0, rebuild_s=t2 - t1, worker_recovery_s=t2 - t0)))
+            setup_s=t0 - self.rt.assigned_at, state_wait_s=t_in - t0, state_s=t1 - t_in, rebuild_s=t2 - t1,
+            worker_recovery_s=t2 - t0)))
 
     def reshape(self, generation: int, step: int, info: dict[str, Any]) -> None:
         """A new worker of a shrunk or grown world (control/reshape.py): join the new world, then re-partition the
