@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from phoenixrun.control.cycle import slowest
+from phoenixrun.protocol.reports import Resumed
 from phoenixrun.protocol.timings import FIELDS, Timings
 
 
@@ -27,7 +28,8 @@ def test_the_wire_round_trips_every_field_and_ignores_unknown_names():
 
 
 def test_the_master_records_every_phase_an_agent_reports():
-    acks = {"a": {"timings": Timings(rebuild_s=1.0, state_s=0.2, worker_recovery_s=1.5).to_wire()},
-            "b": {"timings": Timings(rebuild_s=0.5, fetch_s=0.7, params_fetch_s=0.3).to_wire()}, "c": {}}
+    acks = {"a": Resumed(node_id="a", timings=Timings(rebuild_s=1.0, state_s=0.2, worker_recovery_s=1.5)),
+            "b": Resumed(node_id="b", timings=Timings(rebuild_s=0.5, fetch_s=0.7, params_fetch_s=0.3)),
+            "c": Resumed(node_id="c")}
     assert slowest(acks) == {"rebuild_s": 1.0, "state_s": 0.2, "worker_recovery_s": 1.5, "fetch_s": 0.7,
                              "params_fetch_s": 0.3}
