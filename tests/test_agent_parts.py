@@ -258,35 +258,36 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
     (a, b), servers = two_agents
     link = AgentLink(a.sock_path)
     try:
-        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+        link.send(wm.Hello(local_rank=0, pid=1, api=True))
         assign = link.orders.get(timeout=30)
         assert isinstance(assign, Assign) and (assign.rank, assign.world_size) == (0, 2) and a.node.api
-        link.send({"op": 5})                                   # no such op: ignored, the channel goes on
-        link.send({"op": "teleport"})
+        link.sock.sendall(b'{"op": 5}\n')                      # no such op: ignored, the channel goes on
+        link.sock.sendall(b'{"op": "teleport"}\n')
         h = SlotHeader(step=5, meta_cap=64, meta_len=2, private_len=100, shared_len=100)
-        paths = link.request({"op": "alloc", "nbytes": h.total_len}, timeout=30)["paths"]
+        paths = link.request(wm.Alloc(nbytes=h.total_len), timeout=30).paths
         assert len(paths) == 2 and all(Path(p).exists() for p in paths)
-        w = link.request({"op": "write", "nbytes": h.total_len}, timeout=30)
-        with open(w["path"], "r+b") as f, mmap.mmap(f.fileno(), w["nbytes"]) as mm:
+        w = link.request(wm.Write(nbytes=h.total_len), timeout=30)
+        with open(w.path, "r+b") as f, mmap.mmap(f.fileno(), w.nbytes) as mm:
             mm[64:66] = b"{}"
             mm[h.private_off:h.private_off + 100] = b"p" * 100
             mm[h.shared_off:h.shared_off + 100] = b"s" * 100
             mm[:64] = h.pack()
-        link.send({"op": "written", "slot": w["slot"], "step": 5, "stats": {"snap_s": 0.1}})
+        link.send(wm.Written(slot=w.slot, step=5, stats={"snap_s": 0.1}))
         with link.cv:
             assert link.cv.wait_for(lambda: link.committed_step == 5 or link.commit_error, timeout=30)
-        assert link.commit_error is None and link.last_commit["replicated_bytes"] == h.private_off + 100
+        assert link.commit_error is None and link.last_commit is not None
+        assert link.last_commit.replicated_bytes == h.private_off + 100
         assert a.slots.available() == {0: [5]} and b.replicas.available() == {0: [5]}   # replicated to slot 1
         # one reader thread per worker: once a later request is answered, `written` has been handled whole
-        assert link.request({"op": "slots"}, timeout=30)["paths"] == paths
+        assert link.request(wm.Slots(), timeout=30).paths == paths
         assert a.node.protection[0]["committed_step"] == 5 and a.node.protection[0]["snap_s"] == 0.1
         assert 0 in a.supervisor.last_progress                  # write/written restart the hang clock
-        link.send({"op": "progress", "step": 6, "step_s": 9.5})  # its longest step since the last progress
-        link.request({"op": "slots"}, timeout=30)
+        link.send(wm.Progress(step=6, step_s=9.5))  # its longest step since the last progress
+        link.request(wm.Slots(), timeout=30)
         assert a.supervisor.step_times.grace() == quiesce_grace([9.5]) > QUIESCE_GRACE_FLOOR_S
 
-        link.send({"op": "comm_error", "text": "boom", "step": 6})
-        link.send({"op": "resumed", "generation": 0, "timings": {"rebuild_s": 0.2}})
+        link.send(wm.CommError(text="boom", step=6))
+        link.send(wm.Resumed(generation=0, timings=Timings(rebuild_s=0.2)))
         sent = [a.reporter.outbox.get(timeout=30) for _ in range(2)]
         assert [(r.kind if r else None, r and r.rank, r and r.text) for r in sent] == [("comm_error", 0, "boom"),
                                                                                       ("resumed", None, "")]
@@ -306,21 +307,21 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
 
 def _write_snapshot(link: AgentLink, step: int) -> SlotHeader:
     h = SlotHeader(step=step, meta_cap=64, meta_len=2, private_len=100, shared_len=100)
-    w = link.request({"op": "write", "nbytes": h.total_len}, timeout=30)
-    with open(w["path"], "r+b") as f, mmap.mmap(f.fileno(), w["nbytes"]) as mm:
+    w = link.request(wm.Write(nbytes=h.total_len), timeout=30)
+    with open(w.path, "r+b") as f, mmap.mmap(f.fileno(), w.nbytes) as mm:
         mm[64:66] = b"{}"
         mm[h.private_off:h.private_off + 200] = b"x" * 200
         mm[:64] = h.pack()
-    link.send({"op": "written", "slot": w["slot"], "step": step, "stats": {}})
+    link.send(wm.Written(slot=w.slot, step=step, stats={}))
     return h
 
 
 def _join_as_rank_0(link: AgentLink) -> None:
     """Say hello as local rank 0, take the assignment, allocate slots for `_write_snapshot`'s layout."""
-    link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+    link.send(wm.Hello(local_rank=0, pid=1, api=True))
     link.orders.get(timeout=30)
-    link.request({"op": "alloc", "nbytes": SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
-                                                      shared_len=100).total_len}, timeout=30)
+    link.request(wm.Alloc(nbytes=SlotHeader(step=0, meta_cap=64, meta_len=2, private_len=100,
+                                            shared_len=100).total_len), timeout=30)
 
 
 def test_a_holder_still_frozen_by_a_recovery_is_waited_for_not_reported(two_agents):
@@ -361,10 +362,10 @@ def test_a_worker_that_rejoined_the_recovery_may_snapshot_before_the_master_says
         _join_as_rank_0(link)
         a.node.generation = 3
         a.replicator.freeze(True)                       # the recovery of generation 3: restore ordered, no resume yet
-        link.send({"op": "resumed", "generation": 2, "timings": {}})
+        link.send(wm.Resumed(generation=2))
         with pytest.raises(RuntimeError, match="frozen"):
             _write_snapshot(link, 4)
-        link.send({"op": "resumed", "generation": 3, "timings": {}})
+        link.send(wm.Resumed(generation=3))
         _write_snapshot(link, 5)
         with link.cv:
             assert link.cv.wait_for(lambda: link.committed_step == 5 or link.commit_error, timeout=30)
@@ -387,8 +388,8 @@ def test_a_quiesce_is_acknowledged_once_the_snapshots_written_before_it_are_sett
         b.replicator.freeze(True)
         threading.Timer(0.5, b.replicator.freeze, (False,)).start()
         _write_snapshot(link, 9)
-        link.send({"op": "quiesced", "generation": 1, "next_step": 9})
-        link.request({"op": "slots"}, timeout=30)      # the quiesce has been handled
+        link.send(wm.Quiesced(generation=1, next_step=9))
+        link.request(wm.Slots(), timeout=30)      # the quiesce has been handled
         assert at_ack == [{0: [9]}] and b.replicas.available() == {0: [9]}
     finally:
         link.close()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from phoenixrun.agents.fetch_gate import FetchGate, unavailable
+from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.runtime.agent_link import AgentLink, StateUnavailable
 from phoenixrun.slot_format import SlotHeader
@@ -77,7 +78,7 @@ def _ask_for_slots(link: AgentLink) -> queue.Queue:
 
     def ask() -> None:
         try:
-            out.put(link.request({"op": "slots"}, timeout=60))
+            out.put(link.request(wm.Slots(), timeout=60))
         except Exception as e:  # noqa: BLE001 - handed to the test
             out.put(e)
     threading.Thread(target=ask, daemon=True).start()
@@ -93,7 +94,7 @@ def test_a_worker_asking_for_its_slots_during_the_fetch_gets_them_once_installed
     b.replicas.put(0, STEP, bytearray(replica))                          # and as its replica holder
     link = AgentLink(a.sock_path)
     try:
-        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+        link.send(wm.Hello(local_rank=0, pid=1, api=True))
         link.orders.get(timeout=30)                                      # its assignment
         token = a.slots.fetching.close([0])
         reply = _ask_for_slots(link)
@@ -103,12 +104,12 @@ def test_a_worker_asking_for_its_slots_during_the_fetch_gets_them_once_installed
                                                      "shared": [[servers[1].addr, 0]]})}, STEP)
         assert a.slots.fetching.open(token, paths=lambda r: {"paths": a.slots.paths(r)})
         got = reply.get(timeout=30)
-        assert got["paths"] == a.slots.paths(0)
-        with open(got["paths"][a.slots.slot_of(0, STEP)], "rb") as f:
+        assert got.paths == a.slots.paths(0)
+        with open(got.paths[a.slots.slot_of(0, STEP)], "rb") as f:
             data = f.read()
         h = SlotHeader.unpack(data)
         assert data[:h.replicated_len] == replica and data[h.shared_off:h.shared_off + h.shared_len] == shared
-        assert link.request({"op": "slots"}, timeout=30)["paths"] == got["paths"]    # no fetch: at once
+        assert link.request(wm.Slots(), timeout=30).paths == got.paths    # no fetch: at once
     finally:
         link.close()
 
@@ -117,7 +118,7 @@ def test_a_worker_waiting_for_a_fetch_that_fails_is_told_its_state_is_unavailabl
     (a, _), _ = two_agents
     link = AgentLink(a.sock_path)
     try:
-        link.send({"op": "hello", "local_rank": 0, "pid": 1, "api": True})
+        link.send(wm.Hello(local_rank=0, pid=1, api=True))
         link.orders.get(timeout=30)
         for end in ("failed", "quiesced"):
             token = a.slots.fetching.close([0])

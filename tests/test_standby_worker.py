@@ -82,15 +82,15 @@ def test_standby_env_has_no_rank_and_no_local_rank():
 PROBE = """
 import json, os, sys, time
 from pathlib import Path
+from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.runtime.agent_link import AgentLink
 link = AgentLink(os.environ["PHOENIXRUN_AGENT_SOCK"])
-link.send({"op": "hello", "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
-           "api": sys.argv[2] == "api"})
+link.send(wm.Hello(local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(), api=sys.argv[2] == "api"))
 assign = link.orders.get()
 seen = {"assign": assign.to_wire(), "env_local_rank": os.environ.get("LOCAL_RANK"), "standby": os.environ.get("PHOENIXRUN_STANDBY")}
 Path(sys.argv[1], f"{os.getpid()}.json").write_text(json.dumps(seen))
 for step in range(3000):
-    link.send({"op": "progress", "step": step, "step_s": 0.01})
+    link.send(wm.Progress(step=step, step_s=0.01))
     time.sleep(0.2)
 """
 

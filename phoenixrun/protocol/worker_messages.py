@@ -5,12 +5,14 @@ protocol/worker_orders.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, ClassVar, Generic, Mapping, TypeVar, Union, cast
 
 from phoenixrun.protocol.fields import optional
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.protocol.timings import Timings
-from phoenixrun.protocol.worker_orders import ChannelMessage, decode_from
+from phoenixrun.protocol.worker_orders import ChannelMessage, Paths, Reply, SlotGrant, decode_from
+
+R = TypeVar("R", bound=Reply)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,28 +30,39 @@ class Hello(WorkerMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Request(WorkerMessage):
-    """A message the agent answers with a reply carrying its `id` (AgentLink.request sets it)."""
+class Request(WorkerMessage, Generic[R]):
+    """A message the agent answers with a reply of type `REPLY` carrying its `id` (AgentLink.request sets it)."""
+    REPLY: ClassVar[type[Reply]] = Reply
     id: int | None = None
+
+    def decode_reply(self, msg: Mapping[str, Any]) -> R:
+        """The agent's answer off the channel as this request's reply type (a ValueError if it is not one)."""
+        reply = decode_from({WorkerOp.REPLY.value: self.REPLY}, msg)
+        if reply is None:
+            raise ValueError(f"worker channel: {msg.get('op')!r} where the reply to {self.OP.value!r} was expected")
+        return cast(R, reply)       # REPLY is R by the subclass's declaration (Alloc(Request[Paths]): REPLY = Paths)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Alloc(Request):
-    """Request: shared-memory snapshot slots for this many bytes (reply: `paths`)."""
+class Alloc(Request[Paths]):
+    """Request: shared-memory snapshot slots for this many bytes (reply: `Paths`)."""
     OP = WorkerOp.ALLOC
+    REPLY = Paths
     nbytes: int
 
 
 @dataclass(frozen=True, kw_only=True)
-class Slots(Request):
-    """Request: the paths of the slots already allocated (reply: `paths`)."""
+class Slots(Request[Paths]):
+    """Request: the paths of the slots already allocated (reply: `Paths`)."""
     OP = WorkerOp.SLOTS
+    REPLY = Paths
 
 
 @dataclass(frozen=True, kw_only=True)
-class Write(Request):
-    """Request: a slot to write the next snapshot into (reply: `slot`, `path`, `nbytes`)."""
+class Write(Request[SlotGrant]):
+    """Request: a slot to write the next snapshot into (reply: `SlotGrant`)."""
     OP = WorkerOp.WRITE
+    REPLY = SlotGrant
     nbytes: int = 0
 
 

@@ -6,7 +6,7 @@ ValueError naming the order."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, TypeVar, Union
 
 from phoenixrun.protocol.fields import optional, wire_fields
@@ -90,10 +90,82 @@ class ChannelClosed(WorkerOrder):
     OP = WorkerOp.AGENT_GONE
 
 
-ORDERS: dict[str, type[WorkerOrder]] = {o.OP.value: o for o in (Assign, Rebuild, Quiesce, ChannelClosed)}
-AnyWorkerOrder = Union[Assign, Rebuild, Quiesce, ChannelClosed]
+@dataclass(frozen=True, kw_only=True)
+class Committed(WorkerOrder):
+    """The snapshot of `step` is sealed in its slot and replicated (`h2h_s`: the replication's time)."""
+    OP = WorkerOp.COMMITTED
+    step: int
+    h2h_s: float | None = optional()
+    replicated_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitFailed(WorkerOrder):
+    """The snapshot of `step` could not be committed (its replication failed, or a recovery froze the node)."""
+    OP = WorkerOp.COMMIT_FAILED
+    step: int
+    error: str = "replication failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ping(WorkerOrder):
+    """The hang watchdog's liveness probe: answered with a pong from the worker's reader thread."""
+    OP = WorkerOp.PING
+
+
+@dataclass(frozen=True, kw_only=True)
+class AbortComm(WorkerOrder):
+    """Fault drill (`phoenixrun inject --fault comm-timeout|partition`): this worker's collectives fail for real."""
+    OP = WorkerOp.ABORT_COMM
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoisonLoss(WorkerOrder):
+    """Fault drill (`--fault nan`): the next loss the script hands to job.observe_loss() is NaN."""
+    OP = WorkerOp.POISON_LOSS
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slow(WorkerOrder):
+    """Fault drill (`--fault slow:FACTOR`): each step's compute takes `factor` times as long (a straggler)."""
+    OP = WorkerOp.SLOW
+    factor: float = 1.0
+
+
+# ------------------------------------------------------------------ replies to a worker's requests
+@dataclass(frozen=True, kw_only=True)
+class Reply(WorkerOrder):
+    """The answer to a worker's request (protocol/worker_messages.py's `Request`), carrying its `id`; `error`: it
+    was refused (`unavailable`: the state it asks for will not come from the fetch under way). Each request names
+    the reply type it is answered with (`Request.REPLY`); the worker decodes the reply as that type."""
+    OP = WorkerOp.REPLY
+    id: int | None = None
+    error: str | None = optional()
+    unavailable: bool | None = optional()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paths(Reply):
+    """The answer to `alloc` and `slots`: the paths of the rank's snapshot slots."""
+    paths: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotGrant(Reply):
+    """The answer to `write`: the slot to write the next snapshot into, at `path`, `nbytes` large."""
+    slot: int = -1
+    path: str = ""
+    nbytes: int = 0
+
+
+ORDERS: dict[str, type[WorkerOrder]] = {o.OP.value: o for o in (Assign, Rebuild, Quiesce, ChannelClosed, Committed,
+                                                                 CommitFailed, Ping, AbortComm, PoisonLoss, Slow)}
+AnyWorkerOrder = Union[Assign, Rebuild, Quiesce, ChannelClosed, Committed, CommitFailed, Ping, AbortComm, PoisonLoss,
+                       Slow]
 
 
 def decode(msg: Mapping[str, Any]) -> WorkerOrder | None:
-    """An order off the channel as its type; None for an op that is not one of these orders."""
+    """An order off the channel as its type; None for an op that is not one of these orders (a reply is decoded
+    by its request, as the reply type it names: worker_messages.Request.decode_reply)."""
     return decode_from(ORDERS, msg)
+

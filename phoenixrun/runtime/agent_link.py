@@ -14,8 +14,9 @@ import threading
 from typing import Any, Callable
 
 from phoenixrun.protocol.names import WorkerOp
-from phoenixrun.protocol.worker_messages import Pong, Request
-from phoenixrun.protocol.worker_orders import ChannelClosed, ChannelMessage, Quiesce, WorkerOrder, decode
+from phoenixrun.protocol.worker_messages import Pong, R, Request
+from phoenixrun.protocol.worker_orders import (AbortComm, ChannelClosed, ChannelMessage, Committed, CommitFailed, Ping,
+                                               PoisonLoss, Quiesce, Slow, WorkerOrder, decode)
 
 
 class AgentGone(RuntimeError):
@@ -33,12 +34,13 @@ class AgentLink:
         self.sock.connect(path)
         self._wlock = threading.Lock()
         self._ids = itertools.count(1)
-        self._replies: dict[int, queue.Queue[dict[str, Any]]] = {}   # a request's id -> where its reply goes
+        self._replies: dict[int, queue.Queue[dict[str, Any]]] = {}   # a request's id -> where its reply goes (raw:
+        # the request decodes it as the reply type it names)
         self.orders: queue.Queue[WorkerOrder] = queue.Queue()   # assign / rebuild / quiesce, for the training thread
         self.cv = threading.Condition()
         self.committed_step = -1
         self.commit_error: str | None = None
-        self.last_commit: dict[str, Any] = {}
+        self.last_commit: Committed | None = None
         self.quiesce_generation = -1                       # highest generation we were told to quiesce for
         self.closed = False
         self.on_quiesce: Callable[[int], None] = lambda g: None
@@ -58,30 +60,35 @@ class AgentLink:
         self._reader.join(timeout=2.0)
         self.sock.close()
 
-    def send(self, msg: dict[str, Any] | ChannelMessage) -> None:
+    def send(self, msg: ChannelMessage) -> None:
         """One JSON line; a message (protocol/worker_messages.py) is encoded here, at the edge."""
-        data = (json.dumps(msg.to_wire() if isinstance(msg, ChannelMessage) else msg) + "\n").encode()
+        self._send_wire(msg.to_wire())
+
+    def _send_wire(self, wire: dict[str, Any]) -> None:
+        data = (json.dumps(wire) + "\n").encode()
         with self._wlock:
             try:
                 self.sock.sendall(data)
             except OSError as e:
                 raise AgentGone(f"lost the node agent: {e}") from None
 
-    def request(self, msg: dict[str, Any] | Request, timeout: float = 60.0) -> dict[str, Any]:
+    def request(self, msg: Request[R], timeout: float = 60.0) -> R:
+        """The agent's answer to `msg`, as the reply type the request names; a refusal raises (StateUnavailable
+        where the state will not come from the fetch under way, RuntimeError otherwise)."""
         rid = next(self._ids)
         q: queue.Queue[dict[str, Any]] = queue.Queue()
         self._replies[rid] = q
-        wire = msg.to_wire() if isinstance(msg, Request) else msg
-        self.send({**wire, "id": rid})
+        op = msg.OP.value
+        self._send_wire({**msg.to_wire(), "id": rid})
         try:
-            reply: dict[str, Any] = q.get(timeout=timeout)
+            raw = q.get(timeout=timeout)
         except queue.Empty:
-            raise AgentGone(f"node agent did not answer {wire.get('op')} within {timeout}s") from None
+            raise AgentGone(f"node agent did not answer {op} within {timeout}s") from None
         finally:
             self._replies.pop(rid, None)
-        if reply.get("error"):
-            raise (StateUnavailable if reply.get("unavailable") else RuntimeError)(
-                f"node agent refused {wire.get('op')}: {reply['error']}")
+        reply = msg.decode_reply(raw)
+        if reply.error:
+            raise (StateUnavailable if reply.unavailable else RuntimeError)(f"node agent refused {op}: {reply.error}")
         return reply
 
     def _read(self) -> None:
@@ -89,29 +96,29 @@ class AgentLink:
         try:
             for line in f:
                 msg = json.loads(line)
-                op = msg.get("op")
-                if op == WorkerOp.REPLY:
+                if msg.get("op") == WorkerOp.REPLY:       # decoded by its request, as the reply type it names
                     q = self._replies.get(msg.get("id"))
                     if q is not None:
                         q.put(msg)
-                elif op in (WorkerOp.COMMITTED, WorkerOp.COMMIT_FAILED):
+                    continue
+                order = decode(msg)
+                if isinstance(order, (Committed, CommitFailed)):
                     with self.cv:
-                        if op == WorkerOp.COMMITTED:
-                            self.committed_step = max(self.committed_step, int(msg["step"]))
-                            self.last_commit = msg
+                        if isinstance(order, Committed):
+                            self.committed_step = max(self.committed_step, order.step)
+                            self.last_commit = order
                         else:
-                            self.commit_error = msg.get("error", "replication failed")
+                            self.commit_error = order.error
                         self.cv.notify_all()
-                elif op == WorkerOp.PING:                  # liveness for the agent's hang watchdog
+                elif isinstance(order, Ping):              # liveness for the agent's hang watchdog
                     self.send(Pong())
-                elif op == WorkerOp.ABORT_COMM:            # `phoenixrun inject --fault comm-timeout|partition`
+                elif isinstance(order, AbortComm):         # `phoenixrun inject --fault comm-timeout|partition`
                     self.on_abort()
-                elif op == WorkerOp.POISON_LOSS:           # `phoenixrun inject --fault nan`
+                elif isinstance(order, PoisonLoss):        # `phoenixrun inject --fault nan`
                     self.poison_loss = True
-                elif op == WorkerOp.SLOW:                  # `phoenixrun inject --fault slow:FACTOR`
-                    self.slow_factor = float(msg.get("factor", 1.0))
-                else:
-                    order = decode(msg)
+                elif isinstance(order, Slow):              # `phoenixrun inject --fault slow:FACTOR`
+                    self.slow_factor = float(order.factor)
+                elif order is not None:
                     if isinstance(order, Quiesce):
                         g = order.generation
                         if order.at_step is not None and self.on_drain(g, order.at_step):
@@ -120,8 +127,7 @@ class AgentLink:
                             self.quiesce_generation = max(self.quiesce_generation, g)
                             self.cv.notify_all()
                         self.on_quiesce(g)
-                    if order is not None:
-                        self.orders.put(order)
+                    self.orders.put(order)
         except (OSError, ValueError):
             pass
         self.closed = True

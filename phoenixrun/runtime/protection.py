@@ -111,14 +111,14 @@ class Protection:
 
     def _record(self, t0: float) -> None:
         c = self.link.last_commit
-        if c.get("step") == self.awaited_step and c.get("h2h_s") is not None:
-            self._samples.append(Sample(self.copier.last_seconds, c["h2h_s"], t0 - self._submit_t,
+        if c is not None and c.step == self.awaited_step and c.h2h_s is not None:
+            self._samples.append(Sample(self.copier.last_seconds, c.h2h_s, t0 - self._submit_t,
                                         self._last_iteration_s))
         if self._stats is not None:
             self._stats.write(json.dumps({
-                "step": self.awaited_step, "d2h_s": self.copier.last_seconds, "h2h_s": c.get("h2h_s"),
+                "step": self.awaited_step, "d2h_s": self.copier.last_seconds, "h2h_s": c.h2h_s if c else None,
                 "stall_s": self.stall_s, "window_s": t0 - self._submit_t,
-                "replicated_bytes": c.get("replicated_bytes"), "slot_bytes": self.writer.total_len if self.writer else None,
+                "replicated_bytes": c.replicated_bytes if c else None, "slot_bytes": self.writer.total_len if self.writer else None,
                 "private_bytes": self.binding.nbytes()[0] if self.binding else None,
                 "shared_bytes": self.binding.nbytes()[1] if self.binding else None}) + "\n")
 
@@ -172,11 +172,11 @@ class Protection:
 
         def copy() -> None:
             # the agent hands out the non-committed slot, grown first if this layout needs more room
-            reply = link.request(wm.Write(nbytes=nbytes))
-            idx = reply["slot"]
-            if slots[idx].path != reply["path"] or slots[idx].nbytes < nbytes:   # grown: a new file
+            grant = link.request(wm.Write(nbytes=nbytes))
+            idx = grant.slot
+            if slots[idx].path != grant.path or slots[idx].nbytes < nbytes:   # grown: a new file
                 writer.copier.release(slots[idx])
-                slots[idx] = SlotMap(reply["path"], reply["nbytes"])
+                slots[idx] = SlotMap(grant.path, grant.nbytes)
             writer.write_encoded(slots[idx], step, meta, meta_cap, ready)
             link.send(wm.Written(slot=idx, step=step, stats=stats))
         self.awaited_step = step
@@ -196,7 +196,7 @@ class Protection:
             log.info("rank %d: optimizer state changed: snapshot tensors now %d + %d bytes", self.rank,
                      self.writer.private_len, self.writer.shared_len)
         if not self.slots:
-            paths = self.link.request(wm.Alloc(nbytes=self.writer.total_len))["paths"]
+            paths = self.link.request(wm.Alloc(nbytes=self.writer.total_len)).paths
             self.slots = [SlotMap(p) for p in paths]   # each as large as its file (slots grow one at a time)
         return self.binding, self.writer
 
@@ -209,8 +209,7 @@ class Protection:
     def slot_paths(self) -> list[str]:
         """This rank's snapshot slots on its node. A replacement's request waits while its agent fetches their state
         (StateUnavailable: that fetch will not bring it)."""
-        paths: list[str] = self.link.request(wm.Slots())["paths"]
-        return paths
+        return self.link.request(wm.Slots()).paths
 
     def restore(self, step: int, paths: list[str] | None = None) -> None:
         """Model, optimizer, `state` and the run's position from this node's snapshot of `step` (in `paths`, this
