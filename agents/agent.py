@@ -228,7 +228,7 @@ class Agent:
         with self.node.lock:
             state = {"worker_pids": self.supervisor.live_pids(),
                      "snapshots": self.slots.available(), "replicas": self.replicas.available(),
-                     "protection": self.node.protection, "api": self.node.api}
+                     "protection": {r: f.to_wire() for r, f in self.node.protection.items()}, "api": self.node.api}
             if self.node.role == AgentRole.SPARE:
                 state["warm_ready"] = self.warm_ready()
         return state

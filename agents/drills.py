@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 
-from phoenixrun.protocol import WorkerOp
+from phoenixrun.protocol import worker_orders as wo
 from phoenixrun.protocol.messages import valid_fault
 from phoenixrun.faults import InjectedHealthSource, Signal, SignalKind
 from phoenixrun.agents.ipc import WorkerConn
@@ -41,12 +41,12 @@ class FaultDrills:
         log.warning("injecting fault %r", fault)
         workers, conns = self.supervisor.running()
         if fault == "comm-timeout" and conns:
-            conns[0].send({"op": WorkerOp.ABORT_COMM})     # its collectives fail for real; the node stays healthy
+            conns[0].send(wo.AbortComm())                  # its collectives fail for real; the node stays healthy
         elif fault == "nan" and conns:
-            conns[0].send({"op": WorkerOp.POISON_LOSS})    # its next job.observe_loss() sees NaN
+            conns[0].send(wo.PoisonLoss())                 # its next job.observe_loss() sees NaN
         elif fault.startswith("slow:"):
             for c in conns:                                # every worker of the node computes slower: a straggler
-                c.send({"op": WorkerOp.SLOW, "factor": float(fault[5:])})
+                c.send(wo.Slow(factor=float(fault[5:])))
         elif fault == "partition" or fault.startswith("partition:"):
             self.partition(float(fault.partition(":")[2] or 0) or None, conns)
         elif fault == "crash-worker" and workers:
@@ -73,7 +73,7 @@ class FaultDrills:
         self.peer_server.suspend()
         self.peers.drop_all()
         for conn in conns:                         # the node-local channel still works
-            conn.send({"op": WorkerOp.ABORT_COMM})
+            conn.send(wo.AbortComm())
         if seconds:
             t = threading.Timer(seconds, self.heal)
             t.daemon = True

@@ -12,16 +12,17 @@ import threading
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 from phoenixrun.protocol import reports
 from phoenixrun.protocol import directives as cmd
 from phoenixrun.protocol import worker_orders
 from phoenixrun.protocol.directives import Directive
+from phoenixrun.protocol.reshard import NodeReshard
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.slot_format import SlotHeader
 from phoenixrun.testing import pause_point
-from phoenixrun.agents.node import Lifecycle, NodeState
+from phoenixrun.agents.node import Handover, Lifecycle, NodeState
 from phoenixrun.agents.peer import PeerError
 from phoenixrun.agents.persister import PersistError
 from phoenixrun.agents.phases import PhaseAcks
@@ -215,12 +216,12 @@ class DirectiveExecutor:
             return
         self.slots.fetching.open(token, paths=self._slot_paths)
 
-    def _slot_paths(self, rank: int) -> dict[str, Any]:
+    def _slot_paths(self, rank: int) -> worker_orders.Paths:
         """The reply to a worker's `slots` request that waited for the fetch."""
         try:
-            return {"paths": self.slots.paths(rank)}
+            return worker_orders.Paths(paths=self.slots.paths(rank))
         except SlotError as e:
-            return {"error": str(e)}
+            return worker_orders.Paths(error=str(e))
 
     def _restore_failed(self, e: Exception) -> None:
         log.error("restore failed: %s", e)
@@ -246,11 +247,11 @@ class DirectiveExecutor:
                 self.phases.expect_resume(self.node.local_ranks())
             self.supervisor.spawn_all(rank_known=True)
 
-    def _reshape(self, info: Mapping[str, Any]) -> None:
+    def _reshape(self, info: NodeReshard) -> None:
         """A shrink or grow (control/reshape.py): export the old ranks' snapshots the plan gives this node to files
         its new workers read (its own ranks' slots, replicas it holds of lost ranks), then drop every slot and
         replica (they are keyed by the old ranks) and start the new world's workers."""
-        step = info["step"]
+        step = info.step
         with self.node.lock:
             self.node.become(AgentRole.ACTIVE)
             self.supervisor.kill_all()
@@ -258,9 +259,9 @@ class DirectiveExecutor:
         # not under the lock (the heartbeats go on): the slots and replicas are frozen since the quiesce
         files: dict[int, tuple[int, str]] = {}
         try:
-            for img in info["images"]:
-                old = int(img["old_rank"])
-                if img["own"]:
+            for img in info.images:
+                old = img.old_rank
+                if img.own:
                     idx = self.slots.slot_of(old, step)
                     if idx is None:
                         raise SlotError(f"no snapshot of rank {old} at step {step} in this node's slots")
@@ -270,9 +271,9 @@ class DirectiveExecutor:
                     data = self.replicas.get(old, step)
                 path = SHM_DIR / f"{self.slots.prefix}-reshard-r{old}"
                 path.write_bytes(data)
-                files[old] = (int(img["reader"]), str(path))
+                files[old] = (img.reader, str(path))
         except (SlotError, OSError) as e:
-            log.error("cannot hand the snapshots over for the %s: %s", info.get("kind"), e)
+            log.error("cannot hand the snapshots over for the %s: %s", info.kind, e)
             for _, written in files.values():
                 Path(written).unlink(missing_ok=True)
             self.reporter.report(reports.RestoreFailed(reason=str(e)))
@@ -280,17 +281,17 @@ class DirectiveExecutor:
         with self.node.lock:
             self.slots.clear()
             self.replicas.clear()
-            self.node.reshard = {"old_world": info["old_world"], "predecessor": info["predecessor"], "files": files}
+            self.node.reshard = Handover(info.old_world, info.predecessor, files)
             self.node.restore_step = step
             self.replicator.freeze(False)
             self.phases.expect_resume(self.node.local_ranks())
             self.supervisor.spawn_all(rank_known=True)
-        log.info("%s: %d old rank snapshot(s) handed to the new workers (step %d)", info.get("kind"), len(files), step)
+        log.info("%s: %d old rank snapshot(s) handed to the new workers (step %d)", info.kind, len(files), step)
 
     def _drop_reshard(self) -> None:
         """The reshape's images are read once every worker resumed (call with the lock held)."""
         if self.node.reshard is not None:
-            for _, path in self.node.reshard["files"].values():
+            for _, path in self.node.reshard.files.values():
                 Path(path).unlink(missing_ok=True)
             self.node.reshard = None
 

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
-Reply = dict[str, Any]
+from phoenixrun.protocol.worker_orders import Paths as Reply
+
 Answer = Callable[[Reply], None]      # sends the reply to one waiting request
 Paths = Callable[[int], Reply]        # rank -> the reply for its slots once they are in (paths, or an error)
 
 
 def unavailable(reason: str) -> Reply:
     """The reply to a request whose state will not come from this fetch (runtime/agent_link.py: StateUnavailable)."""
-    return {"error": reason, "unavailable": True}
+    return Reply(error=reason, unavailable=True)
 
 
 class FetchGate:

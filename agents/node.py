@@ -12,10 +12,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phoenixrun.protocol.directives import Directive, World
+from phoenixrun.protocol.figures import Figures
+from phoenixrun.protocol.reshard import WorkerReshard
 from phoenixrun.agents.persister import Persister
 from phoenixrun.agents.roles import AgentRole, role_move
 
 log = logging.getLogger("phoenixrun.agent")
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A shrink or grow's restart on this node (control/reshape.py): the old world's size, which old rank each new
+    rank continues, and the old ranks' snapshots this node exported for its new workers (old rank -> (the local
+    rank that reads it, its file))."""
+    old_world: int
+    predecessor: dict[int, int]
+    files: dict[int, tuple[int, str]]
+
+    def for_worker(self, rank: int, local_rank: int) -> WorkerReshard:
+        """The `reshard` of one new worker's assignment: the images it reads and the old rank it continues."""
+        return WorkerReshard(self.old_world, self.predecessor.get(rank),
+                             {old: path for old, (reader, path) in self.files.items() if reader == local_rank})
 
 
 @dataclass(eq=False)
@@ -35,11 +52,9 @@ class NodeState:
     restore_step: int | None = None
     api: bool = False                  # a worker said hello through the phoenixrun API
     token: str | None = None           # from the master's reply to our registration: our later calls carry it
-    protection: dict[int, dict[str, Any]] = field(default_factory=dict)   # per rank: snapshot stats for the heartbeat
+    protection: dict[int, Figures] = field(default_factory=dict)   # per rank: its figures, for the heartbeat
     persister: Persister | None = None   # with --persist-every, once registered
-    # a shrink or grow's restart (control/reshape.py): old world, predecessors, and the old ranks' snapshot images
-    # this node exported for its new workers (old rank -> (reading local rank, file))
-    reshard: dict[str, Any] | None = None
+    reshard: Handover | None = None   # a shrink or grow's restart: what its new workers read
 
     def become(self, role: AgentRole) -> None:
         """The node's new role; an illegal move raises RoleError (call with the lock held)."""
@@ -50,14 +65,9 @@ class NodeState:
             raise RuntimeError(f"local rank {local_rank}'s global rank asked before the master gave this node a slot")
         return self.slot * self.nproc_per_node + local_rank
 
-    def reshard_of(self, local_rank: int) -> dict[str, Any] | None:
-        """The `reshard` part of a new worker's assignment: the images it reads and the old rank it continues."""
-        if self.reshard is None:
-            return None
-        r = self.reshard
-        pred = r["predecessor"].get(self.rank(local_rank), r["predecessor"].get(str(self.rank(local_rank))))
-        return {"old_world": r["old_world"], "predecessor": pred,
-                "images": {old: path for old, (reader, path) in r["files"].items() if reader == local_rank}}
+    def reshard_of(self, local_rank: int) -> WorkerReshard | None:
+        """The `reshard` part of a new worker's assignment (None: not a shrink or grow's restart)."""
+        return None if self.reshard is None else self.reshard.for_worker(self.rank(local_rank), local_rank)
 
     def local_ranks(self) -> range:
         return range(self.nproc_per_node)

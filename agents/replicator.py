@@ -7,7 +7,9 @@ import logging
 import time
 from typing import Mapping
 
-from phoenixrun.protocol import PeerOp, WorkerOp, reports
+from phoenixrun.protocol import PeerOp, reports
+from phoenixrun.protocol import worker_orders as wo
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.protocol.restore import Part, RankSource, Refusal
 from phoenixrun.protocol.directives import World
 from phoenixrun.protocol.timings import Timings
@@ -47,7 +49,7 @@ class Replicator:
         self.slots.frozen = self.replicas.frozen = frozen
 
     # ------------------------------------------------------------------ local snapshots
-    def commit(self, conn: WorkerConn, idx: int, step: int, stats: dict) -> None:
+    def commit(self, conn: WorkerConn, idx: int, step: int, stats: Figures) -> None:
         """Seal the local slot, replicate its private part to the holders, then commit."""
         rank = self.node.rank(conn.local_rank)
         t0 = time.time()
@@ -60,20 +62,18 @@ class Replicator:
                     self._put(peer_addr_of(self.node.world, holder), rank, step, data)
             self.slots.commit(rank, idx, step)
         except (PeerError, SlotError) as e:
-            conn.send({"op": WorkerOp.COMMIT_FAILED, "step": step, "error": str(e)})
+            conn.send(wo.CommitFailed(step=step, error=str(e)))
             if not self.slots.frozen:
                 self.reporter.report(reports.CommError(rank=rank, text=f"replication failed: {e}", step=step,
                                                           t=time.time()))
             return
         h2h = time.time() - t0
-        conn.send({"op": WorkerOp.COMMITTED, "step": step, "h2h_s": round(h2h, 6),
-                   "replicated_bytes": h.replicated_len if holders else 0})
+        replicated = h.replicated_len if holders else 0
+        conn.send(wo.Committed(step=step, h2h_s=round(h2h, 6), replicated_bytes=replicated))
         if self.node.persister is not None:
             self.node.persister.offer(rank, step)
         with self.node.lock:
-            self.node.protection[rank] = {**stats, "committed_step": step, "h2h_s": round(h2h, 5),
-                                          "replicated_bytes": h.replicated_len if holders else 0,
-                                          "replica_store_bytes": self.replicas.nbytes()}
+            self.node.protection[rank] = stats.committed(step, round(h2h, 5), replicated, self.replicas.nbytes())
 
     def _put(self, addr: str, rank: int, step: int, data) -> None:
         """Send one replica. A holder still frozen by a recovery this node has already resumed from (the resume

@@ -17,7 +17,7 @@ from typing import Any
 
 from phoenixrun.config import AgentConfig
 from phoenixrun.faults.mismatch import state_mismatch
-from phoenixrun.protocol import WorkerOp, reports, worker_orders
+from phoenixrun.protocol import reports, worker_orders
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS, REPORTED, PhaseAcks, StepTimes
@@ -323,7 +323,7 @@ class WorkerSupervisor:
             verdict = hang_check(mono, seen, self.cfg.hang_timeout)
             if verdict is Hang.PING:
                 self.pinged[lr] = mono
-                conn.send({"op": WorkerOp.PING})
+                conn.send(worker_orders.Ping())
             elif verdict is Hang.HUNG:
                 self._hung(lr, w, seen, mono, now)
 

@@ -3,19 +3,21 @@ of a chain of ifs. Handlers run on the connection's reader thread; an op with no
 
 What workers send (phoenixrun/runtime/api.py): `hello` once connected; requests answered with a `reply` of the
 same id (`alloc`, `slots`, `write`); `written` when a snapshot is in its slot; the acks of a recovery
-(`quiesced`, `resumed`); what they observe (`comm_error`, `nan_loss`, `error`, `protection_mode`, `stats`);
+(`quiesced`, `resumed`); what they observe (`comm_error`, `nan_loss`, `error`, `protection_mode`, `layout`);
 signs of life (`progress`, `pong`).
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from phoenixrun.faults import Signal, SignalKind
 from phoenixrun.redundancy import LayoutError, PeerSet
 from phoenixrun.protocol import WorkerOp, reports
 from phoenixrun.protocol import worker_messages as wm
+from phoenixrun.protocol import worker_orders as wo
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import PhaseAcks
@@ -47,7 +49,6 @@ class WorkerOps:
             WorkerOp.NAN_LOSS: self._nan_loss,
             WorkerOp.ERROR: self._error,
             WorkerOp.PROTECTION_MODE: self._protection_mode,
-            WorkerOp.STATS: self._stats,
             WorkerOp.LAYOUT: self._layout,
             WorkerOp.PROGRESS: self._progress, WorkerOp.PONG: self._alive,
         }
@@ -89,27 +90,28 @@ class WorkerOps:
         """alloc / slots / write: answered with a reply carrying the request's id."""
         rank = self._rank(conn)
         try:
+            reply: wo.Reply
             if isinstance(m, wm.Alloc):
-                reply = {"paths": self.slots.allocate(rank, int(m.nbytes))}
+                reply = wo.Paths(paths=self.slots.allocate(rank, int(m.nbytes)))
             elif isinstance(m, wm.Slots):
-                if self.slots.fetching.defer(rank, lambda r: conn.send({"op": WorkerOp.REPLY, "id": m.id, **r})):
+                if self.slots.fetching.defer(rank, lambda r: conn.send(replace(r, id=m.id))):
                     log.info("rank %d waits for its state: its agent is fetching it", rank)
                     return      # answered when the fetch is over (agents/fetch_gate.py)
-                reply = {"paths": self.slots.paths(rank)}
+                reply = wo.Paths(paths=self.slots.paths(rank))
             else:   # the slot to write, grown first if the snapshot needs more (then at a new path)
                 assert isinstance(m, wm.Write)
                 idx = self.slots.begin_write(rank, int(m.nbytes))
                 path, size = self.slots.path(rank, idx)
-                reply = {"slot": idx, "path": path, "nbytes": size}
+                reply = wo.SlotGrant(slot=idx, path=path, nbytes=size)
         except SlotSpaceError as e:
             # not transient: the snapshot cannot grow on this host. A fault of its own (classified as
             # snapshot_space), so that it is not mistaken for the comm error the worker reports next
-            reply = {"error": str(e)}
+            reply = wo.Reply(error=str(e))
             self.reporter.report(reports.Health(rank=rank, detail=str(e), t=time.time(), signal=Signal(
                 kind=SignalKind.SNAPSHOT_SPACE, rank=rank, detail=str(e))))
         except SlotError as e:
-            reply = {"error": str(e)}
-        conn.send({"op": WorkerOp.REPLY, "id": m.id, **reply})
+            reply = wo.Reply(error=str(e))
+        conn.send(replace(reply, id=m.id))
 
     def _written(self, conn: WorkerConn, m: wm.Written) -> None:
         self.replicator.commit(conn, int(m.slot), int(m.step), m.stats)
@@ -156,10 +158,6 @@ class WorkerOps:
             log.warning("rank 0 sent a layout the master would refuse: %s", e)
             return
         self.reporter.report(reports.Layout(peers=peers))
-
-    def _stats(self, conn: WorkerConn, m: wm.Stats) -> None:
-        with self.node.lock:
-            self.node.protection[self._rank(conn)] = m.stats
 
     def _progress(self, conn: WorkerConn, m: wm.Progress) -> None:
         """A step began; `step_s`: the longest step since the worker's last progress (the quiesce grace's input)."""

@@ -1,6 +1,7 @@
 """The agent's parts: the pure decisions (what a directive means here, what a worker's state means), the
 phase acknowledgements, and the worker-op table and the replicator over real sockets (the runtime's own end
 of the worker channel, two agents' peer servers; no worker processes)."""
+import json
 import mmap
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 
 from phoenixrun.agents.agent import Agent
 from phoenixrun.config import AgentConfig
+from phoenixrun.agents.node import Handover
 from phoenixrun.agents.executor import Step, plan_directive, waits_for_io_process
 from phoenixrun.agents.ipc import WorkerChannelServer
 from phoenixrun.agents.peer import PeerServer
@@ -22,7 +24,10 @@ from phoenixrun.protocol.directives import World, decode
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol.timings import Timings
+from phoenixrun.protocol.figures import Figures
+from phoenixrun.protocol.reshard import WorkerReshard
 from phoenixrun.protocol.worker_orders import Assign
+from phoenixrun.protocol.worker_orders import decode as wo_decode
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.slot_format import SlotHeader
 from phoenixrun.protocol.reports import RestoreRefused, Resumed
@@ -40,8 +45,8 @@ RUNTIME = Path(__file__).resolve().parents[1] / "phoenixrun" / "runtime"
     ({"command": "restart", "restore_step": 8}, True, False, Step.RESTART),   # a plain script: new processes
     ({"command": "restart", "restore_step": 8}, True, True, Step.RESTART_IN_PLACE),
     ({"command": "restart", "restore_step": 0}, True, True, Step.RESTART_IN_PLACE),   # step 0 is a step
-    ({"command": "restart", "restore_step": 8, "reshard": {"kind": "shrink"}}, True, True, Step.RESHAPE),
-    ({"command": "restart", "restore_step": 8, "reshard": {"kind": "grow"}}, True, False, Step.RESHAPE),
+    ({"command": "restart", "restore_step": 8, "reshard": {"kind": "shrink", "old_world": 6, "step": 8}}, True, True, Step.RESHAPE),
+    ({"command": "restart", "restore_step": 8, "reshard": {"kind": "grow", "old_world": 2, "step": 8}}, True, False, Step.RESHAPE),
     ({"command": "quiesce"}, True, True, Step.QUIESCE),
     ({"command": "restore", "restore_step": 3}, True, True, Step.RESTORE),
     ({"command": "stop", "exit_code": 1}, True, True, Step.STOP),
@@ -272,7 +277,7 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
             mm[h.private_off:h.private_off + 100] = b"p" * 100
             mm[h.shared_off:h.shared_off + 100] = b"s" * 100
             mm[:64] = h.pack()
-        link.send(wm.Written(slot=w.slot, step=5, stats={"snap_s": 0.1}))
+        link.send(wm.Written(slot=w.slot, step=5, stats=Figures(d2h_s=0.1)))
         with link.cv:
             assert link.cv.wait_for(lambda: link.committed_step == 5 or link.commit_error, timeout=30)
         assert link.commit_error is None and link.last_commit is not None
@@ -280,7 +285,7 @@ def test_worker_channel_through_the_op_table_and_replication(two_agents):
         assert a.slots.available() == {0: [5]} and b.replicas.available() == {0: [5]}   # replicated to slot 1
         # one reader thread per worker: once a later request is answered, `written` has been handled whole
         assert link.request(wm.Slots(), timeout=30).paths == paths
-        assert a.node.protection[0]["committed_step"] == 5 and a.node.protection[0]["snap_s"] == 0.1
+        assert a.node.protection[0].committed_step == 5 and a.node.protection[0].d2h_s == 0.1
         assert 0 in a.supervisor.last_progress                  # write/written restart the hang clock
         link.send(wm.Progress(step=6, step_s=9.5))  # its longest step since the last progress
         link.request(wm.Slots(), timeout=30)
@@ -312,7 +317,7 @@ def _write_snapshot(link: AgentLink, step: int) -> SlotHeader:
         mm[64:66] = b"{}"
         mm[h.private_off:h.private_off + 200] = b"x" * 200
         mm[:64] = h.pack()
-    link.send(wm.Written(slot=w.slot, step=step, stats={}))
+    link.send(wm.Written(slot=w.slot, step=step))
     return h
 
 
@@ -468,8 +473,16 @@ def test_a_reshape_hands_each_new_worker_its_images_and_predecessor():
     node.take_directive(decode({"command": "restart", "slot": 1, "nnodes": 2}))
     assert node.job["nnodes"] == 2
     assert node.reshard_of(0) is None
-    # over the wire the predecessor map's keys may arrive as strings
-    node.reshard = {"old_world": 6, "predecessor": {"2": 4, "3": 5},
-                    "files": {4: (0, "/dev/shm/a"), 5: (1, "/dev/shm/b"), 2: (0, "/dev/shm/c")}}
-    assert node.reshard_of(0) == {"old_world": 6, "predecessor": 4, "images": {4: "/dev/shm/a", 2: "/dev/shm/c"}}
-    assert node.reshard_of(1) == {"old_world": 6, "predecessor": 5, "images": {5: "/dev/shm/b"}}
+    # over the wire the predecessor map's keys arrive as strings: decoded int-keyed once, with the directive
+    order = decode({"command": "restart", "restore_step": 8, "reshard": {
+        "kind": "shrink", "old_world": 6, "step": 8, "predecessor": {"2": 4, "3": 5}, "images": []}})
+    assert order.own.reshard is not None and order.own.reshard.predecessor == {2: 4, 3: 5}
+    node.reshard = Handover(6, order.own.reshard.predecessor,
+                            {4: (0, "/dev/shm/a"), 5: (1, "/dev/shm/b"), 2: (0, "/dev/shm/c")})
+    assert node.reshard_of(0) == WorkerReshard(6, 4, {4: "/dev/shm/a", 2: "/dev/shm/c"})
+    assert node.reshard_of(1) == WorkerReshard(6, 5, {5: "/dev/shm/b"})
+    # and the worker's assignment carries it over the channel as the same type
+    assign = Assign(rank=2, local_rank=0, slot=1, nnodes=2, nproc_per_node=2, world_size=4, generation=3,
+                    store_prefix=None, restart_count=0, restore_step=8, master_addr="h", master_port=1, tp=1, pp=1,
+                    run_id="r", reshard=node.reshard_of(0))
+    assert wo_decode(json.loads(json.dumps(assign.to_wire()))) == assign

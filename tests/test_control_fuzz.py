@@ -62,7 +62,8 @@ def test_register_validation(patch, error):
     ({"node_id": "n1", "snapshots": {"x": [1]}}, "is not a rank"),
     ({"node_id": "n1", "replicas": [1]}, "must be an object"),
     ({"node_id": "n1", "worker_pids": ["1"]}, "worker_pids must be a list"),
-    ({"node_id": "n1", "protection": {"0": {"h2h_s": [1]}}}, "must be a number or string"),
+    ({"node_id": "n1", "protection": {"0": {"h2h_s": [1]}}}, r"protection\[0\]\.h2h_s must be a number"),
+    ({"node_id": "n1", "protection": {"0": {"every": -2}}}, r"every must be a non-negative integer"),
     ({"node_id": "n1", "api": "yes"}, "api must be true or false"),
     ({"snapshots": {}}, "missing field 'node_id'"),
 ])

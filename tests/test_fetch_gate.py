@@ -11,6 +11,7 @@ import pytest
 
 from phoenixrun.agents.fetch_gate import FetchGate, unavailable
 from phoenixrun.protocol import worker_messages as wm
+from phoenixrun.protocol.worker_orders import Paths
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.runtime.agent_link import AgentLink, StateUnavailable
 from phoenixrun.slot_format import SlotHeader
@@ -18,8 +19,8 @@ from tests.test_agent_parts import two_agents  # noqa: F401 - the fixture
 from tests.test_restore_integrity import STEP, seal
 
 
-def _collect() -> tuple[list[tuple[str, dict[str, Any]]], Any]:
-    got: list[tuple[str, dict[str, Any]]] = []
+def _collect() -> tuple[list[tuple[str, Paths]], Any]:
+    got: list[tuple[str, Paths]] = []
     return got, lambda name: (lambda reply: got.append((name, reply)))
 
 
@@ -38,8 +39,8 @@ def test_waiting_requests_get_their_ranks_paths_when_the_fetch_ends():
     token = gate.close([1, 2])
     assert gate.defer(1, answer("w1")) and gate.defer(2, answer("w2")) and gate.waiting() == 2
     assert got == []                                     # nothing answered while the fetch runs
-    assert gate.open(token, paths=lambda r: {"paths": [f"r{r}-s0", f"r{r}-s1"]})
-    assert got == [("w1", {"paths": ["r1-s0", "r1-s1"]}), ("w2", {"paths": ["r2-s0", "r2-s1"]})]
+    assert gate.open(token, paths=lambda r: Paths(paths=[f"r{r}-s0", f"r{r}-s1"]))
+    assert got == [("w1", Paths(paths=["r1-s0", "r1-s1"])), ("w2", Paths(paths=["r2-s0", "r2-s1"]))]
     assert not gate.defer(1, answer("late"))            # over: a later request is answered at once
 
 
@@ -50,19 +51,19 @@ def test_waiting_requests_are_told_unavailable_when_the_state_will_not_come(end)
     token = gate.close([3])
     gate.defer(3, answer("w"))
     if end == "failed":
-        assert gate.open(token, paths=lambda r: {"paths": []}, error="peer gone")
+        assert gate.open(token, paths=lambda r: Paths(paths=[]), error="peer gone")
         assert got == [("w", unavailable("peer gone"))]
     elif end == "planned_again":                         # a new restore order: its own fetch, its own token
         newer = gate.close([3])
         assert got == [("w", unavailable("the restore was planned again"))]
         assert gate.defer(3, answer("w2"))
-        assert not gate.open(token, paths=lambda r: {"paths": ["stale"]})   # the abandoned fetch ends: no effect
+        assert not gate.open(token, paths=lambda r: Paths(paths=["stale"]))   # the abandoned fetch ends: no effect
         assert got[1:] == [] and gate.waiting() == 1
-        assert gate.open(newer, paths=lambda r: {"paths": ["new"]}) and got[1:] == [("w2", {"paths": ["new"]})]
+        assert gate.open(newer, paths=lambda r: Paths(paths=["new"])) and got[1:] == [("w2", Paths(paths=["new"]))]
     else:
         gate.abandon("quiesced")
         assert got == [("w", unavailable("quiesced"))] and not gate.open(token)
-    assert all(reply.get("unavailable") for _, reply in got if "error" in reply)
+    assert all(reply.unavailable for _, reply in got if reply.error)
 
 
 def _wait_until(cond, what: str, timeout: float = 30.0) -> None:
@@ -102,7 +103,7 @@ def test_a_worker_asking_for_its_slots_during_the_fetch_gets_them_once_installed
         assert reply.empty()
         a.replicator.fetch({0: RankSource.from_wire({"private": [servers[1].addr],
                                                      "shared": [[servers[1].addr, 0]]})}, STEP)
-        assert a.slots.fetching.open(token, paths=lambda r: {"paths": a.slots.paths(r)})
+        assert a.slots.fetching.open(token, paths=lambda r: Paths(paths=a.slots.paths(r)))
         got = reply.get(timeout=30)
         assert got.paths == a.slots.paths(0)
         with open(got.paths[a.slots.slot_of(0, STEP)], "rb") as f:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.config import MasterConfig
 from phoenixrun.control.course import Course
 from phoenixrun.control.jobstate import JobState
@@ -45,13 +46,13 @@ def test_course_refuses_an_illegal_phase_move_and_relayouts() -> None:
 
 def test_telemetry_samples_one_step_once_and_restarts_after_a_recovery() -> None:
     t = Telemetry()
-    n = node("a", 0, protection={0: {"compute_s": 0.2, "committed_step": 1}})
+    n = node("a", 0, protection={0: Figures(compute_s=0.2, committed_step=1)})
     t.note_compute(n, generation=0, window=2)         # the first step seen: warming up, no sample
-    n.protection = {0: {"compute_s": 0.3, "committed_step": 2}}
+    n.protection = {0: Figures(compute_s=0.3, committed_step=2)}
     t.note_compute(n, generation=0, window=2)
     t.note_compute(n, generation=0, window=2)         # the same step again: no second sample
     assert list(t.compute["a"]) == [0.3]
-    n.protection = {0: {"compute_s": 0.4, "committed_step": 3}}
+    n.protection = {0: Figures(compute_s=0.4, committed_step=3)}
     t.note_compute(n, generation=1, window=2)         # a recovery: every window starts again
     assert t.compute == {} and t.compute_step == {"a": 3}
 

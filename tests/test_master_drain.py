@@ -1,6 +1,7 @@
 """Planned drains as pure decisions (control/decide.py): admissibility, the step boundary, the restore plan."""
 import pytest
 
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.control.decide import drain_refusal, drain_step, plan_drain
 from phoenixrun.control.state import NodeRecord, PlanError, RankSource, Role
 from phoenixrun.status import refusal_text, role_text
@@ -209,7 +210,7 @@ def test_compute_samples_one_per_step_and_start_again_after_a_recovery(tmp_path)
     node = m.nodes["b"]
 
     def beat(step, *compute):
-        node.protection = {r: {"committed_step": step, "compute_s": c} for r, c in enumerate(compute)}
+        node.protection = {r: Figures(committed_step=step, compute_s=c) for r, c in enumerate(compute)}
         m.job.note_compute(node)
     beat(1, 0.5, 0.5)                       # the first step seen: skipped (warm-up)
     beat(2, 0.1, 0.3)

@@ -22,7 +22,7 @@ FROZEN = {
                  "comm_error", "nan_loss", "worker_error", "protection_mode", "health", "layout", "drain", "suspect",
                  "joined", "node_lost", "attempt_check"},
     WorkerOp: {"hello", "alloc", "slots", "write", "written", "progress", "pong", "quiesced", "resumed",
-               "comm_error", "nan_loss", "error", "protection_mode", "stats", "layout", "reply", "assign", "rebuild",
+               "comm_error", "nan_loss", "error", "protection_mode", "layout", "reply", "assign", "rebuild",
                "quiesce", "committed", "commit_failed", "ping", "abort_comm", "poison_loss", "slow", "agent_gone"},
     PeerOp: {"put", "get_private", "get_shared", "ping"},
     Event: {"master_started", "master_recovered", "master_stalled", "master_standby", "master_takeover", "master_deposed",

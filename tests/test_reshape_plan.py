@@ -1,7 +1,10 @@
 """control/reshape.py: the shrink and grow plans (pure tables)."""
+import json
+
 import pytest
 
-from phoenixrun.control.reshape import Image, Refusal, plan_grow, plan_shrink
+from phoenixrun.control.reshape import Refusal, plan_grow, plan_shrink
+from phoenixrun.protocol.reshard import Image, NodeReshard
 from phoenixrun.topology import Layout, place_replicas
 
 L3 = Layout(3, 2)            # ranks 0-1 slot 0, 2-3 slot 1, 4-5 slot 2
@@ -32,7 +35,8 @@ def test_shrink_renumbers_the_survivors_and_reads_the_lost_shards_from_their_hol
         s, own = read[r]
         assert not own and [k for k, v in plan.slot_map.items() if v == s][0] in P3[r]
     w = plan.reshard_for(1)
-    assert w["old_world"] == 6 and w["step"] == 8 and set(w["predecessor"]) == {2, 3}
+    assert w.old_world == 6 and w.step == 8 and set(w.predecessor) == {2, 3}
+    assert NodeReshard.from_wire(json.loads(json.dumps(w.to_wire()))) == w      # what the agent decodes
 
 
 @pytest.mark.parametrize("own, replica, step", [
@@ -71,7 +75,7 @@ def test_grow_appends_a_slot_and_keeps_every_rank():
     assert plan.new_slots == (2,) and plan.slot_map == {0: 0, 1: 1}
     assert plan.predecessor == {r: r for r in range(4)}
     assert plan.images[1] == (Image(2, True, 0), Image(3, True, 1)) and 2 not in plan.images
-    assert plan.reshard_for(2)["images"] == [] and plan.reshard_for(2)["predecessor"] == {}
+    assert plan.reshard_for(2).images == () and plan.reshard_for(2).predecessor == {}
 
 
 @pytest.mark.parametrize("layout, fresh, snaps, why", [

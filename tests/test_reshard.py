@@ -70,10 +70,10 @@ def _reference(model, opt, path: str) -> None:
 
 def _images(tmp: str, plan, new_rank: int) -> dict[int, bytes]:
     out = {}
-    for img in plan.reshard_for(new_rank)["images"]:
-        data = open(f"{tmp}/{plan.kind}-from{img['old_rank']}.img", "rb").read()
+    for img in plan.reshard_for(new_rank).images:
+        data = open(f"{tmp}/{plan.kind}-from{img.old_rank}.img", "rb").read()
         h = SlotHeader.unpack(data)
-        out[img["old_rank"]] = data if img["own"] else data[:h.replicated_len]   # a holder has only the prefix
+        out[img.old_rank] = data if img.own else data[:h.replicated_len]   # a holder has only the prefix
     return out
 
 

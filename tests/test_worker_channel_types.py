@@ -8,6 +8,7 @@ import pytest
 
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol import worker_orders as wo
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.protocol.timings import Timings
 
@@ -40,13 +41,13 @@ def test_other_ops_are_not_orders_and_a_missing_field_names_the_order():
 
 
 @pytest.mark.parametrize("msg", [wm.Hello(local_rank=1, pid=7, api=True), wm.Alloc(nbytes=10, id=3), wm.Slots(id=4),
-                                 wm.Write(nbytes=5, id=5), wm.Written(slot=1, step=9, stats={"h2h_s": 0.1}),
+                                 wm.Write(nbytes=5, id=5), wm.Written(slot=1, step=9, stats=Figures(h2h_s=0.1)),
                                  wm.Progress(step=3), wm.Progress(step=3, step_s=0.5), wm.Pong(),
                                  wm.Quiesced(generation=2, next_step=8),
                                  wm.Resumed(generation=2, timings=Timings(rebuild_s=1.5, state_s=0.25)),
                                  wm.CommError(text="boom", step=4), wm.NanLoss(text="nan", step=4),
                                  wm.ScriptError(text="ValueError: x", step=None), wm.ProtectionMode(every=2, step=6),
-                                 wm.Stats(stats={"every": 1}), wm.Layout(peers=None)])
+                                 wm.Layout(peers=None)])
 def test_every_worker_message_round_trips_the_channel(msg):
     assert wm.decode(json.loads(json.dumps(msg.to_wire()))) == msg
 

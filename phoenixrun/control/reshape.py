@@ -16,8 +16,9 @@ the agents reported as they quiesced:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
+from phoenixrun.protocol.reshard import Image, NodeReshard
 from phoenixrun.topology import Layout
 
 
@@ -25,18 +26,6 @@ from phoenixrun.topology import Layout
 class Refusal:
     """The change cannot be made without losing or mixing state; `reason` says why and what to do."""
     reason: str
-
-
-@dataclass(frozen=True)
-class Image:
-    """One old rank's snapshot that a node reads: `own` - from its own slots (parameters included), else the
-    replica it holds (optimizer shard, RNG, metadata). `reader` is the local rank on that node that reads it."""
-    old_rank: int
-    own: bool
-    reader: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"old_rank": self.old_rank, "own": self.own, "reader": self.reader}
 
 
 @dataclass(frozen=True)
@@ -50,11 +39,10 @@ class ReshapePlan:
     images: dict[int, tuple[Image, ...]] = field(default_factory=dict)   # new slot -> what its node reads
     predecessor: dict[int, int] = field(default_factory=dict)            # new rank -> the old rank it continues
 
-    def reshard_for(self, new_slot: int) -> dict[str, Any]:
-        """What one node's workers need (the `reshard` field of its restart order)."""
-        return {"kind": self.kind, "old_world": self.old.world_size, "step": self.restore_step,
-                "images": [i.to_wire() for i in self.images.get(new_slot, ())],
-                "predecessor": {r: p for r, p in self.predecessor.items() if self.new.slot_of(r) == new_slot}}
+    def reshard_for(self, new_slot: int) -> NodeReshard:
+        """What one node's agent and workers need (the `reshard` of its restart order)."""
+        return NodeReshard(self.kind, self.old.world_size, self.restore_step, self.images.get(new_slot, ()),
+                           {r: p for r, p in self.predecessor.items() if self.new.slot_of(r) == new_slot})
 
 
 def _layout_refusal(layout: Layout) -> Refusal | None:

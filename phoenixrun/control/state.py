@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Container, Iterable, Iterator, Mapping, TypeVar
 
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.redundancy import PeerSet
 from phoenixrun.topology import Layout
@@ -76,7 +77,7 @@ class NodeRecord:
     # rank -> steps of intact snapshots in this agent's own slots / its replica store
     snapshots: dict[int, list[int]] = field(default_factory=dict)
     replicas: dict[int, list[int]] = field(default_factory=dict)
-    protection: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> figures for status
+    protection: dict[int, Figures] = field(default_factory=dict)  # rank -> its figures, for status
     api: bool = False          # its workers use the phoenixrun API (hot-swap capable)
     warm_ready: bool = False   # a spare whose pre-started workers are all up (its agent says so)
     draining: str | None = None   # a drain of this node is under way (or done: role drained): its reason
@@ -85,6 +86,7 @@ class NodeRecord:
     def to_json(self, now: float) -> dict[str, Any]:
         d = asdict(self)
         d["role"] = self.role.value
+        d["protection"] = {r: f.to_wire() for r, f in self.protection.items()}
         d["heartbeat_age_s"] = round(now - self.last_heartbeat, 3)
         return d
 

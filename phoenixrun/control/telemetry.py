@@ -27,9 +27,8 @@ class Telemetry:
     def note_compute(self, node: NodeRecord, generation: int, window: int) -> None:
         """One straggler sample per committed step of a node: its slowest rank's compute (from its heartbeat);
         `window`: --straggler-window."""
-        vals = [p["compute_s"] for p in node.protection.values() if p.get("compute_s") is not None]
-        step = max((p["committed_step"] for p in node.protection.values() if p.get("committed_step") is not None),
-                   default=None)
+        vals = [p.compute_s for p in node.protection.values() if p.compute_s is not None]
+        step = max((p.committed_step for p in node.protection.values() if p.committed_step is not None), default=None)
         if not vals or step is None or self.compute_step.get(node.node_id) == step:
             return
         if self.compute_generation != generation:

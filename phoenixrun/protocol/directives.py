@@ -17,6 +17,7 @@ from phoenixrun.protocol.codec import int_keys
 from phoenixrun.protocol.fields import optional as _absent
 from phoenixrun.protocol.fields import wire_fields
 from phoenixrun.protocol.names import Command
+from phoenixrun.protocol.reshard import NodeReshard
 from phoenixrun.protocol.restore import RankSource
 
 
@@ -55,7 +56,7 @@ class Assignment:
     slot: int | None = None
     world: World | None = None
     fetch: dict[int, RankSource] | None = None     # a restore: rank -> where to fetch its state from
-    reshard: dict[str, Any] | None = None          # a restart that re-partitions (control/reshape.py's reshard_for)
+    reshard: NodeReshard | None = None             # a restart that re-partitions (control/reshape.py's reshard_for)
     nnodes: int | None = None                      # the job shrank or grew
 
     def to_wire(self) -> dict[str, Any]:
@@ -67,7 +68,7 @@ class Assignment:
         if self.fetch is not None:
             out["fetch"] = {r: s.to_wire() for r, s in self.fetch.items()}
         if self.reshard is not None:
-            out["reshard"] = self.reshard
+            out["reshard"] = self.reshard.to_wire()
         if self.nnodes is not None:
             out["nnodes"] = self.nnodes
         return out
@@ -78,7 +79,7 @@ class Assignment:
         sources: dict[int, Any] = int_keys(fetch, "fetch")
         return cls(slot=_opt_int(d, "slot"), world=World.from_wire(world) if isinstance(world, Mapping) else None,
                    fetch=None if fetch is None else {r: RankSource.from_wire(s) for r, s in sources.items()},
-                   reshard=dict(d["reshard"]) if isinstance(d.get("reshard"), Mapping) else None,
+                   reshard=None if d.get("reshard") is None else NodeReshard.from_wire(d["reshard"]),
                    nnodes=_opt_int(d, "nnodes"))
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, Mapping, overload
 
 from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_COUNT, MAX_GENERATION, MAX_ID, MAX_LIST,
                                            MAX_POLL_TIMEOUT, MAX_TEXT)
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.protocol.status import Status
 
 _ID = re.compile(r"[A-Za-z0-9._:@/+\-]+\Z")
@@ -142,7 +143,6 @@ def _rank_key(k: Any, name: str, job: Job) -> int:
     return r
 
 
-_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def inventory(v: Any, name: str, job: Job) -> dict[int, list[int]]:
@@ -165,8 +165,8 @@ def inventory(v: Any, name: str, job: Job) -> dict[int, list[int]]:
     return out
 
 
-def _protection(v: Any, job: Job) -> dict[int, dict[str, Any]]:
-    """rank -> figures shown by status (flat JSON scalars)."""
+def _protection(v: Any, job: Job) -> dict[int, Figures]:
+    """rank -> its protection figures (protocol/figures.py)."""
     if not v:
         if v is None or v == {}:
             return {}
@@ -178,10 +178,10 @@ def _protection(v: Any, job: Job) -> dict[int, dict[str, Any]]:
         r = _rank_key(k, "protection", job)
         if type(figs) is not dict or len(figs) > 64:
             raise MessageError(f"protection[{r}] must be an object of figures, got {show(figs)}")
-        for fk, fv in figs.items():
-            if type(fv) not in _SCALARS or type(fk) is not str:
-                raise MessageError(f"protection[{r}][{show(fk)}] must be a number or string, got {show(fv)}")
-        out[r] = figs
+        try:
+            out[r] = Figures.from_wire(figs)
+        except ValueError as e:
+            raise MessageError(f"protection[{r}].{e}") from None
     return out
 
 
@@ -246,7 +246,7 @@ class Heartbeat:
     worker_pids: list[int]
     snapshots: dict[int, list[int]]
     replicas: dict[int, list[int]]
-    protection: dict[int, dict[str, Any]]
+    protection: dict[int, Figures]
     api: bool
     warm_ready: bool = False      # a spare whose pre-started workers (and checkpoint I/O process) are up
 

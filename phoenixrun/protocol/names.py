@@ -80,7 +80,6 @@ class WorkerOp(StrEnum):
     NAN_LOSS = "nan_loss"                # job.observe_loss() saw a non-finite loss
     ERROR = "error"                      # the script's own exception, before the worker exits
     PROTECTION_MODE = "protection_mode"  # the adaptive protection interval changed
-    STATS = "stats"                      # protection figures for `phoenixrun status`
     LAYOUT = "layout"                    # rank 0 at protect(): the job's DTensor peer set (or none), for the plan
     # agent -> worker
     REPLY = "reply"                      # the answer to a request, carrying its id

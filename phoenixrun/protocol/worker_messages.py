@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Mapping, TypeVar, Union, cast
 
 from phoenixrun.protocol.fields import optional
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.protocol.names import WorkerOp
 from phoenixrun.protocol.timings import Timings
 from phoenixrun.protocol.worker_orders import ChannelMessage, Paths, Reply, SlotGrant, decode_from
@@ -72,7 +73,14 @@ class Written(WorkerMessage):
     OP = WorkerOp.WRITTEN
     slot: int
     step: int
-    stats: dict[str, Any]
+    stats: Figures = field(default_factory=Figures)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stats, Mapping):     # off the wire
+            object.__setattr__(self, "stats", Figures.from_wire(self.stats))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "stats": self.stats.to_wire()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,13 +152,6 @@ class ProtectionMode(WorkerMessage):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Stats(WorkerMessage):
-    """Protection figures for `phoenixrun status`."""
-    OP = WorkerOp.STATS
-    stats: dict[str, Any]
-
-
-@dataclass(frozen=True, kw_only=True)
 class Layout(WorkerMessage):
     """Rank 0 at protect(): the job's DTensor peer set (redundancy.PeerSet's wire form), or None."""
     OP = WorkerOp.LAYOUT
@@ -159,9 +160,9 @@ class Layout(WorkerMessage):
 
 MESSAGES: dict[str, type[WorkerMessage]] = {
     m.OP.value: m for m in (Hello, Alloc, Slots, Write, Written, Progress, Pong, Quiesced, Resumed, CommError,
-                            NanLoss, ScriptError, ProtectionMode, Stats, Layout)}
+                            NanLoss, ScriptError, ProtectionMode, Layout)}
 AnyWorkerMessage = Union[Hello, Alloc, Slots, Write, Written, Progress, Pong, Quiesced, Resumed, CommError, NanLoss,
-                         ScriptError, ProtectionMode, Stats, Layout]
+                         ScriptError, ProtectionMode, Layout]
 
 
 def decode(msg: Mapping[str, Any]) -> WorkerMessage | None:

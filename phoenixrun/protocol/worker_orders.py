@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Mapping, TypeVar, Union
 
 from phoenixrun.protocol.fields import optional, wire_fields
 from phoenixrun.protocol.names import WorkerOp
+from phoenixrun.protocol.reshard import WorkerReshard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,14 @@ class Assign(WorkerOrder):
     tp: int
     pp: int
     run_id: str
-    reshard: dict[str, Any] | None = None      # a shrink or grow's restart (runtime/reshard.py)
+    reshard: WorkerReshard | None = None       # a shrink or grow's restart (runtime/reshard.py)
+
+    def __post_init__(self) -> None:
+        if self.reshard is not None and not isinstance(self.reshard, WorkerReshard):     # off the wire
+            object.__setattr__(self, "reshard", WorkerReshard.from_wire(self.reshard))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "reshard": None if self.reshard is None else self.reshard.to_wire()}
 
 
 @dataclass(frozen=True, kw_only=True)

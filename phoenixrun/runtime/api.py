@@ -38,6 +38,7 @@ from phoenixrun.config import WorkerSettings
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol import worker_orders
 from phoenixrun.protocol.progress_block import ProgressBlock
+from phoenixrun.protocol.reshard import WorkerReshard
 from phoenixrun.protocol.worker_orders import WorkerOrder
 from phoenixrun.runtime import boundaries, layout_check, process_group
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
@@ -319,7 +320,7 @@ class _Runtime:
         self.generation = assign.generation
         self.store_prefix = assign.store_prefix
         self.restore_step = assign.restore_step
-        self.reshard: dict | None = assign.reshard   # a shrink or grow's restart (runtime/reshard.py)
+        self.reshard: WorkerReshard | None = assign.reshard   # a shrink or grow's restart (runtime/reshard.py)
         settings = WorkerSettings.from_env()
         self.timeout = timedelta(seconds=settings.collective_timeout)
         # a warm spare learns its identity only now: give the script what torchrun would have

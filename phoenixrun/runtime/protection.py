@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from phoenixrun.config import WorkerSettings
 from phoenixrun.protocol import worker_messages as wm
+from phoenixrun.protocol.figures import Figures
 from phoenixrun.runtime.adaptive import Sample, choose_interval
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.runtime.data import RunPosition
@@ -164,10 +165,9 @@ class Protection:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             ready.record()
         compute_t = time.perf_counter() - self._submit_t if self._submit_t else 0.0
-        stats = {"d2h_s": round(self.copier.last_seconds, 5), "stall_s": round(self.stall_s, 5),
-                 "step_s": round(compute_t, 5), "every": self.every, "slot_bytes": writer.total_len}
-        if compute_s is not None:
-            stats["compute_s"] = round(compute_s, 5)
+        stats = Figures(d2h_s=round(self.copier.last_seconds, 5), stall_s=round(self.stall_s, 5),
+                        step_s=round(compute_t, 5), every=self.every, slot_bytes=writer.total_len,
+                        compute_s=None if compute_s is None else round(compute_s, 5))
         self._submit_t = time.perf_counter()
 
         def copy() -> None:

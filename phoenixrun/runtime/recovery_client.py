@@ -18,6 +18,7 @@ from torch._C._distributed_c10d import Reducer
 from phoenixrun.faults.classify import collective_cause
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol.timings import Timings
+from phoenixrun.protocol.reshard import WorkerReshard
 from phoenixrun.protocol.worker_orders import Quiesce, Rebuild
 from phoenixrun.runtime.agent_link import StateUnavailable
 from phoenixrun.runtime.protection import Protection, Quiesced
@@ -137,18 +138,18 @@ class RecoveryClient:
             setup_s=t0 - self.rt.assigned_at, state_wait_s=t_in - t0, state_s=t1 - t_in, rebuild_s=t2 - t1,
             worker_recovery_s=t2 - t0)))
 
-    def reshape(self, generation: int, step: int, info: dict[str, Any]) -> None:
+    def reshape(self, generation: int, step: int, info: WorkerReshard) -> None:
         """A new worker of a shrunk or grown world (control/reshape.py): join the new world, then re-partition the
         old ranks' snapshots this worker's agent handed over (runtime/reshard.py) - collectively, every rank."""
         t0 = time.time()
         self.rt.connect(generation)
         t1 = time.time()
         images = {}
-        for old, path in info["images"].items():
+        for old, path in info.images.items():
             with open(path, "rb") as f:
-                images[int(old)] = f.read()
+                images[old] = f.read()
         p = self.protection
-        extra = reshard(p.model, p.optimizer, images, info.get("predecessor"), int(info["old_world"]))
+        extra = reshard(p.model, p.optimizer, images, info.predecessor, info.old_world)
         p.state.clear()
         p.state.update(extra)
         if p.position.stream is not None and self.rt.rank == 0:   # another world partitions the data otherwise
