@@ -15,7 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-from typing import Callable
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S
@@ -91,13 +91,13 @@ class ControlClient:
         if why:
             raise ControlError(f"cannot reach master at {self.base}: {why}")
 
-    def _request(self, method: str, path: str, payload: dict | None, timeout: float | None) -> bytes:
+    def _request(self, method: str, path: str, payload: Mapping[str, object] | None, timeout: float | None) -> bytes:
         self._check_gate()
         out = self._exchange(method, path, payload, timeout)
         self._check_gate()
         return out
 
-    def _exchange(self, method: str, path: str, payload: dict | None, timeout: float | None) -> bytes:
+    def _exchange(self, method: str, path: str, payload: Mapping[str, object] | None, timeout: float | None) -> bytes:
         data = json.dumps(payload).encode() if payload is not None else None
         headers = {"Authorization": f"Bearer {self.secret}", "Content-Type": "application/json"}
         t = timeout or self.timeout
@@ -150,11 +150,13 @@ class ControlClient:
         """Close the calling thread's connection."""
         self._drop()
 
-    def post(self, path: str, payload: dict, timeout: float | None = None) -> dict:
-        return json.loads(self._request("POST", path, payload, timeout) or b"{}")
+    def post(self, path: str, payload: Mapping[str, object], timeout: float | None = None) -> dict[str, Any]:
+        reply: dict[str, Any] = json.loads(self._request("POST", path, payload, timeout) or b"{}")   # the API answers objects
+        return reply
 
-    def get_json(self, path: str) -> dict:
-        return json.loads(self._request("GET", path, None, None))
+    def get_json(self, path: str) -> dict[str, Any]:
+        reply: dict[str, Any] = json.loads(self._request("GET", path, None, None))
+        return reply
 
     def get_text(self, path: str) -> str:
         return self._request("GET", path, None, None).decode()

@@ -29,7 +29,8 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterator
+from types import TracebackType
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from phoenixrun.protocol.worker_orders import WorkerOrder
 from phoenixrun.runtime import boundaries, layout_check, process_group
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.collective_check import CHECKS
-from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, RunPosition, StatefulObjects
+from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, Loader, RunPosition, Skip, StatefulObjects
 from phoenixrun.runtime.protection import Protection, Quiesced
 from phoenixrun.runtime.recovery_client import RecoveryClient, recoverable_cause
 from phoenixrun.runtime.generations import Generations, generation_kind
@@ -68,7 +69,7 @@ class QuiescedBackend:
     def __init__(self, generation: int):
         self.generation = generation
 
-    def __getattr__(self, op: str):
+    def __getattr__(self, op: str) -> NoReturn:
         raise Quiesced(f"generation {self.generation} is quiesced: {op} refused")
 
 
@@ -81,7 +82,7 @@ class NonFiniteLoss(FloatingPointError):
     """
 
 
-def check_loss(loss, step: int | None = None) -> None:
+def check_loss(loss: float | torch.Tensor, step: int | None = None) -> None:
     """Raise NonFiniteLoss unless `loss` (a float or a tensor) is finite. One device sync for a GPU tensor."""
     if torch.is_tensor(loss):
         t = loss.detach()
@@ -115,7 +116,8 @@ _runtime: "_Runtime | None" = None
 
 
 def _protection_enabled() -> bool:
-    return WorkerSettings.from_env().managed
+    settings: WorkerSettings = WorkerSettings.from_env()
+    return settings.managed
 
 
 def init(backend: str = "gloo") -> Context:
@@ -123,7 +125,7 @@ def init(backend: str = "gloo") -> Context:
     global _ctx, _runtime
     if _ctx is not None:
         return _ctx
-    settings = WorkerSettings.from_env()
+    settings: WorkerSettings = WorkerSettings.from_env()
     tp, pp = settings.tp, settings.pp
     if not _protection_enabled():
         if not dist.is_initialized():
@@ -156,9 +158,9 @@ def _plan_layout(world: int, tp: int, pp: int) -> Layout:
         else Layout(1, world, tp, pp)
 
 
-def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict | None = None,
-            every: int = 1, *, data=None, stateful: dict | None = None,
-            check_data: bool = True, skip=None) -> "Job | PassThroughJob":
+def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None = None,
+            every: int = 1, *, data: Loader | None = None, stateful: Mapping[str, Any] | None = None,
+            check_data: bool = True, skip: Skip | None = None) -> "Job | PassThroughJob":
     """Protect (model, optimizer, state) with per-step in-memory snapshots; see the module doc.
 
     state: a JSON-serialisable dict you own (metrics, counters...). It is snapshotted with
@@ -177,17 +179,19 @@ def protect(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dic
     if not ctx.managed:
         return PassThroughJob(position)
     _refuse_rebucketing(model)
-    fresh = _runtime.restore_step is None
+    rt = _runtime
+    assert rt is not None   # init() made it: ctx.managed
+    fresh = rt.restore_step is None
     decided = _check_layout(ctx, model, optimizer, fresh_start=fresh)
     GROUPS.sealed = True
     if fresh and ctx.rank == 0:   # the master plans shared fetches from this peer set (or the DP ring: None)
         ps = decided.dtensor_peers
-        _runtime.link.send(wm.Layout(peers=ps.to_wire() if ps is not None else None))
-    return Job(_runtime, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared,
+        rt.link.send(wm.Layout(peers=ps.to_wire() if ps is not None else None))
+    return Job(rt, model, optimizer, state if state is not None else {}, every, peer_shared=decided.peer_shared,
                dtensor_shared=decided.dtensor_peers is not None, position=position)
 
 
-def _unwrap_optimizer(optimizer):
+def _unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """The torch optimizer inside a framework's wrapper (accelerate's AcceleratedOptimizer: its step() calls the
     inner one's, so the snapshot hooks on the inner one run at the same point)."""
     inner = getattr(optimizer, "optimizer", None)
@@ -292,10 +296,10 @@ class PassThroughJob:
     def steps(self, total: int) -> Iterator[int]:
         return iter(range(total))
 
-    def step(self, k: int):
+    def step(self, k: int) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
-    def observe_loss(self, loss) -> None:
+    def observe_loss(self, loss: float | torch.Tensor) -> None:
         check_loss(loss)
 
 
@@ -321,7 +325,7 @@ class _Runtime:
         self.store_prefix = assign.store_prefix
         self.restore_step = assign.restore_step
         self.reshard: WorkerReshard | None = assign.reshard   # a shrink or grow's restart (runtime/reshard.py)
-        settings = WorkerSettings.from_env()
+        settings: WorkerSettings = WorkerSettings.from_env()
         self.timeout = timedelta(seconds=settings.collective_timeout)
         # a warm spare learns its identity only now: give the script what torchrun would have
         os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank),
@@ -403,7 +407,7 @@ class Job:
     """A protected training loop (see the module doc): the script's facade over the protection pipeline
     (runtime/protection.py) and this rank's side of recoveries (runtime/recovery_client.py)."""
 
-    def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+    def __init__(self, rt: _Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                  every: int, peer_shared: bool = True, dtensor_shared: bool = False,
                  position: RunPosition | None = None):
         self.rt, self.link = rt, rt.link
@@ -518,7 +522,7 @@ class Job:
     def step(self, k: int) -> "_StepScope":
         return _StepScope(self, k)
 
-    def observe_loss(self, loss) -> None:
+    def observe_loss(self, loss: float | torch.Tensor) -> None:
         """Hand the step's loss to phoenixrun (inside `with job.step(k)`, before `backward()`).
 
         A NaN or infinite loss raises NonFiniteLoss at once: this rank never joins the step's gradient
@@ -536,12 +540,13 @@ class Job:
         if self.rt.quiesce_pending:
             raise Quiesced(f"quiesced at {where} of step {self.current}")
 
-    def _before_forward(self, module, args, kwargs) -> None:
+    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._in_step:
             self.position.forward(self.current, args, kwargs)
         self._check_quiesce("a forward")
 
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> None:
         self._check_quiesce("the optimizer step")   # an abandoned step applies nothing
         self.protection.before_optimizer_step(self.current)
 
@@ -572,7 +577,8 @@ class _StepScope:
         job._in_step = True
         return self.k
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
         job = self.job
         job._in_step = False
         CHECKS.disarm()

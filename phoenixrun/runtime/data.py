@@ -20,12 +20,18 @@ from __future__ import annotations
 import base64
 import io
 import logging
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sized, cast
 
 import torch
 from torch.utils.data import DataLoader
 
 log = logging.getLogger("phoenixrun.runtime")
+
+# A loop's loader: any iterable of batches (a DataLoader, accelerate's, torchdata's StatefulDataLoader, a plain
+# iterable). What it may offer beyond iteration (sampler, set_epoch, state_dict...) is looked up by duck typing.
+Loader = Iterable[Any]
+# skip(loader, n) -> the loader's current epoch from its batch n (an adapter's own; see skip_batches)
+Skip = Callable[[Any, int], Iterable[Any]]
 
 _POSITION_FIX = ("hand the loader to phoenixrun: protect(model, opt, data=loader) and take each step's batch with "
                  "next(job.batches); or restore the position yourself in @job.on_restore (docs/porting.md)")
@@ -59,10 +65,11 @@ def _set_generator_state(g: torch.Generator, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- data stream
-def _owners(loader) -> list:
+def _owners(loader: object) -> list[object]:
     """The loader and the samplers inside it (a DataLoader's sampler and batch sampler, accelerate's sharded batch
     sampler around them), each once."""
-    found, todo = [], [loader]
+    found: list[object] = []
+    todo: list[object] = [loader]
     while todo:
         obj = todo.pop(0)
         if obj is None or any(obj is f for f in found) or len(found) > 8:
@@ -72,7 +79,7 @@ def _owners(loader) -> list:
     return found
 
 
-def _generators(loader) -> list[torch.Generator]:
+def _generators(loader: object) -> list[torch.Generator]:
     """Every generator a new iterator of `loader` may draw from, the global one first (a DataLoader draws its
     workers' base seed from loader.generator or the global one; a RandomSampler from its own or the global one;
     accelerate's loader broadcasts its `synchronized_generator`)."""
@@ -85,12 +92,13 @@ def _generators(loader) -> list[torch.Generator]:
     return found
 
 
-def _set_epoch(loader, epoch: int) -> None:
+def _set_epoch(loader: object, epoch: int) -> None:
     """What an epoch loop over a DistributedSampler does: `sampler.set_epoch(epoch)` before iterating. A loader
     with its own `set_epoch` (accelerate's) is told instead: it passes the epoch on itself."""
     for owner in _owners(loader):
-        if callable(getattr(owner, "set_epoch", None)):
-            owner.set_epoch(epoch)
+        set_epoch = getattr(owner, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
             if owner is loader:
                 return
 
@@ -98,19 +106,20 @@ def _set_epoch(loader, epoch: int) -> None:
 class _SkipFirst:
     """A batch sampler without its first `n` batches: skipping indices, not loading the batches."""
 
-    def __init__(self, batch_sampler, n: int):
+    def __init__(self, batch_sampler: Iterable[list[int]], n: int):
         self.batch_sampler, self.n = batch_sampler, n
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[int]]:
         for i, batch in enumerate(self.batch_sampler):
             if i >= self.n:
                 yield batch
 
     def __len__(self) -> int:
-        return max(0, len(self.batch_sampler) - self.n)
+        # a batch sampler without a length: TypeError, as the loader's own len() raises
+        return max(0, len(cast(Sized, self.batch_sampler)) - self.n)
 
 
-def skip_batches(loader, n: int) -> Iterator:
+def skip_batches(loader: Loader, n: int) -> Iterator[Any]:
     """An iterator over `loader`'s current epoch from its batch `n`. A plain DataLoader over a batch sampler skips
     at the index level (a twin loader on the same dataset, sampler and workers settings); any other loader is
     iterated and its first `n` batches dropped."""
@@ -128,13 +137,13 @@ def skip_batches(loader, n: int) -> Iterator:
     return it
 
 
-def generator_states(loader) -> list[str]:
+def generator_states(loader: object) -> list[str]:
     """The states of every generator a new iterator of `loader` may draw from (`_generators`): taken when an epoch's
     iterator is made, they are what `resume_epoch` needs to draw that epoch again."""
     return [_generator_state(g) for g in _generators(loader)]
 
 
-def resume_epoch(loader, index: int, rng: list[str], skip: Callable[[Any, int], Iterable] | None = None) -> Iterator:
+def resume_epoch(loader: Loader, index: int, rng: list[str], skip: Skip | None = None) -> Iterator[Any]:
     """`loader`'s current epoch from its batch `index`, drawn as the epoch was: the generators are set to `rng`
     (`generator_states` when the epoch's iterator was made), the sampler's order is drawn and the first remaining batch
     taken (`skip`, else `skip_batches`); the global generator is then put back as it was. Empty when the epoch had no
@@ -160,45 +169,46 @@ class BatchStream:
     random generators had when the epoch began, and skipping the batches the restored step had already used.
     """
 
-    def __init__(self, loader, skip: Callable[[Any, int], Iterable] | None = None):
+    def __init__(self, loader: Loader, skip: Skip | None = None):
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"phoenixrun.protect(data=...): {type(loader).__name__} is not iterable; pass the "
                             "DataLoader (or any iterable of batches) the loop takes its batches from")
-        self.loader = loader
+        self.loader: Any = loader   # duck-typed beyond iteration (Loader): its state_dict and load_state_dict
         # accelerate's loaders have both methods, and load_state_dict works only over a StatefulDataLoader
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None)) and getattr(loader, "use_stateful_dataloader", True)
         self._skip = skip
         self.epoch, self.index = 0, 0     # the next batch is batch `index` of epoch `epoch`
-        self._it: Iterator | None = None
+        self._it: Iterator[Any] | None = None
         self._rng: list[str] | None = None   # the generators' states when this epoch's iterator was made
-        self._resume: dict | None = None      # a restored position not yet acted on (at the next batch)
+        self._resume: dict[str, Any] | None = None      # a restored position not yet acted on (at the next batch)
 
     def __iter__(self) -> "BatchStream":
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         if self._resume is not None:
             self._reposition(self._resume)
-        if self._it is None:
-            self._begin_epoch()
+        it = self._it if self._it is not None else self._begin_epoch()
         try:
-            batch = next(self._it)
+            batch = next(it)
         except StopIteration:
             if self.index == 0:
                 raise RuntimeError(f"phoenixrun: the data loader yielded no batch in epoch {self.epoch}") from None
             self.epoch, self.index = self.epoch + 1, 0
-            self._begin_epoch()
-            batch = next(self._it)
+            batch = next(self._begin_epoch())
         self.index += 1
         return batch
 
-    def _begin_epoch(self) -> None:
+    def _begin_epoch(self) -> Iterator[Any]:
+        """The new epoch's iterator (now `_it`)."""
         _set_epoch(self.loader, self.epoch)
         self._rng = generator_states(self.loader)
-        self._it = iter(self.loader)
+        it: Iterator[Any] = iter(self.loader)
+        self._it = it
+        return it
 
-    def position(self) -> dict:
+    def position(self) -> dict[str, Any]:
         """Where the stream stands between two steps: JSON-able, a few KB (the generators' states: at the start of
         the current epoch, or now when the next batch begins one)."""
         pos: dict[str, Any] = {"epoch": self.epoch, "index": self.index}
@@ -209,13 +219,13 @@ class BatchStream:
                 generator_states(self.loader)
         return pos
 
-    def restore(self, pos: Mapping) -> None:
+    def restore(self, pos: Mapping[str, Any]) -> None:
         """Put the stream at `pos` (from `position()` in any rank's run of the same script): acted on at the next
         batch, once the rest of the snapshot (the global RNG among it) is back in place."""
         self._resume = dict(pos)
         self._it = None
 
-    def _reposition(self, pos: dict) -> None:
+    def _reposition(self, pos: dict[str, Any]) -> None:
         self._resume = None
         self.epoch, self.index = int(pos["epoch"]), int(pos["index"])
         if self.stateful and "loader" in pos:
@@ -239,13 +249,13 @@ class BatchStream:
 
 
 class _Prepend:
-    def __init__(self, first, rest: Iterator):
+    def __init__(self, first: Any, rest: Iterator[Any]):
         self.first, self.rest, self.used = first, rest, False
 
-    def __iter__(self):
+    def __iter__(self) -> _Prepend:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         if not self.used:
             self.used = True
             return self.first
@@ -288,7 +298,7 @@ class StatefulObjects:
 
 
 # ---------------------------------------------------------------------------------------------- the check
-def _tensors(obj, out: list, depth: int = 0) -> list:
+def _tensors(obj: object, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
     if torch.is_tensor(obj):
         out.append(obj)
     elif depth < 4 and isinstance(obj, (list, tuple)):
@@ -300,7 +310,7 @@ def _tensors(obj, out: list, depth: int = 0) -> list:
     return out
 
 
-def _same(kept: list, now: list) -> bool:
+def _same(kept: list[torch.Tensor], now: list[torch.Tensor]) -> bool:
     return len(kept) == len(now) and all(
         a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b.detach().to(a.device)) for a, b in zip(kept, now))
 
@@ -318,12 +328,12 @@ class InputWatch:
     KEEP = 3
     LIMIT_BYTES = 4 << 20
 
-    def __init__(self):
-        self._seen: dict[int, list | None] = {}   # step -> copies of its first forward's input tensors
-        self._expect: tuple[int, list] | None = None   # the replayed step, and the inputs it ran with before
+    def __init__(self) -> None:
+        self._seen: dict[int, list[torch.Tensor] | None] = {}   # step -> copies of its first forward's input tensors
+        self._expect: tuple[int, list[torch.Tensor]] | None = None   # the replayed step, and the inputs it ran with before
         self._missed = False                       # a forward of the replayed step ran on other inputs
 
-    def record(self, step: int, args, kwargs) -> None:
+    def record(self, step: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """At a forward inside step `step`."""
         if self._expect is not None:
             self._check(step, args, kwargs)
@@ -335,7 +345,8 @@ class InputWatch:
         for old in [s for s in self._seen if s <= step - self.KEEP]:
             del self._seen[old]
 
-    def _check(self, step: int, args, kwargs) -> None:
+    def _check(self, step: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        assert self._expect is not None   # record() checks only while a replayed step is expected
         replayed, kept = self._expect
         if step == replayed:
             if _same(kept, _tensors((args, kwargs), [])):
@@ -372,13 +383,13 @@ class RunPosition:
     def __init__(self, stream: BatchStream | None, objects: StatefulObjects, watch: InputWatch | None):
         self.stream, self.objects, self.watch = stream, objects, watch
 
-    def capture(self) -> dict:
-        out: dict = {"stateful": self.objects.capture()}
+    def capture(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"stateful": self.objects.capture()}
         if self.stream is not None:
             out["data"] = self.stream.position()
         return out
 
-    def restore(self, saved: Mapping, step: int) -> None:
+    def restore(self, saved: Mapping[str, Any], step: int) -> None:
         """Put everything back at the snapshot of `step` (`saved`: what `capture()` gave at that step)."""
         self.objects.restore(saved.get("stateful", {}))
         if self.stream is not None:
@@ -389,7 +400,7 @@ class RunPosition:
         if self.watch is not None:
             self.watch.rollback(step)
 
-    def forward(self, step: int, args, kwargs) -> None:
+    def forward(self, step: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A forward inside step `step` (the input check; see InputWatch)."""
         if self.watch is not None:
             self.watch.record(step, args, kwargs)
