@@ -42,6 +42,11 @@ class Job:
         except (ControlError, ValueError, OSError):
             return None
 
+    def current(self, timeout: float = WAIT_S) -> dict:
+        """The master's state now, asked again until it answers: on a loaded machine one call can exceed the
+        client's 3 s timeout (CI saw state() return None while a relay was held mid-broadcast)."""
+        return self.wait_for(lambda s: True, timeout, "the master's state")
+
     def wait_for(self, predicate, timeout: float = WAIT_S, what: str = "condition") -> dict:
         """Poll the master's state until predicate(state) holds (the job's own progress is the event)."""
         deadline = time.time() + timeout

@@ -61,7 +61,7 @@ def test_malformed_and_forged_messages_are_refused_while_the_job_finishes_bit_id
     for path, body in cases:
         code, reply = _post(endpoint, secret, path, body)
         assert 400 <= code < 500 and reply.get("error"), (path, body, code, reply)
-    after = job.state()
+    after = job.current()
     assert after["generation"] == gen and after["rejected_requests"]["total"] >= len(cases)
     assert sorted((n["slot"], n["node_id"]) for n in after["nodes"]) == sorted(
         (n["slot"], n["node_id"]) for n in state["nodes"])

@@ -140,7 +140,7 @@ def test_agent_killed_mid_replication(tmp_path, ref2):
     """SIGKILL a node while its agent is halfway through sending a replica: the holder keeps S_8."""
     job = launch(tmp_path, "h2h", nnodes=2, nproc=1, spares=1, steps=STEPS, PHOENIXRUN_TEST_PAUSE="h2h:9")
     agent_pid = int(job.wait_file(tmp_path / "paused-h2h"))
-    state = job.state()
+    state = job.current()
     node = next(n for n in state["nodes"] if n["agent_pid"] == agent_pid)
     kill_node(state, slot=node["slot"])
     assert job.finish() == 0, job.log()[-3000:]
@@ -184,7 +184,7 @@ def test_worker_dying_while_the_others_rebuild_starts_a_new_cycle_at_once(tmp_pa
     state = job.wait_step(8)
     os.kill(next(n for n in state["nodes"] if n["slot"] == 1)["worker_pids"][0], signal.SIGKILL)
     paused = int(job.wait_file(tmp_path / "paused-restore"))     # one agent holds its restore: the cycle waits
-    other = next(n for n in job.state()["nodes"] if n["role"] == "active" and n["agent_pid"] != paused)
+    other = next(n for n in job.current()["nodes"] if n["role"] == "active" and n["agent_pid"] != paused)
     workers = [c for c in psutil.Process(other["agent_pid"]).children() if _is_worker(c)]
     workers[0].kill()                                            # ... while the other node's workers rebuild
     assert job.finish() == 0, job.log()[-3000:]

@@ -25,7 +25,7 @@ def test_a_relay_killed_mid_broadcast_and_the_job_recovers_bit_identical(tmp_pat
     victim_worker = next(n for n in state["nodes"] if n["slot"] == 0)["worker_pids"][0]
     os.kill(victim_worker, signal.SIGKILL)                  # the first fault: its recovery goes out via the relays
     relay_pid = int(job.wait_file(tmp_path / "paused-relay_serve"))
-    relay = next(n for n in job.state()["nodes"] if n["agent_pid"] == relay_pid)
+    relay = next(n for n in job.current()["nodes"] if n["agent_pid"] == relay_pid)
     for pid in [relay_pid, *relay["worker_pids"]]:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -56,7 +56,7 @@ def test_a_killed_or_hung_worker_is_replaced_by_the_standby(tmp_path, sig):
     node = next(n for n in state["nodes"] if n["slot"] == 1)
     standby = _until(job, lambda: _standby_of(node["agent_pid"]), "slot 1's standby worker")
     _until(job, lambda: f"standby worker (pid {standby}) is ready" in job.log(), "the standby waiting in init()")
-    state = job.state()
+    state = job.current()
     (tmp_path / "release-d2h").touch()
     before = {n["slot"]: n["worker_pids"] for n in state["nodes"]}
     assert standby not in before[1] and len(before[1]) == 2
