@@ -18,6 +18,7 @@ from typing import Any
 from phoenixrun.config import AgentConfig
 from phoenixrun.faults.mismatch import state_mismatch
 from phoenixrun.protocol import reports, worker_orders
+from phoenixrun.agents.failure_text import failure_text
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.phases import QUIESCE_GRACE_FLOOR_S, QUIESCE_GRACE_STEPS, REPORTED, PhaseAcks, StepTimes
@@ -34,6 +35,9 @@ log = logging.getLogger("phoenixrun.agent")
 # A worker that left the protected loop (its link closed) is not watched for hangs: its results and teardown may
 # take as long as the script needs, as under torchrun. One still running this long after is named in the log.
 EXIT_WAIT_WARN_MIN_S = 60.0
+# how long a worker that exited with a code gets for its last stderr to reach the agent (the pipe closes at its
+# exit unless a child of its own still holds it: then its report goes out without waiting longer)
+STDERR_GRACE_S = 0.2
 
 
 def exit_overdue(now: float, left_loop: float, hang_timeout: float) -> bool:
@@ -170,8 +174,10 @@ class WorkerSupervisor:
     # ------------------------------------------------------------------ the channel
     def assignment(self, local_rank: int) -> worker_orders.Assign:
         node, job = self.node, self.node.job
+        slot = node.slot
+        assert slot is not None, "an assignment for a node without a slot"   # a spare's workers get one as it joins
         return worker_orders.Assign(
-            rank=node.rank(local_rank), local_rank=local_rank, slot=node.slot, nnodes=job["nnodes"],
+            rank=node.rank(local_rank), local_rank=local_rank, slot=slot, nnodes=job["nnodes"],
             nproc_per_node=node.nproc_per_node, world_size=job["nnodes"] * node.nproc_per_node,
             generation=node.generation, store_prefix=node.store_prefix, restart_count=node.restart_count,
             restore_step=node.restore_step, master_addr=node.store_host(), master_port=node.job_store_port(),
@@ -264,12 +270,9 @@ class WorkerSupervisor:
         """Its agent-link thread answered the watchdog's question: the process is alive."""
         self.answered[local_rank] = time.monotonic()
 
-    def stepped(self, local_rank: int, seconds) -> None:
+    def stepped(self, local_rank: int, seconds: float) -> None:
         """A worker's `progress` carried the longest step it took since its last one (what the grace follows)."""
-        try:
-            self.step_times.record(local_rank, float(seconds))
-        except (TypeError, ValueError):
-            pass
+        self.step_times.record(local_rank, seconds)
 
     def unwatch(self, conn: WorkerConn) -> None:
         """A worker closed its link: it crashed (its exit is what counts: `watch` sees it) or it left the
@@ -356,11 +359,27 @@ class WorkerSupervisor:
             self.reporter.report(reports.RestoreFailed(rank=w.rank, reason=mismatch, mismatch=True,
                                                        persist_step=self.node.restore_step))
 
+    def _own_words(self, w: Worker, local_rank: int, rc: int) -> str:
+        """What a failed worker said about its failure: the exception it sent (the API), else, for an exit code
+        (not a signal), its error file or its stderr's last traceback (agents/failure_text.py) - so a peer whose
+        collective failed is told from the rank that raised."""
+        sent = self.error_text.pop(local_rank, "")
+        if sent or rc <= 0:
+            return sent
+        raw: str | None = None
+        try:
+            f = Path(w.placement.error_file)
+            if f.stat().st_mtime >= w.started - 1.0:    # written by this worker, not left by an earlier attempt
+                raw = f.read_text()
+        except OSError:
+            pass
+        return failure_text(raw, w.err_tail(wait=STDERR_GRACE_S))
+
     def _reap(self) -> None:
         for lr, w in list(self.workers.items()):
             rc = w.poll()
             outcome = exit_outcome(w.rank, rc)
-            if outcome is Exit.RUNNING or lr in self.reported_exit:
+            if rc is None or outcome is Exit.RUNNING or lr in self.reported_exit:
                 continue
             self.reported_exit.add(lr)
             self.conns.pop(lr, None)
@@ -376,4 +395,4 @@ class WorkerSupervisor:
                 log.warning("%s", detail)
                 self._refused_state(w, rc)
                 self.reporter.report(reports.WorkerExit(rank=w.rank, returncode=rc, detail=detail,
-                                                        text=self.error_text.pop(lr, ""), t=time.time()))
+                                                        text=self._own_words(w, lr, rc), t=time.time()))

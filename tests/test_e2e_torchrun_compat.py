@@ -75,7 +75,7 @@ def test_raise_once_restarts_and_finishes(tmp_path):
 def test_worker_killed_mid_training_restarts_on_a_fresh_store(tmp_path):
     job = plain(tmp_path, "wkill", flags=["--max-restarts", "1"], script_args=["--steps", "12", "--step-sleep", "0.1"])
     wait_progress(job, 3, 2)
-    state = job.state()
+    state = job.current()
     assert {n["slot"]: n["ranks"] for n in state["nodes"]} == {0: [0], 1: [1]}   # status --json: where ranks run
     victim = next(n for n in state["nodes"] if n["slot"] == 1)["worker_pids"][0]
     os.kill(victim, signal.SIGKILL)
@@ -90,7 +90,7 @@ def test_node_killed_mid_training_restarts_with_the_spare(tmp_path):
     job = plain(tmp_path, "nkill", flags=["--max-restarts", "1", "--spares", "1"],
                 script_args=["--steps", "12", "--step-sleep", "0.1"])
     wait_progress(job, 3, 2)
-    state = job.state()
+    state = job.current()
     node = next(n for n in state["nodes"] if n["slot"] == 1 and n["role"] == "active")
     spare = next(n for n in state["nodes"] if n["role"] == "spare")
     for pid in [node["agent_pid"], *node["worker_pids"]]:
