@@ -12,7 +12,7 @@ import logging
 import queue
 import random
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.protocol.directives import Directive, decode
@@ -26,10 +26,10 @@ log = logging.getLogger("phoenixrun.agent")
 
 
 class MasterLink:
-    def __init__(self, node: NodeState, life: Lifecycle, client: ControlClient, registration: dict,
-                 heartbeat_interval: float, node_state: Callable[[], dict], rejoin_state: Callable[[], dict],
-                 on_inject: Callable[[str], None], parent: ParentLink | None = None,
-                 relay: RelayCache | None = None):
+    def __init__(self, node: NodeState, life: Lifecycle, client: ControlClient,
+                 registration: dict[str, Any], heartbeat_interval: float, node_state: Callable[[], dict[str, Any]],
+                 rejoin_state: Callable[[], dict[str, Any]], on_inject: Callable[[str], None],
+                 parent: ParentLink | None = None, relay: RelayCache | None = None) -> None:
         """registration: what this node tells the master about itself (host, addresses, nproc_per_node...);
         node_state: the heartbeat's view of the node; rejoin_state: what a restarted master learns from us;
         on_inject: a fault the master asks this node to inject (`phoenixrun inject`); parent: how it polls a relay
@@ -47,7 +47,7 @@ class MasterLink:
         self._direct_until = 0.0              # its relay failed: poll the master directly until then
         self.on_watch: Callable[[object], None] = lambda watch: None   # agents/neighbour_watch.py's follow
 
-    def current_master(self, reply: dict) -> bool:
+    def current_master(self, reply: dict[str, Any]) -> bool:
         """Is `reply` from a master this node may listen to? A newer epoch is a new master: its directive versions
         are its own. An older one is a deposed master's: the client moves on to the next endpoint. (An answer
         without an epoch - an expired long-poll's noop - orders nothing.)"""
@@ -65,7 +65,7 @@ class MasterLink:
             self._version = -1
         return True
 
-    def register(self, rejoin: dict | None = None, node_rank: int | None = None) -> dict:
+    def register(self, rejoin: dict[str, Any] | None = None, node_rank: int | None = None) -> dict[str, Any]:
         deadline = time.time() + 60
         payload = {**self.registration, "rejoin": rejoin}
         if node_rank is not None and rejoin is None:
@@ -108,12 +108,13 @@ class MasterLink:
                 self._poll_relay(addr, token)
                 continue
             direct = time.monotonic() < self._direct_until
-            payload = {"node_id": self.node.node_id, "token": token, "version": self._version,
-                       "timeout": FALLBACK_POLL_S if direct else DIRECTIVE_POLL_S}
+            timeout = FALLBACK_POLL_S if direct else DIRECTIVE_POLL_S
+            payload: dict[str, object] = {"node_id": self.node.node_id, "token": token, "version": self._version,
+                                          "timeout": timeout}
             if self.serves:
                 payload["relay"] = self.relay.state()
             try:
-                d = self.client.post("/v1/directive", payload, timeout=payload["timeout"] + 5)
+                d = self.client.post("/v1/directive", payload, timeout=timeout + 5)
             except ControlError as e:
                 log.debug("directive poll failed: %s", e)
                 time.sleep(0.2)
@@ -139,7 +140,7 @@ class MasterLink:
         if self.current_master(d):
             self._take(d)
 
-    def _take(self, d: dict) -> None:
+    def _take(self, d: dict[str, Any]) -> None:
         if isinstance(d.get("version"), int) and d["version"] > self._version and isinstance(d.get("command"), str):
             self._version = d["version"]
             try:

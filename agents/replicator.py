@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from phoenixrun.protocol import PeerOp, reports
 from phoenixrun.protocol import worker_orders as wo
@@ -17,7 +17,7 @@ from phoenixrun.slot_format import HEADER_SIZE, SlotHeader, crc_shared
 from phoenixrun.testing import corrupt_point, pause_point
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
-from phoenixrun.agents.peer import PeerBusy, PeerClient, PeerError
+from phoenixrun.agents.peer import Handler, Payload, PeerBusy, PeerClient, PeerError, Sink
 from phoenixrun.agents.reporter import Reporter
 from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError, verify_replica
 
@@ -27,6 +27,8 @@ log = logging.getLogger("phoenixrun.agent")
 # recovery's broadcasts (under 1 s at 16K nodes: docs/benchmarks.md); a holder frozen for longer is in a new
 # recovery, which freezes this node too and ends the wait
 BUSY_WAIT_S = 5.0
+
+T = TypeVar("T")
 
 
 def holders_of(world: World, rank: int) -> list[int]:
@@ -41,7 +43,7 @@ def peer_addr_of(world: World, slot: int) -> str | None:
 
 class Replicator:
     def __init__(self, node: NodeState, slots: LocalSlots, replicas: ReplicaStore, peers: PeerClient,
-                 reporter: Reporter):
+                 reporter: Reporter) -> None:
         self.node, self.slots, self.replicas, self.peers, self.reporter = node, slots, replicas, peers, reporter
 
     def freeze(self, frozen: bool) -> None:
@@ -51,6 +53,8 @@ class Replicator:
     # ------------------------------------------------------------------ local snapshots
     def commit(self, conn: WorkerConn, idx: int, step: int, stats: Figures) -> None:
         """Seal the local slot, replicate its private part to the holders, then commit."""
+        # a worker's hello, its first message (runtime/api.py), set its local rank before it wrote any snapshot
+        assert conn.local_rank is not None, "a snapshot written before the worker's hello"
         rank = self.node.rank(conn.local_rank)
         t0 = time.time()
         try:
@@ -59,7 +63,10 @@ class Replicator:
             if holders:
                 data = memoryview(self.slots.view(rank, idx))[:h.replicated_len]   # no copy: sent from shm
                 for holder in holders:
-                    self._put(peer_addr_of(self.node.world, holder), rank, step, data)
+                    addr = peer_addr_of(self.node.world, holder)
+                    if addr is None:   # a slot the world map names no node for (vacant): as if it were unreachable
+                        raise PeerError(f"replica holder slot {holder} of rank {rank} has no known address")
+                    self._put(addr, rank, step, data)
             self.slots.commit(rank, idx, step)
         except (PeerError, SlotError) as e:
             conn.send(wo.CommitFailed(step=step, error=str(e)))
@@ -75,7 +82,7 @@ class Replicator:
         with self.node.lock:
             self.node.protection[rank] = stats.committed(step, round(h2h, 5), replicated, self.replicas.nbytes())
 
-    def _put(self, addr: str, rank: int, step: int, data) -> None:
+    def _put(self, addr: str, rank: int, step: int, data: Payload) -> None:
         """Send one replica. A holder still frozen by a recovery this node has already resumed from (the resume
         reaches nodes one by one) answers busy: tried again until it thaws. Reported as a fault, that passing
         state started a needless local reset right after a recovery (seen in tests/test_e2e_persistence.py).
@@ -125,7 +132,7 @@ class Replicator:
     def _get(self, addr: str, op: PeerOp, rank: int, step: int) -> bytearray:
         return self.peers.call(addr, {"op": op, "rank": rank, "step": step})[1]
 
-    def _first(self, rank: int, part: Part, options: list[tuple[str, int]], take):
+    def _first(self, rank: int, part: Part, options: list[tuple[str, int]], take: Callable[[str, int], T]) -> T:
         """take(addr, source_rank) for each option in order until one succeeds; each failure is logged and
         reported as a refusal. All failed: IntegrityError if every one held bad bytes, else PeerError or
         SlotError (one was unreachable or lacked the step: the master plans again)."""
@@ -152,20 +159,20 @@ class Replicator:
         raise cls(f"rank {rank}: no source of its {part.value} state could be used: {why}") from None
 
     # ------------------------------------------------------------------ peer requests
-    def peer_handlers(self) -> dict:
+    def peer_handlers(self) -> dict[str, Handler]:
         """The peer server's operations (agents/peer.py)."""
         return {PeerOp.PUT: self._peer_put, PeerOp.GET_PRIVATE: self._peer_get_private,
                 PeerOp.GET_SHARED: self._peer_get_shared, PeerOp.PING: lambda h, p: ({}, b"")}
 
-    def peer_sinks(self) -> dict:
+    def peer_sinks(self) -> dict[str, Sink]:
         """Where the peer server receives a put's payload: into the replica store's buffer for it."""
         return {PeerOp.PUT: lambda h, n: self.replicas.receive_buffer(int(h["rank"]), n)}
 
-    def _peer_put(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+    def _peer_put(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
         self.replicas.put(int(h["rank"]), int(h["step"]), payload)
         return {}, b""
 
-    def _peer_get_private(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+    def _peer_get_private(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
         rank, step = int(h["rank"]), int(h["step"])
         idx = self.slots.slot_of(rank, step)
         if idx is None:
@@ -176,7 +183,7 @@ class Replicator:
         mm = self.slots.view(rank, idx)
         return {}, bytes(mm[:SlotHeader.unpack(mm).replicated_len])
 
-    def _peer_get_shared(self, h: dict, payload: bytearray) -> tuple[dict, bytes]:
+    def _peer_get_shared(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
         rank, step = int(h["rank"]), int(h["step"])
         idx = self.slots.slot_of(rank, step)
         if idx is None:

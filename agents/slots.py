@@ -50,7 +50,8 @@ def _alive(pid: int) -> bool:
     """A zombie is dead: an agent SIGKILLed under a parent that has not reaped it yet (its slot files
     stayed, 23 MB after 20 kills, when pid_exists counted zombies as alive)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        status: str = psutil.Process(pid).status()   # psutil has no stubs here: its values are Any
+        return bool(status != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
@@ -278,7 +279,7 @@ class LocalSlots:
         with self._lock:
             rs = self._ranks.get(rank)
             idx = None if rs is None else next((i for i in (0, 1) if rs.steps[i] == step), None)
-            if idx is None:
+            if rs is None or idx is None:
                 return False
             mm = rs.maps[idx]
         try:
@@ -389,8 +390,9 @@ class ReplicaStore:
             raise FrozenError("replicas are frozen for recovery")
         steps = self._steps.setdefault(rank, [None, None])
         bufs = self._bufs.setdefault(rank, [None, None])
-        newest = max((i for i in (0, 1) if steps[i] is not None), key=lambda i: steps[i], default=None)
-        return steps, bufs, 0 if newest is None else 1 - newest
+        held = [(s, i) for i, s in enumerate(steps) if s is not None]
+        newest = max(held, key=lambda si: si[0], default=None)
+        return steps, bufs, 0 if newest is None else 1 - newest[1]
 
     def receive_buffer(self, rank: int, nbytes: int) -> bytearray | None:
         """The buffer to receive the next replica of `rank` into, if the older one has exactly `nbytes`
@@ -446,7 +448,8 @@ class ReplicaStore:
         with self._lock:
             for st in self._steps.values():
                 for i in (0, 1):
-                    if st[i] is not None and st[i] > step:
+                    s = st[i]
+                    if s is not None and s > step:
                         st[i] = None
 
     def nbytes(self) -> int:

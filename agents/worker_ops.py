@@ -62,6 +62,9 @@ class WorkerOps:
             return
         if m is None:
             return        # no such op: ignored, the channel goes on
+        if conn.local_rank is None and m.OP is not WorkerOp.HELLO:
+            log.warning("worker message %s before the worker's hello ignored (its first message names it)", m.OP)
+            return
         if conn.local_rank is not None and m.OP in PROGRESS_OPS:
             self.supervisor.progressed(conn.local_rank)
         handler = self.handlers.get(m.OP)
@@ -71,8 +74,14 @@ class WorkerOps:
     def on_close(self, conn: WorkerConn) -> None:
         self.supervisor.unwatch(conn)
 
+    @staticmethod
+    def _lr(conn: WorkerConn) -> int:
+        lr = conn.local_rank
+        assert lr is not None, "a message before the hello"   # on_message lets only a hello through before it
+        return lr
+
     def _rank(self, conn: WorkerConn) -> int:
-        return self.node.rank(conn.local_rank)
+        return self.node.rank(self._lr(conn))
 
     def _report_observed(self, kind: type[reports.CommError | reports.NanLoss | reports.WorkerError], conn: WorkerConn,
                          m: wm.Observed) -> None:
@@ -86,7 +95,7 @@ class WorkerOps:
             self.node.api = self.node.api or bool(m.api)
             self.supervisor.hello(conn, lr)
 
-    def _request(self, conn: WorkerConn, m: wm.Request) -> None:
+    def _request(self, conn: WorkerConn, m: wm.Request[Any]) -> None:
         """alloc / slots / write: answered with a reply carrying the request's id."""
         rank = self._rank(conn)
         try:
@@ -118,12 +127,12 @@ class WorkerOps:
 
     def _quiesced(self, conn: WorkerConn, m: wm.Quiesced) -> None:
         with self.node.lock:
-            self.phases.quiesced(conn.local_rank, int(m.next_step))
+            self.phases.quiesced(self._lr(conn), int(m.next_step))
         self.on_quiesce_ack()
 
     def _resumed(self, conn: WorkerConn, m: wm.Resumed) -> None:
         with self.node.lock:
-            timings = self.phases.resumed(conn.local_rank, m.timings)
+            timings = self.phases.resumed(self._lr(conn), m.timings)
             if m.generation == self.node.generation:
                 # This worker rejoined the recovery's generation, so every rank of the world is past its restore (a
                 # replacement rendezvouses only once its agent fetched its state; survivors read only their own
@@ -140,12 +149,12 @@ class WorkerOps:
 
     def _nan_loss(self, conn: WorkerConn, m: wm.NanLoss) -> None:
         """The script handed a non-finite loss to job.observe_loss()."""
-        self.supervisor.error_text[conn.local_rank] = m.text
+        self.supervisor.error_text[self._lr(conn)] = m.text
         self._report_observed(reports.NanLoss, conn, m)
 
     def _error(self, conn: WorkerConn, m: wm.ScriptError) -> None:
         """The script's own exception, before the worker exits: report it now."""
-        self.supervisor.error_text[conn.local_rank] = m.text
+        self.supervisor.error_text[self._lr(conn)] = m.text
         self._report_observed(reports.WorkerError, conn, m)
 
     def _protection_mode(self, conn: WorkerConn, m: wm.ProtectionMode) -> None:

@@ -18,12 +18,23 @@ at once, so the RNG broadcast accelerate's loader makes when an epoch begins is 
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
 
 from phoenixrun.runtime.api import Job, PassThroughJob, protect as _protect_job
+from phoenixrun.runtime.data import Loader, Skip
 
 
-def protect(accelerator, model, optimizer, dataloader=None, scheduler=None, state: dict | None = None,
+class _Accelerator(Protocol):
+    """What is used of `accelerate.Accelerator` (accelerate ships no type information)."""
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Iterable[Any]: ...
+
+
+def protect(accelerator: _Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            dataloader: Loader | None = None, scheduler: object | None = None, state: dict[str, Any] | None = None,
             stateful: dict[str, Any] | None = None, every: int = 1) -> "Job | PassThroughJob":
     """phoenixrun.protect() for objects `accelerator.prepare()` returned; see the module doc."""
     objects = dict(stateful or {})
@@ -32,7 +43,7 @@ def protect(accelerator, model, optimizer, dataloader=None, scheduler=None, stat
             raise ValueError("phoenixrun.integrations.accelerate.protect: 'scheduler' is given twice (as scheduler= "
                              "and in stateful=); name the other object differently")
         objects["scheduler"] = scheduler
-    skip = None
+    skip: Skip | None = None
     if dataloader is not None:
         skip = accelerator.skip_first_batches
     return _protect_job(model, optimizer, state=state, every=every, data=dataloader, stateful=objects,

@@ -26,17 +26,23 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import TYPE_CHECKING, Any
+
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import TrainOutput
 
 from phoenixrun.integrations import rng_states, set_rng_states
-from phoenixrun.runtime.api import init, joining_step, protect
+from phoenixrun.runtime.api import Job, init, joining_step, protect
+
+if TYPE_CHECKING:
+    from phoenixrun.runtime.api import StepScope
 
 
 class PhoenixTrainer(Trainer):
     """`transformers.Trainer` with phoenixrun's hot swap (see the module doc)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._phoenix: _Steps | None = None
         if init().managed:
@@ -45,7 +51,8 @@ class PhoenixTrainer(Trainer):
             self._phoenix = _Steps(self)
             self.add_callback(_StepBoundaries(self._phoenix))
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
+              **kwargs: Any) -> TrainOutput:
         p = self._phoenix
         if p is None:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -59,6 +66,7 @@ class PhoenixTrainer(Trainer):
                 except Exception as e:   # noqa: BLE001 - the step scope tells a recovery from the script's own error
                     if not p.recovered(e):
                         raise
+                    assert p.job is not None   # recovered() is True only with a job
                     step = p.job.next_step   # restored: back into the loop at that step, as every rank does
                 finally:
                     p.resuming = None
@@ -73,22 +81,22 @@ class PhoenixTrainer(Trainer):
         return directory
 
     # the Trainer's resume loads these from the checkpoint directory; here they come from the snapshot
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if self._phoenix is None or resume_from_checkpoint != self._phoenix.resuming:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         return None
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._phoenix is None or checkpoint != self._phoenix.resuming:
             return super()._load_optimizer_and_scheduler(checkpoint)
         return None
 
-    def _load_scaler(self, checkpoint):
+    def _load_scaler(self, checkpoint: str | None) -> None:
         if self._phoenix is None or checkpoint != self._phoenix.resuming:
             return super()._load_scaler(checkpoint)
         return None
 
-    def _load_rng_state(self, checkpoint):
+    def _load_rng_state(self, checkpoint: str | None) -> None:
         if self._phoenix is None or checkpoint != self._phoenix.resuming:
             return super()._load_rng_state(checkpoint)
         self._phoenix.put_back_restored_rng()   # after the fast-forward drew from it, as a checkpoint resume does
@@ -101,21 +109,26 @@ class _Steps:
 
     def __init__(self, trainer: PhoenixTrainer):
         self.trainer = trainer
-        self.job = None
-        self.scope = None
+        self.job: Job | None = None
+        self.scope: StepScope | None = None
         self.resuming: str | None = None
         self._restored_rng: list[torch.Tensor] | None = None
-        self._restored_sched: dict | None = None
-        self._restored_groups: list[dict] | None = None
+        self._restored_sched: dict[str, Any] | None = None
+        self._restored_groups: list[dict[str, Any]] | None = None
 
     def train_begin(self) -> None:
         t = self.trainer
+        # the Trainer's loop has made both before its on_train_begin
+        assert t.optimizer is not None and t.lr_scheduler is not None
         if self.job is None:             # the first train(): protect (a replacement restores here)
-            self.job = protect(t.model_wrapped, t.optimizer, stateful={"lr_scheduler": t.lr_scheduler})
+            job = protect(t.model_wrapped, t.optimizer, stateful={"lr_scheduler": t.lr_scheduler})
+            assert isinstance(job, Job)   # _Steps exists only under phoenixrun (init().managed): protect() made a Job
+            self.job = job
             self._remember_restored()
             return
         # a survivor back in the loop: the Trainer made a new scheduler (and stepped it once, setting the
         # optimizer's learning rates); the snapshot's values go back in and the job snapshots the new object
+        assert self._restored_sched is not None and self._restored_groups is not None   # recovered() kept them
         self.job.position.objects.objects["lr_scheduler"] = t.lr_scheduler
         t.lr_scheduler.load_state_dict(self._restored_sched)
         for group, saved in zip(self.job.optimizer.param_groups, self._restored_groups):
@@ -123,6 +136,7 @@ class _Steps:
 
     def _remember_restored(self) -> None:
         t = self.trainer
+        assert self.job is not None and t.lr_scheduler is not None   # called once protect() has made the job
         self._restored_rng = rng_states()
         self._restored_sched = t.lr_scheduler.state_dict()
         self._restored_groups = [{k: v for k, v in g.items() if k != "params"}
@@ -145,6 +159,7 @@ class _Steps:
             set_rng_states(self._restored_rng)
 
     def step_begin(self, step: int) -> None:
+        assert self.job is not None   # on_train_begin made it, before the first step
         self.scope = self.job.step(step)
         self.scope.__enter__()
 
@@ -158,11 +173,14 @@ class _StepBoundaries(TrainerCallback):
     def __init__(self, steps: _Steps):
         self.steps = steps
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         self.steps.train_begin()
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
         self.steps.step_begin(state.global_step)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         self.steps.step_end()

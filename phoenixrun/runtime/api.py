@@ -519,8 +519,8 @@ class Job:
             rt.running_step = self.next_step
             return False
 
-    def step(self, k: int) -> "_StepScope":
-        return _StepScope(self, k)
+    def step(self, k: int) -> "StepScope":
+        return StepScope(self, k)
 
     def observe_loss(self, loss: float | torch.Tensor) -> None:
         """Hand the step's loss to phoenixrun (inside `with job.step(k)`, before `backward()`).
@@ -551,7 +551,10 @@ class Job:
         self.protection.before_optimizer_step(self.current)
 
 
-class _StepScope:
+class StepScope:
+    """What `job.step(k)` returns: the scope of one protected step (the integrations hold one open between a
+    framework's batch-start and batch-end hooks)."""
+
     def __init__(self, job: Job, k: int):
         self.job, self.k = job, k
 
