@@ -33,6 +33,7 @@ from phoenixrun.protocol.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, poll_all
 from phoenixrun.protocol import reports
 from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S
+from phoenixrun.protocol.replies import Admitted, TurnedAway
 from phoenixrun.agents.drills import FaultDrills
 from phoenixrun.agents.executor import DirectiveExecutor
 from phoenixrun.agents.ipc import WorkerChannelServer
@@ -133,10 +134,10 @@ class Agent:
             log.error("%s", e)
             self._cleanup()
             return 2
-        if reg.get("role") == "failed":     # the job has no place for this node: the master says why
-            print(f"phoenixrun agent: {reg.get('reason', 'refused by the master')}", file=sys.stderr, flush=True)
+        if isinstance(reg, TurnedAway):     # the job has no place for this node: the master says why
+            print(f"phoenixrun agent: {reg.reason}", file=sys.stderr, flush=True)
             self._cleanup()
-            return int(reg.get("exit_code", 2))
+            return 2 if reg.exit_code is None else reg.exit_code
         self._registered(reg)
         for target in (self.link.poll_directives, self.link.heartbeat, self.watch.run):
             threading.Thread(target=target, daemon=True, name=target.__name__).start()
@@ -169,14 +170,12 @@ class Agent:
             self._cleanup()
         return self.life.exit_code or 0
 
-    def _registered(self, reg: dict[str, Any]) -> None:
+    def _registered(self, reg: Admitted) -> None:
         node = self.node
-        node.job = reg
-        node.joined(reg, self.client.host)
-        node.become(AgentRole(reg["role"]))
-        node.slot = reg["slot"]
-        node.token = reg.get("token")
-        persist_cfg = PersistConfig.from_json(reg.get("persist"))
+        node.become(AgentRole(reg.role))
+        node.slot = reg.slot
+        node.token = reg.token
+        persist_cfg = PersistConfig.from_terms(reg.terms.persist)
         if persist_cfg is not None:
             node.persister = Persister(persist_cfg, self.slots.copy_snapshot, prefix=f"phoenixrun-{node.node_id}",
                                        backlog=2 * self.cfg.nproc_per_node)

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.protocol.directives import Directive, decode
+from phoenixrun.protocol.replies import (Admitted, RelayLink, TurnedAway, Watch, heartbeat_reply,
+                                         registration_reply)
 from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
 from phoenixrun.protocol.relay import FALLBACK_POLL_S
 from phoenixrun.agents.node import Lifecycle, NodeState
@@ -45,7 +47,7 @@ class MasterLink:
         self.parent_addr: str | None = None   # the relay this node polls (None: the master)
         self.serves = False                   # it is a relay: its polls speak for its children
         self._direct_until = 0.0              # its relay failed: poll the master directly until then
-        self.on_watch: Callable[[object], None] = lambda watch: None   # agents/neighbour_watch.py's follow
+        self.on_watch: Callable[[Watch], None] = lambda watch: None   # agents/neighbour_watch.py's follow
 
     def current_master(self, reply: dict[str, Any]) -> bool:
         """Is `reply` from a master this node may listen to? A newer epoch is a new master: its directive versions
@@ -65,19 +67,23 @@ class MasterLink:
             self._version = -1
         return True
 
-    def register(self, rejoin: dict[str, Any] | None = None, node_rank: int | None = None) -> dict[str, Any]:
+    def register(self, rejoin: dict[str, Any] | None = None, node_rank: int | None = None) -> Admitted | TurnedAway:
         deadline = time.time() + 60
         payload = {**self.registration, "rejoin": rejoin}
         if node_rank is not None and rejoin is None:
             payload["node_rank"] = node_rank
         while True:
             try:
-                reply = self.client.post("/v1/register", payload)
-                if not self.current_master(reply):
+                raw = self.client.post("/v1/register", payload)
+                if not self.current_master(raw):
                     raise ControlError("a deposed master answered the registration")
-                with self.node.lock:
-                    if "store_port" in reply:
-                        self.node.joined(reply, self.client.host)
+                try:
+                    reply = registration_reply(raw)
+                except ValueError as e:
+                    raise ControlError(f"the master's registration reply: {e}") from None
+                if isinstance(reply, Admitted):
+                    with self.node.lock:
+                        self.node.joined(reply.terms, self.client.host)
                 return reply
             except ControlError as e:
                 if e.refused or time.time() > deadline:   # refused (4xx): asking again gets the same answer
@@ -92,13 +98,13 @@ class MasterLink:
         except ControlError as e:
             log.warning("rejoin failed: %s", e)
             return
-        if reply.get("role") == "failed":
-            log.error("the master fenced this node on rejoin: %s", reply.get("reason", "replaced"))
+        if isinstance(reply, TurnedAway):
+            log.error("the master fenced this node on rejoin: %s", reply.reason)
             self.life.stop(0)
             return
-        self.node.token = reply.get("token")
-        log.warning("rejoined a restarted master as %s%s", reply["role"],
-                    f" (slot {reply['slot']})" if reply.get("slot") is not None else "")
+        self.node.token = reply.token
+        log.warning("rejoined a restarted master as %s%s", reply.role,
+                    f" (slot {reply.slot})" if reply.slot is not None else "")
 
     def poll_directives(self) -> None:
         """Thread: long-poll the master (or this node's relay) for orders until the agent stops."""
@@ -148,28 +154,30 @@ class MasterLink:
             except ValueError as e:
                 log.error("directive %s from the master is malformed, ignored: %s", d["version"], e)
 
-    def follow(self, relay: object) -> None:
-        """The tree as the master's heartbeat reply gives it: this node's relay, and whether it is one."""
-        if not isinstance(relay, dict):
+    def follow(self, relay: RelayLink | None) -> None:
+        """The tree as the master's heartbeat reply gives it: this node's relay, and whether it is one (None:
+        relaying was never on - as it was)."""
+        if relay is None:
             return
-        parent = relay.get("parent")
-        self.parent_addr = parent if isinstance(parent, str) and parent else None
-        self.serves = relay.get("serves") is True
+        self.parent_addr, self.serves = relay.parent, relay.serves
 
     def heartbeat(self) -> None:
         """Thread: tell the master this node is alive (and what it holds) until the agent stops."""
         while not self.life.stopping:
             payload = {"node_id": self.node.node_id, "token": self.node.token, **self.node_state()}
             try:
-                reply = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
-                if self.current_master(reply):
-                    if reply.get("fenced"):    # replaced while it was away: never rejoin
-                        self.life.fenced(reply.get("reason"), reply.get("exit_code", 0))
+                raw = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
+                if self.current_master(raw):
+                    reply = heartbeat_reply(raw)
+                    if isinstance(reply, TurnedAway):    # replaced while it was away: never rejoin
+                        self.life.fenced(reply.reason, reply.exit_code or 0)
                         return
-                    self.follow(reply.get("relay"))
-                    self.on_watch(reply.get("watch"))     # the ring neighbours to watch (agents/neighbour_watch.py)
-                    for fault in reply.get("inject", []) if isinstance(reply.get("inject"), list) else ():
+                    self.follow(reply.relay)
+                    self.on_watch(reply.watch)     # the ring neighbours to watch (agents/neighbour_watch.py)
+                    for fault in reply.inject:
                         self.on_inject(fault)
+            except ValueError as e:          # a reply this agent cannot read: logged, the next heartbeat goes on
+                log.warning("heartbeat reply ignored: %s", e)
             except ControlError as e:
                 if e.unknown_node:           # a restarted master (Status.UNKNOWN_NODE): it learns the job from us
                     self.rejoin()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 from phoenixrun.control.ring_watch import PING_S, SUSPECT_AFTER_S, is_suspect, silent_for
 from phoenixrun.protocol.reports import Report, Suspect
@@ -35,11 +35,10 @@ class NeighbourWatch:
         self._answered: dict[str, float] = {}       # neighbour id -> its last answer (monotonic)
         self._reported: set[str] = set()            # suspected and reported, not heard since
 
-    def follow(self, watch: object) -> None:
-        """The heartbeat reply's `watch`: [[node id, peer address], ...]."""
-        if not isinstance(watch, list):
-            return
-        got = {str(w[0]): str(w[1]) for w in watch if isinstance(w, list) and len(w) == 2 and w[1]}
+    def follow(self, watch: Iterable[Sequence[str]]) -> None:
+        """The heartbeat reply's `watch`: (node id, peer address) of each neighbour (protocol/replies.py); one
+        without an address yet is not pinged."""
+        got = {w[0]: w[1] for w in watch if w[1]}
         now = time.monotonic()
         with self._lock:
             for nid in got:

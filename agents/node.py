@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from phoenixrun.protocol.directives import Directive, World
 from phoenixrun.protocol.figures import Figures
+from phoenixrun.protocol.replies import JobTerms
 from phoenixrun.protocol.reshard import WorkerReshard
 from phoenixrun.agents.persister import Persister
 from phoenixrun.agents.roles import AgentRole, role_move
@@ -48,7 +48,7 @@ class NodeState:
     master_host: str = "127.0.0.1"    # the host of the master this node (re)joined last: its TCPStore's
     restart_count: int = 0
     world: World = field(default_factory=lambda: World({}, {}))
-    job: dict[str, Any] = field(default_factory=dict)   # the master's reply to our registration (its JSON)
+    job: JobTerms | None = None      # the job's terms, as the master's reply to our registration gave them
     restore_step: int | None = None
     api: bool = False                  # a worker said hello through the phoenixrun API
     token: str | None = None           # from the master's reply to our registration: our later calls carry it
@@ -72,17 +72,22 @@ class NodeState:
     def local_ranks(self) -> range:
         return range(self.nproc_per_node)
 
+    def terms(self) -> JobTerms:
+        if self.job is None:
+            raise RuntimeError("the job's terms asked before this node registered with the master")
+        return self.job
+
     def job_store_port(self) -> int:
-        port: int = self.store_port or self.job["store_port"]
-        return port
+        return self.store_port or self.terms().store_port
 
     def store_host(self) -> str:
         """The host of the master whose TCPStore the workers rendezvous on: the one this node (re)joined last."""
         return self.master_host
 
-    def joined(self, reply: dict[str, Any], master_host: str) -> None:
-        """A master's answer to our registration or rejoin: where its TCPStore is (call with the lock held)."""
-        self.job["store_port"] = reply["store_port"]
+    def joined(self, terms: JobTerms, master_host: str) -> None:
+        """A master admitted our registration or rejoin: the job's terms the first time, after that where its
+        TCPStore is (a restarted master's own; call with the lock held)."""
+        self.job = terms if self.job is None else replace(self.job, store_port=terms.store_port)
         self.master_host = master_host
 
     def take_directive(self, d: Directive) -> None:
@@ -96,7 +101,7 @@ class NodeState:
         if d.own.world is not None:
             self.world = d.own.world
         if d.own.nnodes is not None:       # the job shrank or grew (control/reshape.py)
-            self.job["nnodes"] = d.own.nnodes
+            self.job = replace(self.terms(), nnodes=d.own.nnodes)
         restart_count = getattr(d.order, "restart_count", None)
         if restart_count is not None:
             self.restart_count = restart_count

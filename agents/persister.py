@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from phoenixrun.protocol.replies import PersistTerms
 from phoenixrun.agents.slots import SHM_DIR
 
 log = logging.getLogger("phoenixrun.agent")
@@ -31,10 +32,11 @@ class PersistConfig:
     world_size: int = 1
 
     @classmethod
-    def from_json(cls, j: dict[str, Any] | None) -> "PersistConfig | None":
-        if not j or not j.get("dir"):
+    def from_terms(cls, t: PersistTerms | None) -> "PersistConfig | None":
+        """The checkpoint writer's settings, from the registration reply's (None: --persist-every is off)."""
+        if t is None or not t.dir:
             return None
-        return cls(Path(j["dir"]), int(j.get("every", 0)), int(j.get("keep", 2)), int(j.get("world_size", 1)))
+        return cls(Path(t.dir), t.every, t.keep, t.world_size)
 
 
 def due(step: int, last: int, every: int) -> bool:

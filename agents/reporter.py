@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from phoenixrun.protocol.replies import TurnedAway, report_reply
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.protocol.reports import Report
 from phoenixrun.agents.node import Lifecycle, NodeState
@@ -35,10 +36,10 @@ class Reporter:
         """Deliver one report now, past the outbox (the caller acts on whether the master got it): None if it
         did, else why not."""
         try:
-            reply = self.client.post("/v1/report", self._payload(self._stamped(ev)), timeout=timeout)
-        except ControlError as e:
+            reply = report_reply(self.client.post("/v1/report", self._payload(self._stamped(ev)), timeout=timeout))
+        except (ControlError, ValueError) as e:
             return str(e)
-        return reply.get("error") or ("fenced" if reply.get("fenced") else None)
+        return "fenced" if isinstance(reply, TurnedAway) else None
 
     def start(self) -> None:
         self._sender = threading.Thread(target=self._send_reports, daemon=True, name="reports")
@@ -62,12 +63,13 @@ class Reporter:
             delay = 0.1
             while True:
                 try:
-                    reply = self.client.post("/v1/report", self._payload(ev))
-                    if reply.get("fenced"):      # replaced while it was away: never rejoin
-                        self.life.fenced(reply.get("reason"), reply.get("exit_code", 0))
-                        break
-                    if not reply.get("error"):
-                        break
+                    reply = report_reply(self.client.post("/v1/report", self._payload(ev)))
+                    if isinstance(reply, TurnedAway):      # replaced while it was away: never rejoin
+                        self.life.fenced(reply.reason, reply.exit_code or 0)
+                    break
+                except ValueError as e:      # the master took it (HTTP 200) with an answer this agent cannot read
+                    log.warning("report %s: %s", ev.kind, e)
+                    break
                 except ControlError as e:    # master down or restarting: a fault seen now is handled later
                     if e.refused:            # the report itself was refused: sending it again will not help
                         log.warning("report %s refused by the master: %s", ev.kind, e)

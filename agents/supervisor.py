@@ -88,18 +88,19 @@ class WorkerSupervisor:
 
     # ------------------------------------------------------------------ spawning
     def placement(self, local_rank: int, rank_known: bool, name: str | None = None) -> Placement:
-        node, job = self.node, self.node.job
+        node, job = self.node, self.node.terms()
         return Placement(
-            local_rank=local_rank, nproc_per_node=node.nproc_per_node, nnodes=job["nnodes"],
+            local_rank=local_rank, nproc_per_node=node.nproc_per_node, nnodes=job.nnodes,
             slot=node.slot if rank_known else None, rank=node.rank(local_rank) if rank_known else None,
             master_addr=node.store_host(), master_port=node.job_store_port(),
-            run_id=job["run_id"], restart_count=node.restart_count, max_restarts=job["max_restarts"],
+            run_id=job.run_id, restart_count=node.restart_count, max_restarts=job.max_restarts,
             generation=node.generation, agent_sock=self.sock_path, gloo_ifname=self.gloo_ifname,
             error_file=str(Path(self.cfg.log_dir or "/tmp") / f"error-{node.node_id}-{name or local_rank}.json"))
 
     def _env(self, p: Placement) -> dict[str, str]:
         env = worker_env(dict(os.environ), p)
-        env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(self.node.job["tp"]), str(self.node.job["pp"])
+        job = self.node.terms()
+        env["PHOENIXRUN_TP"], env["PHOENIXRUN_PP"] = str(job.tp), str(job.pp)
         env[progress_block.ENV] = str(self.board.fd)
         return env
 
@@ -173,15 +174,15 @@ class WorkerSupervisor:
 
     # ------------------------------------------------------------------ the channel
     def assignment(self, local_rank: int) -> worker_orders.Assign:
-        node, job = self.node, self.node.job
+        node, job = self.node, self.node.terms()
         slot = node.slot
         assert slot is not None, "an assignment for a node without a slot"   # a spare's workers get one as it joins
         return worker_orders.Assign(
-            rank=node.rank(local_rank), local_rank=local_rank, slot=slot, nnodes=job["nnodes"],
-            nproc_per_node=node.nproc_per_node, world_size=job["nnodes"] * node.nproc_per_node,
+            rank=node.rank(local_rank), local_rank=local_rank, slot=slot, nnodes=job.nnodes,
+            nproc_per_node=node.nproc_per_node, world_size=job.nnodes * node.nproc_per_node,
             generation=node.generation, store_prefix=node.store_prefix, restart_count=node.restart_count,
             restore_step=node.restore_step, master_addr=node.store_host(), master_port=node.job_store_port(),
-            tp=job["tp"], pp=job["pp"], run_id=job["run_id"], reshard=node.reshard_of(local_rank))
+            tp=job.tp, pp=job.pp, run_id=job.run_id, reshard=node.reshard_of(local_rank))
 
     def hello(self, conn: WorkerConn, local_rank: int) -> None:
         """A worker connected: a ranked one gets its assignment, a warm spare's waits for its rank, and so does the

@@ -31,6 +31,7 @@ from phoenixrun.protocol.worker_orders import decode as wo_decode
 from phoenixrun.runtime.agent_link import AgentLink
 from phoenixrun.slot_format import SlotHeader
 from phoenixrun.protocol.reports import RestoreRefused, Resumed
+from phoenixrun.protocol.replies import JobTerms
 
 RUNTIME = Path(__file__).resolve().parents[1] / "phoenixrun" / "runtime"
 
@@ -108,7 +109,7 @@ def test_a_worker_that_left_the_loop_and_does_not_exit_is_named_once_and_left_al
     script.write_text("import time\ntime.sleep(60)\n")
     a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret", spec=WorkerSpec(str(script)), nproc_per_node=1))
     a.node.slot, a.node.role = 0, "active"
-    a.node.job = {"nnodes": 1, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
+    a.node.job = JobTerms(run_id="test", store_port=1, nnodes=1, nproc_per_node=1, tp=1, pp=1, max_restarts=0)
     sup = a.supervisor
     with a.node.lock:
         sup.spawn(0, rank_known=True)
@@ -230,12 +231,12 @@ def _ops_the_runtime_sends() -> set[str]:
 def two_agents():
     """Agents of node slots 0 and 1 (one rank each), built but not started: their peer servers serve the
     replicator, node 0's worker channel serves the op table; reports stay in their outboxes."""
-    job = {"nnodes": 2, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
+    job = JobTerms(run_id="test", store_port=1, nnodes=2, nproc_per_node=1, tp=1, pp=1, max_restarts=0)
     agents, servers = [], []
     for slot in (0, 1):
         a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret", spec=WorkerSpec("unused.py"),
                               nproc_per_node=1))
-        a.node.slot, a.node.job, a.node.role = slot, dict(job), "active"
+        a.node.slot, a.node.job, a.node.role = slot, job, "active"
         servers.append(PeerServer("127.0.0.1", "s3cret", a.replicator.peer_handlers(),
                                   sinks=a.replicator.peer_sinks()))   # as agents/agent.py builds it
         agents.append(a)
@@ -469,9 +470,9 @@ def test_restore_takes_the_next_option_when_one_is_refused(two_agents):
 
 def test_a_reshape_hands_each_new_worker_its_images_and_predecessor():
     from phoenixrun.agents.node import NodeState
-    node = NodeState(node_id="n", nproc_per_node=2, slot=1, job={"nnodes": 3})
+    node = NodeState(node_id="n", nproc_per_node=2, slot=1, job=JobTerms(run_id="test", store_port=1, nnodes=3, nproc_per_node=2, tp=1, pp=1, max_restarts=0))
     node.take_directive(decode({"command": "restart", "slot": 1, "nnodes": 2}))
-    assert node.job["nnodes"] == 2
+    assert node.terms().nnodes == 2
     assert node.reshard_of(0) is None
     # over the wire the predecessor map's keys arrive as strings: decoded int-keyed once, with the directive
     order = decode({"command": "restart", "restore_step": 8, "reshard": {

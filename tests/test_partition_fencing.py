@@ -31,7 +31,9 @@ def test_live_nodes_are_not_fenced(role):
 
 def test_failed_node_gets_stop_with_reason():
     r = fence_reply(_node(Role.FAILED))
-    assert r["fenced"] is True and r["command"] == "stop" and "n1" in r["reason"] and "no heartbeat" in r["reason"]
+    assert r is not None and r.fenced and r.exit_code == 0 and "n1" in r.reason and "no heartbeat" in r.reason
+    wire = r.to_wire()     # what every endpoint answers: a stop order its directive poll acts on too
+    assert wire["fenced"] is True and wire["command"] == "stop" and wire["role"] == "failed" and wire["slot"] is None
 
 
 def _register(m: Master, nid: str) -> dict:

@@ -19,6 +19,7 @@ from phoenixrun.control.relaying import Bundle, RelayDesk, expand
 from phoenixrun.control.state import NodeRecord, Role
 from phoenixrun.protocol.messages import MessageError
 from phoenixrun.protocol.relay import RELAY_OP, parse_relay_state, poll_key, seal, sealed
+from phoenixrun.protocol.replies import RelayLink
 
 SECRET = "s3cret"
 
@@ -140,8 +141,8 @@ def test_the_desk_bundles_a_relays_children_sealed_for_each():
     job, desk = job_with(9, 4)
     relay = desk.tree.relays[0]
     kids = desk.tree.children(relay)
-    assert desk.link(relay) == {"parent": None, "via": None, "serves": True}
-    assert desk.link(kids[0]) == {"parent": job.members.nodes[relay].peer_addr, "via": relay, "serves": False}
+    assert desk.link(relay) == RelayLink(parent=None, via=None, serves=True)
+    assert desk.link(kids[0]) == RelayLink(parent=job.members.nodes[relay].peer_addr, via=relay, serves=False)
     board = DirectiveBoard(first_version=100)
     board.set(job.members.nodes, command="quiesce", generation=1)
     assert set(desk.route([kids[0]])) == {kids[0], relay}

@@ -13,6 +13,7 @@ from phoenixrun.agents.ipc import WorkerChannelServer
 from phoenixrun.agents.standby import IdleBudget, NodeView, Tend, after_exit, over_budget, tend, usable
 from phoenixrun.agents.workers import Placement, WorkerSpec, standby_env, worker_env
 from phoenixrun.protocol.timings import Timings
+from phoenixrun.protocol.replies import JobTerms
 
 ON = dict(enabled=True, api=True, active=True, have=False, current=True, settled=True, finishing=False)
 
@@ -111,7 +112,7 @@ def node(tmp_path):
     a = Agent(AgentConfig(endpoint="127.0.0.1:1", secret="s3cret",
                           spec=WorkerSpec(str(script), (str(tmp_path), "api")), nproc_per_node=2))
     a.node.slot, a.node.role = 1, "active"
-    a.node.job = {"nnodes": 2, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
+    a.node.job = JobTerms(run_id="test", store_port=1, nnodes=2, nproc_per_node=1, tp=1, pp=1, max_restarts=0)
     channel = WorkerChannelServer(a.sock_path, a.worker_ops.on_message, a.worker_ops.on_close)
     yield a
     a.supervisor.kill_all()
@@ -188,7 +189,7 @@ def test_no_standby_without_the_api_or_when_turned_off(tmp_path, api, enabled):
                           spec=WorkerSpec(str(script), (str(tmp_path), "api" if api else "plain")),
                           nproc_per_node=1, standby_worker=enabled))
     a.node.slot, a.node.role = 0, "active"
-    a.node.job = {"nnodes": 1, "tp": 1, "pp": 1, "run_id": "test", "store_port": 1, "max_restarts": 0}
+    a.node.job = JobTerms(run_id="test", store_port=1, nnodes=1, nproc_per_node=1, tp=1, pp=1, max_restarts=0)
     channel = WorkerChannelServer(a.sock_path, a.worker_ops.on_message, a.worker_ops.on_close)
     try:
         with a.node.lock:

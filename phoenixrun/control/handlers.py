@@ -5,11 +5,12 @@ job is the coordinator's, which gets the report through the inbox.
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from phoenixrun.control import wire
 from phoenixrun.protocol import directives as cmd
@@ -26,8 +27,10 @@ from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.roster import digest
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
 from phoenixrun.protocol.names import REPORT_KINDS, ReportKind
+from phoenixrun.protocol.replies import Admitted, Heard, HeartbeatReply, JobTerms, PersistTerms, TurnedAway
 
 log = logging.getLogger("phoenixrun.master")
+R = TypeVar("R", bound=Admitted | TurnedAway | HeartbeatReply)
 
 
 class Handlers:
@@ -40,15 +43,14 @@ class Handlers:
     # Every message is parsed by protocol/messages.py before anything of it is applied; a MessageError
     # (a ValueError) is answered with its 4xx code by the transport. Then the rules that need the master's
     # state: the node's registration token, the generation, the directive version (docs/architecture.md).
-    def register(self, p: dict) -> dict:
+    def register(self, p: dict) -> Admitted | TurnedAway:
         return self._epoch(self._register(p))
 
-    def _epoch(self, reply: dict) -> dict:
+    def _epoch(self, reply: R) -> R:
         """Every answer an agent acts on names this master's lease epoch (agents ignore a deposed master's)."""
-        reply["master_epoch"] = self.job.master_epoch
-        return reply
+        return dataclasses.replace(reply, master_epoch=self.job.master_epoch)
 
-    def _register(self, p: dict) -> dict:
+    def _register(self, p: dict) -> Admitted | TurnedAway:
         msg = messages.parse_register(p, self._msg_job)
         with self.job.cv:
             fenced = self._fence(msg.node_id, "register")
@@ -64,7 +66,7 @@ class Handlers:
             refused = self._refusal(role, msg.node_rank)
             if refused is not None:
                 self.events.emit(NodeRefused(node=msg.node_id, host=msg.host, node_rank=msg.node_rank,
-                                             reason=refused["reason"]), self.job.course.generation)
+                                             reason=refused.reason), self.job.course.generation)
                 return refused
             node = NodeRecord(node_id=msg.node_id, host=msg.host, agent_pid=msg.agent_pid,
                               peer_addr=msg.peer_addr, fault_domain=msg.fault_domain, role=role, slot=slot)
@@ -83,16 +85,16 @@ class Handlers:
             if role == Role.SPARE:
                 self.orders.direct([node.node_id], cmd.Wait(warm=self.job.hot_swap_capable()))
             self.inbox.put(reports.Joined(node_id=node.node_id))
-            return self._job_json(role, slot, self._new_token(node.node_id))
+            return self._admitted(role, slot, self._new_token(node.node_id))
 
-    def _reregister(self, node: NodeRecord, msg: messages.Register) -> dict:
+    def _reregister(self, node: NodeRecord, msg: messages.Register) -> Admitted:
         """A live node id registering again. Node ids are bound to the registration that created them: the same
         agent process retrying (its reply was lost) gets the same answer, and it proves it is that process with
         the nonce it sent the first time - never with what /v1/state shows of the node (host, pid, address: anyone
         holding the job secret reads them). Anyone else is refused and the record stays as it was."""
         expected = self.job.members.nonces.get(node.node_id)
         if expected is not None and msg.nonce is not None and hmac.compare_digest(expected, digest(msg.nonce)):
-            return self._job_json(node.role, node.slot,
+            return self._admitted(node.role, node.slot,
                                   self.job.members.tokens.get(node.node_id) or self._new_token(node.node_id))
         if (node.agent_pid, node.peer_addr, node.host) == (msg.agent_pid, msg.peer_addr, msg.host):
             raise messages.MessageError(
@@ -103,20 +105,18 @@ class Handlers:
             f"node id {node.node_id!r} is already registered (agent pid {node.agent_pid} at {node.peer_addr}): "
             "give each agent a unique --node-id", code=409, reason="node_id_in_use")
 
-    def _refusal(self, role: Role, node_rank: int | None) -> dict | None:
+    def _refusal(self, role: Role, node_rank: int | None) -> TurnedAway | None:
         """The answer to a registration the job has no place for (call with the lock held), else None."""
         if role == Role.FAILED:
-            return {"role": Role.FAILED.value, "slot": None, "exit_code": 2,
-                    "reason": f"node rank {node_rank} is already taken by node {self.job.members.slots.get(node_rank)}: "
-                              "give every node its own --node-rank"}
+            return TurnedAway(f"node rank {node_rank} is already taken by node {self.job.members.slots.get(node_rank)}: "
+                              "give every node its own --node-rank", exit_code=2)
         if role == Role.SPARE and self.cfg.spares is not None and \
                 sum(1 for n in self.job.members.nodes.values() if n.role == Role.SPARE) >= self.cfg.spares:
-            return {"role": Role.FAILED.value, "slot": None, "exit_code": 0,
-                    "reason": f"the job has its {self.cfg.nnodes} nodes and {self.cfg.spares} spare(s) "
-                              "(--nnodes, --spares): this node is not needed"}
+            return TurnedAway(f"the job has its {self.cfg.nnodes} nodes and {self.cfg.spares} spare(s) "
+                              "(--nnodes, --spares): this node is not needed", exit_code=0)
         return None
 
-    def _readmit(self, msg: messages.Register, r: messages.Rejoin) -> dict:
+    def _readmit(self, msg: messages.Register, r: messages.Rejoin) -> Admitted | TurnedAway:
         """An agent of a job already running when this master started (it restarted): rebuild the
         job's state from what the agents report - membership, slots, generation, snapshots."""
         nid, gen, slot = msg.node_id, r.generation, r.slot
@@ -143,7 +143,7 @@ class Handlers:
             reason = (f"slot {slot} was given to {owner}" if owner is not None
                       else f"the run directory gives slot {slot} to no node")
             self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.course.generation)
-            return {"role": Role.FAILED.value, "slot": None, "reason": reason}
+            return TurnedAway(reason)
         if gen > self.job.course.generation and self.job.course.phase != Phase.WAITING:
             # once running, this master issued every generation since: a newer one was never issued
             raise messages.MessageError(f"rejoin generation {gen} was never issued (the job is at generation "
@@ -160,7 +160,7 @@ class Handlers:
         if holder not in (None, nid):
             reason = f"slot {slot} belongs to {holder}"
             self.events.emit(NodeFenced(node=nid, slot=slot, reason=reason), self.job.course.generation)
-            return {"role": Role.FAILED.value, "slot": None, "reason": reason}
+            return TurnedAway(reason)
         self.job.members.rejoin_generation[nid] = gen
         self.job.members.nonces[nid] = roster.nonces[nid]
         role = Role.ACTIVE if slot is not None else Role.SPARE
@@ -185,13 +185,13 @@ class Handlers:
         if role == Role.SPARE:
             self.orders.direct([nid], cmd.Wait(warm=node.api))
         self.inbox.put(reports.Joined(node_id=nid, interrupted=r.frozen))
-        return self._job_json(role, slot, self._new_token(nid))
+        return self._admitted(role, slot, self._new_token(nid))
 
-    def _job_json(self, role: Role, slot: int | None, token: str) -> dict:
-        return {"role": role.value, "slot": slot, "run_id": self.cfg.run_id, "token": token,
-                "store_port": self.job.store_port, "nnodes": self.cfg.nnodes,
-                "nproc_per_node": self.cfg.nproc_per_node, "tp": self.cfg.shape.tp, "pp": self.cfg.shape.pp,
-                "max_restarts": self.cfg.recovery.max_restarts, "persist": self._persist_json()}
+    def _admitted(self, role: Role, slot: int | None, token: str) -> Admitted:
+        return Admitted(role.value, slot, token, JobTerms(
+            run_id=self.cfg.run_id, store_port=self.job.store_port, nnodes=self.cfg.nnodes,
+            nproc_per_node=self.cfg.nproc_per_node, tp=self.cfg.shape.tp, pp=self.cfg.shape.pp,
+            max_restarts=self.cfg.recovery.max_restarts, persist=self._persist_terms()))
 
     def _new_token(self, node_id: str) -> str:
         """The registration's token: the node's later calls carry it (messages are bound to their sender)."""
@@ -206,7 +206,7 @@ class Handlers:
                 f"{via} for node {node_id!r} does not carry the token of its registration"
                 + ("" if token else " (an agent older than this master? upgrade it)"), code=403, reason="wrong_token")
 
-    def heartbeat(self, p: dict) -> dict:
+    def heartbeat(self, p: dict) -> HeartbeatReply | TurnedAway:
         msg = messages.parse_heartbeat(p, self._msg_job)
         with self.job.cv:
             node = self.job.members.nodes.get(msg.node_id)
@@ -236,8 +236,8 @@ class Handlers:
             self.job.note_compute(node)
             for n in self.job.new_stragglers():
                 self._straggler(n)
-            return {"ok": True, "role": node.role.value, "inject": self.job.members.injections.pop(node.node_id, []),
-                    "master_epoch": self.job.master_epoch}
+            return HeartbeatReply(node.role.value, tuple(self.job.members.injections.pop(node.node_id, [])),
+                                  master_epoch=self.job.master_epoch)
 
     def _straggler(self, node: NodeRecord) -> None:
         """A node became a straggler (call with the lock held): reported; with --replace-stragglers, drained."""
@@ -274,7 +274,7 @@ class Handlers:
         self.inbox.put(reports.Drain(node_id=nid, reason=msg.reason, by="operator", t=time.time()))
         return {"ok": True, "node": nid, "slot": msg.slot}
 
-    def report(self, p: dict[str, Any]) -> dict[str, Any]:
+    def report(self, p: dict[str, Any]) -> Heard | TurnedAway:
         sent = reports.parse_report(p, self._msg_job, time.time())
         msg = sent.report
         with self.job.cv:
@@ -293,13 +293,13 @@ class Handlers:
                 # about workers of a generation already replaced: moot (a late or replayed report)
                 self.rejections.note(time.time(), node.host, "stale_generation", "/v1/report",
                                      f"{msg.kind} of generation {gen} from {msg.node_id} (now {self.job.course.generation})")
-                return {"ok": True, "ignored": f"stale generation {gen} (now {self.job.course.generation})"}
+                return Heard(ignored=f"stale generation {gen} (now {self.job.course.generation})")
             if msg.kind == ReportKind.WORKERS_DONE and not self._may_be_done(node, gen):
                 raise messages.MessageError(
                     f"workers_done from {msg.node_id}: it was not told to run workers in generation {self.job.course.generation}",
                     code=409, reason="not_running")
         self.inbox.put(msg)
-        return {"ok": True}
+        return Heard()
 
     def _may_be_done(self, node: NodeRecord, generation: int | None) -> bool:
         """A node's workers can have finished only if it holds a slot and, in this generation, was sent an
@@ -335,7 +335,7 @@ class Handlers:
                 node_id, known = p.get("node_id", ""), int(p.get("version", -1))
                 fenced = self._fence(node_id, "directive")
                 if fenced:
-                    fields = {**fenced, "version": known + 1, "generation": self.job.course.generation,
+                    fields = {**fenced.to_wire(), "version": known + 1, "generation": self.job.course.generation,
                               "master_epoch": self.job.master_epoch}
                     answers.append(Directive(known + 1, fields, wire.dumps(fields)))   # not on the board
                     continue
@@ -355,18 +355,18 @@ class Handlers:
         with self.job.cv:
             return job_view(self.job, self.events, self.rejections)
 
-    def _fence(self, node_id: str, via: str) -> dict | None:
+    def _fence(self, node_id: str, via: str) -> TurnedAway | None:
         """Fencing on rejoin: a node that was replaced gets only a stop order, whatever it asked."""
         reply = fence_reply(self.job.members.nodes.get(node_id))
         if reply is not None and node_id not in self.job.members.fenced:
             self.job.members.fenced.add(node_id)
             log.warning("node %s contacted the master (%s) after it was replaced: fenced", node_id, via)
-            self.events.emit(NodeFenced(node=node_id, via=via, reason=reply["reason"]), self.job.course.generation)
+            self.events.emit(NodeFenced(node=node_id, via=via, reason=reply.reason), self.job.course.generation)
         return reply
 
-    def _persist_json(self) -> dict | None:
-        if self.cfg.persistence.persist_dir is None:
+    def _persist_terms(self) -> PersistTerms | None:
+        c = self.cfg.persistence
+        if c.persist_dir is None:
             return None
-        return {"dir": str(self.cfg.persistence.persist_dir), "every": self.cfg.persistence.persist_every, "keep": self.cfg.persistence.persist_keep,
-                "world_size": self.job.course.layout.world_size}
+        return PersistTerms(str(c.persist_dir), c.persist_every, c.persist_keep, self.job.course.layout.world_size)
 

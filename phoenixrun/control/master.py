@@ -14,6 +14,7 @@ the TCPStore the workers' process groups rendezvous on (one key prefix per gener
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ from phoenixrun.control.standby import Acquired, LeaseKeeper, await_lease
 from phoenixrun.control.state import NodeRecord, Phase, Role
 from phoenixrun.control.watch_desk import WatchDesk
 from phoenixrun.protocol import messages
+from phoenixrun.protocol.replies import Heard, TurnedAway
 from phoenixrun.protocol.suspect import is_suspect_report, parse_suspect
 from phoenixrun.protocol.events import (MasterDeposed, MasterStandby, MasterStarted, MasterTakeover,
                                        RejectedRequest)
@@ -178,21 +180,20 @@ class Master:
 
     # ---------------------------------------------------------------- the transport's API (control/handlers.py)
     def register(self, p: dict) -> dict:
-        return self.handlers.register(p)
+        return self.handlers.register(p).to_wire()
 
     def heartbeat(self, p: dict) -> dict:
         reply = self.handlers.heartbeat(p)
-        if not reply.get("ok"):
-            return reply
-        link = self.relays.link(p["node_id"])
-        reply = reply if link is None else {**reply, "relay": link}
-        return {**reply, "watch": self.watch.watch(p["node_id"])}
+        if isinstance(reply, TurnedAway):
+            return reply.to_wire()
+        node_id = p["node_id"]
+        return dataclasses.replace(reply, relay=self.relays.link(node_id), watch=self.watch.watch(node_id)).to_wire()
 
     def report(self, p: dict) -> dict:
         if is_suspect_report(p):      # a ring watcher's (protocol/suspect.py): judged by the watch desk
             self.watch.note(parse_suspect(p), time.time())
-            return {"ok": True}
-        return self.handlers.report(p)
+            return Heard().to_wire()
+        return self.handlers.report(p).to_wire()
 
     def inject(self, p: dict) -> dict:
         return self.handlers.inject(p)

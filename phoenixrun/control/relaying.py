@@ -19,6 +19,7 @@ from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.relay_tree import Member, Tree
 from phoenixrun.control.state import Role
 from phoenixrun.protocol.relay import FALLBACK_POLL_S, poll_key, seal
+from phoenixrun.protocol.replies import RelayLink
 
 REFRESH_S = 0.25       # the tree follows the membership this closely (a relay's children do not wait for it:
                        # they poll the master directly the moment their relay fails)
@@ -66,7 +67,7 @@ class RelayDesk:
         # a child sent to it would be refused meanwhile (measured: 20 s of refusals, a real job, issue 32)
         self.wake(relay_tree.changed_relays(old, tree))
 
-    def link(self, node_id: str) -> dict[str, object] | None:
+    def link(self, node_id: str) -> RelayLink | None:
         """What a heartbeat reply tells the node of the tree: its relay's address (None: the master) and whether
         it serves children; None while relaying has never been on (the reply stays as it was)."""
         self.refresh()
@@ -74,7 +75,7 @@ class RelayDesk:
             return None
         tree = self.tree
         parent = tree.parent.get(node_id)
-        return {"parent": self._addr.get(parent) if parent else None, "via": parent, "serves": node_id in self._addr}
+        return RelayLink(self._addr.get(parent) if parent else None, parent, node_id in self._addr)
 
     def poll_timeout(self, node_id: str, asked: float) -> float:
         """How long to park a node's direct poll: short for a node that has a relay (it polls the master only

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any, Container, Iterable, Iterator, Mapping, TypeVar
 
 from phoenixrun.protocol.figures import Figures
+from phoenixrun.protocol.replies import TurnedAway
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.redundancy import PeerSet
 from phoenixrun.topology import Layout
@@ -247,7 +248,7 @@ def plan_recovery(layout: Layout, nodes: Mapping[str, NodeRecord], slots: Mappin
     return RecoveryPlan(restore_step=chosen, slots=new_slots, fetch=fetch, replaced_slots=dict(replacements))
 
 
-def fence_reply(node: NodeRecord | None) -> dict[str, Any] | None:
+def fence_reply(node: NodeRecord | None) -> TurnedAway | None:
     """What the master answers a node that is no longer part of the job, whatever it asked; None otherwise.
 
     A node that was declared lost and replaced (or a spare declared lost) may come back: a healed partition, a
@@ -257,6 +258,5 @@ def fence_reply(node: NodeRecord | None) -> dict[str, Any] | None:
     """
     if node is None or node.role != Role.FAILED:
         return None
-    return {"fenced": True, "command": "stop", "exit_code": 0, "role": Role.FAILED.value, "slot": None,
-            "reason": f"fenced: node {node.node_id} was declared lost ({node.last_fault or 'no detail'}) "
-                      "and is no longer part of the job"}
+    return TurnedAway(f"fenced: node {node.node_id} was declared lost ({node.last_fault or 'no detail'}) "
+                      "and is no longer part of the job", exit_code=0, fenced=True)

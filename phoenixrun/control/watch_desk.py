@@ -60,13 +60,13 @@ class WatchDesk:
             for gone in set(self._suspicions) - set(slots):
                 del self._suspicions[gone]
 
-    def watch(self, node_id: str) -> list[list[str]]:
-        """What the node's heartbeat reply says it watches ([[id, peer address], ...])."""
+    def watch(self, node_id: str) -> tuple[tuple[str, str], ...]:
+        """What the node's heartbeat reply says it watches: (node id, peer address) of each neighbour."""
         self.refresh()
         i = self._index.get(node_id)
         if i is None:
-            return []
-        return [[w, self._addr.get(w, "")] for w in ring_watch.neighbours(self._order, i, self.k)]
+            return ()
+        return tuple((w, self._addr.get(w, "")) for w in ring_watch.neighbours(self._order, i, self.k))
 
     def _watchers(self, node_id: str) -> tuple[str, ...]:
         i = self._index.get(node_id)
