@@ -273,7 +273,10 @@ class WorkerSupervisor:
 
     def stepped(self, local_rank: int, seconds: float) -> None:
         """A worker's `progress` carried the longest step it took since its last one (what the grace follows)."""
-        self.step_times.record(local_rank, seconds)
+        try:    # the channel's decode does not check a field's type: a worker's stray value is ignored, not fatal
+            self.step_times.record(local_rank, float(seconds))
+        except (TypeError, ValueError):
+            pass
 
     def unwatch(self, conn: WorkerConn) -> None:
         """A worker closed its link: it crashed (its exit is what counts: `watch` sees it) or it left the

@@ -31,6 +31,13 @@ def _typed(m: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where
                      f"got {v!r}")
 
 
+def _object(m: Any, where: str) -> Mapping[str, Any] | None:
+    """An optional nested object of a reply: None if absent, else a mapping (a ValueError naming it otherwise)."""
+    if m is not None and not isinstance(m, Mapping):
+        raise ValueError(f"{where} must be an object, got {m!r}")
+    return m
+
+
 def _epoch(m: Mapping[str, Any], where: str) -> int | None:
     v: int | None = _typed(m, "master_epoch", int, where, none=True)
     return v
@@ -48,12 +55,11 @@ class PersistTerms:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_wire(cls, m: Any) -> PersistTerms | None:
+    def from_wire(cls, raw: Any) -> PersistTerms | None:
+        w = "registration reply persist"
+        m = _object(raw, w)
         if m is None:
             return None
-        if not isinstance(m, Mapping):
-            raise ValueError(f"registration reply: persist must be an object, got {m!r}")
-        w = "registration reply persist"
         return cls(_typed(m, "dir", str, w), _typed(m, "every", int, w), _typed(m, "keep", int, w),
                    _typed(m, "world_size", int, w))
 
@@ -147,12 +153,11 @@ class RelayLink:
         return {"parent": self.parent, "via": self.via, "serves": self.serves}
 
     @classmethod
-    def from_wire(cls, m: Any) -> RelayLink | None:
+    def from_wire(cls, raw: Any) -> RelayLink | None:
+        w = "heartbeat reply relay"
+        m = _object(raw, w)
         if m is None:
             return None
-        if not isinstance(m, Mapping):
-            raise ValueError(f"heartbeat reply: relay must be an object, got {m!r}")
-        w = "heartbeat reply relay"
         parent = _typed(m, "parent", str, w, none=True)
         return cls(parent or None, _typed(m, "via", str, w, none=True), m.get("serves") is True)
 
