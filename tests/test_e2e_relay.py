@@ -8,6 +8,7 @@ the master takes the relay's loss as one more fault, and the job finishes bit-id
 import os
 import signal
 
+import psutil
 import pytest
 
 from tests.harness import assert_identical, by_event, launch, torchrun
@@ -17,20 +18,26 @@ pytestmark = pytest.mark.e2e
 
 
 def test_a_relay_killed_mid_broadcast_and_the_job_recovers_bit_identical(tmp_path):
+    # held serving a generation-1 directive; and the job held at a late step's snapshot until the relay is dead: a
+    # held relay's children poll the master after RELAY_POLL_S, so the job can finish before the test acts (CI: it
+    # exited 0 between the relay's pause and the test's next state query)
     job = launch(tmp_path, "relay", nnodes=3, nproc=1, spares=1, steps=STEPS, extra_flags=["--relay-threshold", "2"],
-                 PHOENIXRUN_TEST_PAUSE="relay_serve:1")     # held serving a generation-1 directive
+                 PHOENIXRUN_TEST_PAUSE=f"relay_serve:1,d2h:{STEPS - 5}+")
     state = job.wait_for(lambda s: (s["step"] or 0) >= 8 and len(s["nodes"]) == 4
                          and all(n["worker_pids"] for n in s["nodes"] if n["role"] == "active"),
                          what="training with 4 agents")
     victim_worker = next(n for n in state["nodes"] if n["slot"] == 0)["worker_pids"][0]
     os.kill(victim_worker, signal.SIGKILL)                  # the first fault: its recovery goes out via the relays
     relay_pid = int(job.wait_file(tmp_path / "paused-relay_serve"))
-    relay = next(n for n in job.current()["nodes"] if n["agent_pid"] == relay_pid)
-    for pid in [relay_pid, *relay["worker_pids"]]:
+    relay = next(n for n in state["nodes"] if n["agent_pid"] == relay_pid)
+    # the relay's node lost whole: its agent and its workers now (slot 0's worker was just respawned)
+    agent = psutil.Process(relay_pid)
+    for p in [agent, *agent.children(recursive=True)]:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            p.kill()
+        except psutil.NoSuchProcess:
             pass
+    (tmp_path / "release-d2h").touch()
     assert job.finish() == 0, job.log()[-3000:]
     ev = job.events()
     # an active relay is a fault (fault_detected, its slot replaced), a spare one a spare lost
