@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,9 +123,22 @@ def torchrun(tmp: Path, name: str, nproc: int, steps: int, script_args: list[str
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), str(script),
            "--steps", str(steps), "--out", str(out), *model_args, *(script_args or [])]
     r = subprocess.run(cmd, env=env(), cwd=tmp, capture_output=True, text=True, timeout=2 * WAIT_S)
+    if r.returncode != 0 and _aborted_at_exit(r.stderr, out, nproc):
+        # torch's own teardown: a script that leaves its gloo group to interpreter exit (HF Trainer, accelerate and
+        # Lightning scripts do) is occasionally ended by SIGABRT after its last line ran - CI: the hf reference, every
+        # rank's result written; a bare gloo script 3 of 12 times under load, 0 of 12 idle. The reference is run
+        # again once: its result must come from a run that exited 0.
+        shutil.rmtree(out, ignore_errors=True)
+        r = subprocess.run(cmd, env=env(), cwd=tmp, capture_output=True, text=True, timeout=2 * WAIT_S)
     assert r.returncode == 0, f"the torchrun reference failed (exit {r.returncode}):\n{r.stderr[-4000:]}"
     _REFERENCES[key] = out
     return out
+
+
+def _aborted_at_exit(stderr: str, out: Path, nproc: int) -> bool:
+    """A torchrun run whose every rank wrote its result and whose failure is a worker's SIGABRT at exit."""
+    return "terminate called without an active exception" in stderr and "SIGABRT" in stderr \
+        and len(list(out.glob("rank*.json"))) == nproc
 
 
 def results(out: Path) -> dict[int, dict]:
