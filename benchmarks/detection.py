@@ -129,8 +129,8 @@ def _live_pids(job: Job) -> set[int] | None:
     return pids if alive else None
 
 
-def _make_fault(job: Job, fault: str, state: Row) -> float:
-    """The fault, now; returns its time (for an injected one, after the master recorded it)."""
+def _make_fault(job: Job, fault: str, state: Row) -> tuple[float, str]:
+    """The fault, now; returns its time (for an injected one, after the master recorded it) and the victim's node."""
     node = next(n for n in state["nodes"] if n["slot"] == 1 and n["role"] == "active")
     t0 = time.time()
     if fault == "node-loss":
@@ -147,15 +147,16 @@ def _make_fault(job: Job, fault: str, state: Row) -> float:
                         "--fault", "comm-timeout" if fault == "comm-timeout" else fault],
                        check=True, env=env(), capture_output=True)
         t0 = _until(lambda: _first(by_event(job.events(), "fault_injected")[n:]), job, "fault_injected")["t"]
-    return t0
+    return t0, node["node_id"]
 
 
 def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> Row:
     """One fault of class `fault` into the running job, measured."""
     state = _steady(job, fault, prog, since_step)
     done_before = len(by_event(job.events(), "recovery_done"))
+    seen_before = len(by_event(job.events(), "fault_detected"))
     load = os.getloadavg()[0]
-    t0 = _make_fault(job, fault, state)
+    t0, victim = _make_fault(job, fault, state)
     target = _latest(prog) + 1          # the step in flight at the fault
     if target >= steps - 2:
         raise RuntimeError(f"the fault landed at step {target} of {steps}: give the job more steps")
@@ -163,14 +164,19 @@ def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> Row:
     done = _until(lambda: _first(by_event(job.events(), "recovery_done")[done_before:]), job, "recovery_done")
     before = _worker_pids(state)
     after = _until(lambda: _live_pids(job), job, "the workers' pids after the recovery")
-    detected = [e for e in by_event(job.events(), "fault_detected")
-                if not e.get("during_recovery") and e["t"] >= t0 - 0.5]
+    # the victim's fault, detected after it was made (CI, load 5.6: a detection 0.33 s before the kill was taken
+    # for this one); any other fault found since the steady state was reached is reported, not hidden
+    found = by_event(job.events(), "fault_detected")[seen_before:]
+    detected = [e for e in found if not e.get("during_recovery") and e.get("node") == victim and e["t"] >= t0]
+    others = [e for e in found if not e.get("during_recovery") and e not in detected]
     return {"fault": fault, "load_avg": round(load, 2), "lost_s": round(t_back - t0, 3),
             "detect_s": round(detected[0]["t"] - t0, 3) if detected and fault != "drain" else None,
             "recovery_s": done["duration_s"], "back_s": round(done["t"] - t0, 3),
             "class": detected[0].get("class") if detected else "drain", "action": done.get("cause") or
             (detected[0].get("action") if detected else None), "replayed_steps": done.get("replayed_steps"),
             "phases": done.get("phases"), "step_reached": target,
+            "other_faults": [f"{e.get('node')}: {e.get('class')} {e.get('signal')} at t0{e['t'] - t0:+.3f}s"
+                             for e in others],
             # workers that are not the processes of before the fault (the fault's own victim included): 1 for a
             # worker death or hang (its rank went to the standby or a new process), 0 for a rebuild in place
             "new_pids": len(after - before)}
