@@ -172,7 +172,7 @@ def test_an_admissible_drain_is_queued_for_the_controller(tmp_path):
 def test_a_sigterm_drain_without_a_spare_leaves_as_before(tmp_path):
     """No spare: the agent that asked is told to stop as on SIGTERM and its slot is handled as a node that left."""
     m = _running(tmp_path)
-    m.coordinator._drain(m.nodes["b"], reports.Drain(node_id="b", reason="agent got SIGTERM", t=1.0))
+    m.coordinator._drain(m.nodes["b"], 1, reports.Drain(node_id="b", reason="agent got SIGTERM", t=1.0))
     d = m.directives.get("b").fields
     assert (d["command"], d["exit_code"]) == ("stop", 143) and "no spare node" in d["reason"]
     left = m._inbox.get_nowait()
@@ -234,7 +234,7 @@ def test_a_drain_whose_restore_fails_its_checksum_becomes_a_hot_swap(tmp_path, m
     for r, nid in enumerate(("a", "b")):
         m._inbox.put(reports.Quiesced(node_id=nid, generation=g, next_step=5, snapshots={r: [3, 4]}))
     m._inbox.put(reports.RestoreFailed(node_id="s0", generation=g, reason="checksum mismatch", integrity=True))
-    m.recovery.drain(m.nodes["b"], "kernel update", 1.0)
+    m.recovery.drain(m.nodes["b"], 1, "kernel update", 1.0)
     assert swaps == [(set(), "b", {1: "s0"})]
     assert m.directives.get("b").fields["command"] == "stop"
     m.events.close()

@@ -149,7 +149,8 @@ class Coordinator:
             return None
         with job.cv:
             node = job.members.nodes.get(ev.node_id)
-        if node is None or node.role != Role.ACTIVE or node.slot is None:
+            slot = None if node is None or node.role != Role.ACTIVE else node.slot
+        if node is None or slot is None:
             return None
         if isinstance(ev, r.WorkersDone) and ev.generation == job.course.generation:
             job.members.done_nodes.add(node.node_id)
@@ -157,7 +158,7 @@ class Coordinator:
                 return JobEnd(0, "all workers finished")
             return None
         if isinstance(ev, r.Drain):
-            self._drain(node, ev)
+            self._drain(node, slot, ev)
             return None
         if ev.kind not in FAULT_REPORTS:
             return None
@@ -168,7 +169,7 @@ class Coordinator:
             self._handle_fault(*incident)
         return None
 
-    def _drain(self, node: NodeRecord, ev: r.Drain) -> None:
+    def _drain(self, node: NodeRecord, slot: int, ev: r.Drain) -> None:
         """A drain asked for by an operator (`phoenixrun drain`) or by the node's agent (it got SIGTERM). Judged
         again now (a fault may have come first). Refused: the operator was told already (the request is checked
         when it arrives) - unless the state changed since; an agent that asked is treated as it was before
@@ -177,19 +178,19 @@ class Coordinator:
         by = ev.by
         reason = ev.reason or ev.detail or "drain"
         with job.cv:
-            refusal = job.drain_refusal(node.slot)
-            self.events.emit(DrainRequested(node=node.node_id, slot=node.slot, reason=reason, by=by,
+            refusal = job.drain_refusal(slot)
+            self.events.emit(DrainRequested(node=node.node_id, slot=slot, reason=reason, by=by,
                                             accepted=refusal is None, refusal=refusal or None), job.course.generation)
             if refusal is not None and by == "agent":
                 self.orders.direct([node.node_id], cmd.Stop(exit_code=128 + 15,
                                                             reason=f"drain refused ({refusal}): leaving as on SIGTERM"))
         if refusal is None:
-            self.recovery.drain(node, reason, ev.at(time.time()))
+            self.recovery.drain(node, slot, reason, ev.at(time.time()))
         elif by == "agent":
-            log.warning("drain of slot %s refused: %s; the node leaves", node.slot, refusal)
+            log.warning("drain of slot %s refused: %s; the node leaves", slot, refusal)
             self.inbox.put(r.Left(node_id=node.node_id, t=time.time(), detail=f"{reason}; drain refused: {refusal}"))
         else:
-            log.warning("drain of slot %s refused: %s", node.slot, refusal)
+            log.warning("drain of slot %s refused: %s", slot, refusal)
 
     def _slot_of(self, ev: r.Report) -> int | None:
         with self.job.cv:
@@ -274,14 +275,17 @@ class Coordinator:
                       context: dict[str, Any] | None = None) -> None:
         job = self.job
         with job.cv:
-            job.course.fault_history.setdefault(node.slot, []).append(signal_of(ev, node.slot))
+            slot = node.slot
+            if slot is None:     # it left its slot meanwhile (failed over by its own rejoin): nothing left to act on
+                return
+            job.course.fault_history.setdefault(slot, []).append(signal_of(ev, slot))
             before, node.last_fault = node.last_fault, fault_text(verdict, ev)
             self.recovery.incidents.open(self.events.emit(
-                fault_detected(ev, node.node_id, node.slot, verdict, **(context or {})), job.course.generation))
+                fault_detected(ev, node.node_id, slot, verdict, **(context or {})), job.course.generation))
             response = respond(job.hot_swap_capable(), verdict.action, ev.kind)
         failing_code = exit_code_of(ev)
         if response.remedy is Remedy.FALLBACK:
-            why = fallback_reason(verdict, ev, node.slot)
+            why = fallback_reason(verdict, ev, slot)
             if not self.recovery.fallback(set(), why):
                 raise Stop(failing_code or 1, why)
             return
@@ -289,7 +293,7 @@ class Coordinator:
             # the node is still up but must go: fence it (its agent kills its workers and exits)
             with job.cv:
                 self.orders.direct([node.node_id], cmd.Stop(exit_code=0, reason=f"fenced: {verdict.reason}"))
-        lost = {node.slot} if response.replace else set()
+        lost = {slot} if response.replace else set()
         if response.remedy is Remedy.RESTART:
             self._restart_plain(lost, node, ev, verdict, failing_code, before)
         else:
@@ -308,7 +312,8 @@ class Coordinator:
         time.sleep(self.cfg.recovery.correlation_window)
         losses = self.inbox.take(lambda e: e.kind in NODE_LOSSES)
         with job.cv:
-            actives = [n for n in job.members.actives() if n.slot not in lost]
+            actives = [n for n in job.members.actives() if n.slot is not None and n.slot not in lost]
+            slot_of = {n.node_id: n.held_slot for n in actives}
             reported = {e.node_id: e for e in losses}
         gone = [n for n in actives if n.node_id in reported]
         # refusals only: a killed node's agent refuses at once, and on a loaded machine a live agent answering
@@ -319,11 +324,11 @@ class Coordinator:
         if gone:
             with job.cv:
                 for n in gone:
-                    lost.add(n.slot)
+                    lost.add(slot_of[n.node_id])
                     loss = reported.get(n.node_id) or r.NodeLost(node_id=n.node_id, detail="agent unreachable")
-                    c = loss_verdict(loss, n.slot, self.cfg.recovery.max_local_resets)
+                    c = loss_verdict(loss, slot_of[n.node_id], self.cfg.recovery.max_local_resets)
                     n.last_fault = fault_text(c, loss)
-                    rec = self.events.emit(fault_detected(loss, n.node_id, n.slot, c, signal=r.NodeLost.KIND,
+                    rec = self.events.emit(fault_detected(loss, n.node_id, slot_of[n.node_id], c, signal=r.NodeLost.KIND,
                                                           detail="node lost with the failure", symptom_of_loss=True),
                                            job.course.generation)
                     if n is gone[0] and not reporter_lost:    # the incident is the loss (what the console says)
@@ -332,7 +337,7 @@ class Coordinator:
                                                      "t": first.get("t", rec["t"])})
                 if not reporter_lost:      # its report was a symptom of the loss: not its fault
                     node.last_fault = before
-            why = (f"node(s) in slot(s) {sorted(n.slot for n in gone)} lost (rank {ev.rank}'s "
+            why = (f"node(s) in slot(s) {sorted(slot_of[n.node_id] for n in gone)} lost (rank {ev.rank}'s "
                    f"{ev.kind.value} was its symptom)")
         for e in losses:   # losses of spares and of nodes already handled: the usual bookkeeping
             if e.node_id not in {n.node_id for n in gone}:

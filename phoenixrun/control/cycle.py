@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from typing import Any, Protocol, TypeVar, Union
 
 from phoenixrun import persist_layout as persist   # torch-free: the master never reaches the DCP writer
 from phoenixrun.control.decide import AfterFailure, Failure, Next, Recovery, after_failure, no_spare
@@ -87,6 +87,7 @@ class Reshard:
 
 
 Restore = Union[FromMemory, FromCheckpoint, Reshard]
+R = TypeVar("R", bound=Restore)      # a plan's own kind of restore: what its plan() gives its resume()
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Outcome:
     attempts: int
 
 
-class Plan(Protocol):
+class Plan(Protocol[R]):
     """One recovery kind, as the executor drives it."""
     kind: Recovery
     lost: set[int]         # slots lost meanwhile: pump adds to it
@@ -123,10 +124,10 @@ class Plan(Protocol):
     def quiesce(self) -> Quiesce | None:
         """Who quiesces (None: no quiesce leg). Called with the job's lock held."""
 
-    def plan(self, quiesced: Quiesced | None, attempt: int) -> Restore:
+    def plan(self, quiesced: Quiesced | None, attempt: int) -> R:
         """The restore to carry out; raises PlanError (or Cascade, NoSpare) when there is none."""
 
-    def resume(self, quiesced: Quiesced | None, restore: Restore, restored: Restored, attempt: int) -> Resume:
+    def resume(self, quiesced: Quiesced | None, restore: R, restored: Restored, attempt: int) -> Resume:
         """How the job goes on. Called with the job's lock held."""
 
     def failed(self, error: Exception, after: AfterFailure) -> None:
@@ -153,7 +154,7 @@ class Cycle:
         self.cfg, self.job, self.orders, self.events = job.cfg, job, orders, events
         self.flight, self.incidents = flight, incidents
 
-    def drive(self, p: Plan) -> Outcome | None:
+    def drive(self, p: Plan[R]) -> Outcome | None:
         """Run cycles of `p` until one succeeds (None) or decide.after_failure says what comes instead."""
         attempt = 0
         while True:
@@ -168,7 +169,7 @@ class Cycle:
                     return Outcome(after.next, e, attempt)
                 self.flight.settle(after.pause, p.lost)
 
-    def once(self, p: Plan, attempt: int) -> None:
+    def once(self, p: Plan[R], attempt: int) -> None:
         """One cycle: quiesce -> plan -> restore -> resume."""
         quiesced = self.quiesce(p)
         since = time.time()
@@ -177,7 +178,7 @@ class Cycle:
         self.resume(p, quiesced, restore, restored, attempt)
 
     # ---------------------------------------------------------------- the legs
-    def quiesce(self, p: Plan) -> Quiesced | None:
+    def quiesce(self, p: Plan[Any]) -> Quiesced | None:
         """A new generation; its members stop at a step boundary and report their snapshot inventory."""
         t = time.time()
         job = self.job
@@ -209,7 +210,7 @@ class Cycle:
         self.flight.wait(acks, lost)
         return Restored(g, acks.got, {"plan_s": plan_s, "restore_s": round(time.time() - t, 4), **slowest(acks.got)})
 
-    def resume(self, p: Plan, q: Quiesced | None, r: Restore, restored: Restored, attempt: int) -> None:
+    def resume(self, p: Plan[R], q: Quiesced | None, r: R, restored: Restored, attempt: int) -> None:
         job = self.job
         with job.cv:
             res = p.resume(q, r, restored, attempt)

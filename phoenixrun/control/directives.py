@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from phoenixrun.control import wire
 
@@ -25,7 +25,7 @@ from phoenixrun.control import wire
 @dataclass
 class Directive:
     version: int
-    fields: dict          # what the agent gets, as the master set it (shared by a broadcast's nodes)
+    fields: dict[str, Any]   # what the agent gets, as the master set it (shared by a broadcast's nodes)
     body: bytes           # the same, encoded
     sent: bool = False    # handed to the agent's connection (in its socket buffer, or on the wire)
     acked: bool = False   # the agent polled again holding this version: it has it
@@ -55,7 +55,7 @@ class DirectiveBoard:
         self._rollouts: OrderedDict[int, Rollout] = OrderedDict()
         self.on_sent = on_sent
 
-    def set(self, node_ids: Iterable[str], **fields) -> list[str]:
+    def set(self, node_ids: Iterable[str], **fields: Any) -> list[str]:
         """Give every node in node_ids the directive `fields` under one new version; returns the ids."""
         self.version += 1
         fields["version"] = self.version
@@ -66,7 +66,7 @@ class DirectiveBoard:
         self._track(fields, len(ids))
         return ids
 
-    def set_each(self, orders: Mapping[str, dict], **common) -> list[str]:
+    def set_each(self, orders: Mapping[str, dict[str, Any]], **common: Any) -> list[str]:
         """Give each node its own directive, `common` merged into each, under one new version (the
         nodes with nothing of their own share one encoding of `common`)."""
         self.version += 1
@@ -82,7 +82,7 @@ class DirectiveBoard:
         self._track(common, len(orders))
         return list(orders)
 
-    def _track(self, fields: dict, targets: int) -> None:
+    def _track(self, fields: dict[str, Any], targets: int) -> None:
         self._rollouts[self.version] = Rollout(self.version, fields["command"], fields.get("generation"), targets,
                                                time.time())
         while len(self._rollouts) > ROLLOUTS_KEPT:

@@ -31,9 +31,9 @@ class Drain:
     kind = Recovery.DRAIN
     tries = 1
 
-    def __init__(self, cycle: Cycle, node: NodeRecord, reason: str, requested: float):
+    def __init__(self, cycle: Cycle, node: NodeRecord, slot: int, reason: str, requested: float):
         self.cycle, self.job = cycle, cycle.job
-        self.node, self.slot, self.reason, self.requested = node, node.slot, reason, requested
+        self.node, self.slot, self.reason, self.requested = node, slot, reason, requested
         self.started = time.time()
         self.lost: set[int] = set()
         self.fresh: dict[int, str] = {}     # the slot a spare was promoted into (holds no state of its own yet)
@@ -52,12 +52,13 @@ class Drain:
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> FromMemory:
         """decide.plan_drain; the spare takes the slot (none left: everyone resumes in place, the node stays)."""
-        self.reached = quiesced.reached
+        self.reached = 0 if quiesced is None else quiesced.reached    # a drain always quiesces
         job, node = self.job, self.node
         with job.cv:
             spare = pick_spare(job.members.nodes, avoid_domains=[node.fault_domain])
             try:
-                plan = plan_drain(job.course.layout, job.members.nodes, job.members.slots, self.slot, spare and spare.node_id)
+                plan = plan_drain(job.course.layout, job.members.nodes, job.members.slots, self.slot,
+                                  None if spare is None else spare.node_id)
             except PlanError as e:
                 raise Cascade(f"drain plan impossible: {e}") from None
             if spare is not None:
@@ -80,7 +81,7 @@ class Drain:
             restored_step=plan.restore_step, cause="drain", replayed_steps=max(0, self.reached - plan.restore_step),
             steps_completed_before=self.reached, duration_s=round(now - self.started, 4),
             detect_to_done_s=round(now - self.requested, 4), replaced_slots=plan.replaced_slots,
-            drained_node=self.node.node_id, attempts=1, phases={"quiesce_s": quiesced.seconds, **restored.phases}),
+            drained_node=self.node.node_id, attempts=1, phases={"quiesce_s": 0.0 if quiesced is None else quiesced.seconds, **restored.phases}),
             close=False, stop=stop)    # its state is on the spare now: the drained node may go
 
     def failed(self, error: Exception, after: AfterFailure) -> None:

@@ -43,14 +43,14 @@ class Handlers:
     # Every message is parsed by protocol/messages.py before anything of it is applied; a MessageError
     # (a ValueError) is answered with its 4xx code by the transport. Then the rules that need the master's
     # state: the node's registration token, the generation, the directive version (docs/architecture.md).
-    def register(self, p: dict) -> Admitted | TurnedAway:
+    def register(self, p: dict[str, Any]) -> Admitted | TurnedAway:
         return self._epoch(self._register(p))
 
     def _epoch(self, reply: R) -> R:
         """Every answer an agent acts on names this master's lease epoch (agents ignore a deposed master's)."""
         return dataclasses.replace(reply, master_epoch=self.job.master_epoch)
 
-    def _register(self, p: dict) -> Admitted | TurnedAway:
+    def _register(self, p: dict[str, Any]) -> Admitted | TurnedAway:
         msg = messages.parse_register(p, self._msg_job)
         with self.job.cv:
             fenced = self._fence(msg.node_id, "register")
@@ -108,7 +108,7 @@ class Handlers:
     def _refusal(self, role: Role, node_rank: int | None) -> TurnedAway | None:
         """The answer to a registration the job has no place for (call with the lock held), else None."""
         if role == Role.FAILED:
-            return TurnedAway(f"node rank {node_rank} is already taken by node {self.job.members.slots.get(node_rank)}: "
+            return TurnedAway(f"node rank {node_rank} is already taken by node {None if node_rank is None else self.job.members.slots.get(node_rank)}: "
                               "give every node its own --node-rank", exit_code=2)
         if role == Role.SPARE and self.cfg.spares is not None and \
                 sum(1 for n in self.job.members.nodes.values() if n.role == Role.SPARE) >= self.cfg.spares:
@@ -149,7 +149,7 @@ class Handlers:
             raise messages.MessageError(f"rejoin generation {gen} was never issued (the job is at generation "
                                         f"{self.job.course.generation})", code=409, reason="generation_not_issued")
         holder = self.job.members.slots.get(slot) if slot is not None else None
-        if holder not in (None, nid) and gen > self.job.members.rejoin_generation.get(holder, gen):
+        if slot is not None and holder not in (None, nid) and gen > self.job.members.rejoin_generation.get(holder, gen):
             # two agents claim one slot: the one with the older generation missed a recovery while it
             # was away (a healed partition that got here first) - it is the one to fence
             stale = self.job.members.nodes[holder]
@@ -206,7 +206,7 @@ class Handlers:
                 f"{via} for node {node_id!r} does not carry the token of its registration"
                 + ("" if token else " (an agent older than this master? upgrade it)"), code=403, reason="wrong_token")
 
-    def heartbeat(self, p: dict) -> HeartbeatReply | TurnedAway:
+    def heartbeat(self, p: dict[str, Any]) -> HeartbeatReply | TurnedAway:
         msg = messages.parse_heartbeat(p, self._msg_job)
         with self.job.cv:
             node = self.job.members.nodes.get(msg.node_id)
@@ -242,7 +242,8 @@ class Handlers:
     def _straggler(self, node: NodeRecord) -> None:
         """A node became a straggler (call with the lock held): reported; with --replace-stragglers, drained."""
         samples = list(self.job.telemetry.compute.get(node.node_id, ()))
-        replace = self.cfg.stragglers.replace_stragglers and self.job.drain_refusal(node.slot) is None
+        replace = self.cfg.stragglers.replace_stragglers and node.slot is not None \
+            and self.job.drain_refusal(node.slot) is None
         self.events.emit(Straggler(node=node.node_id, slot=node.slot, ratio=node.straggler,
                                    compute_s=round(sorted(samples)[len(samples) // 2], 5) if samples else None,
                                    window=self.cfg.stragglers.straggler_window, threshold=self.cfg.stragglers.straggler_ratio,
@@ -251,7 +252,7 @@ class Handlers:
             self.inbox.put(reports.Drain(node_id=node.node_id, by="straggler", t=time.time(),
                                         reason=f"straggler: {node.straggler}x slower than its peers"))
 
-    def inject(self, p: dict) -> dict:
+    def inject(self, p: dict[str, Any]) -> dict[str, Any]:
         """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
         msg = messages.parse_inject(p, self._msg_job)
         with self.job.cv:
@@ -262,7 +263,7 @@ class Handlers:
             self.events.emit(FaultInjected(node=nid, slot=msg.slot, fault=msg.fault), self.job.course.generation)
             return {"ok": True, "node": nid}
 
-    def drain(self, p: dict) -> dict:
+    def drain(self, p: dict[str, Any]) -> dict[str, Any]:
         """`phoenixrun drain`: move a healthy node's ranks to a spare at a step boundary (the coordinator carries
         it out, control/recovery.py's Recoveries.drain). Refused (409) with what is wrong and what to do."""
         msg = messages.parse_drain(p, self._msg_job)
@@ -312,7 +313,7 @@ class Handlers:
             return True
         return self.job.members.rejoin_generation.get(node.node_id) == generation
 
-    def poll_intake(self, p: dict) -> messages.Poll:
+    def poll_intake(self, p: dict[str, Any]) -> messages.Poll:
         """A directive long-poll as it arrives (the transport then answers or parks it): refused if it is
         malformed, holds a version this master never issued, or carries another registration's token."""
         with self.job.cv:
@@ -321,7 +322,7 @@ class Handlers:
                 self._check_token(msg.node_id, msg.token, "directive poll")
         return msg
 
-    def answer_polls(self, polls: list[dict]) -> list[Directive | None]:
+    def answer_polls(self, polls: list[dict[str, Any]]) -> list[Directive | None]:
         """Directive long-polls (many under one hold of the lock: a broadcast wakes thousands): ack the
         version each agent holds, return its newer directive if there is one, else None (the transport
         parks the poll until `_direct` wakes it or it times out). The transport calls `directives_sent`
@@ -351,7 +352,7 @@ class Handlers:
             for d in sent:
                 self.orders.board.mark_sent(d)
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         with self.job.cv:
             return job_view(self.job, self.events, self.rejections)
 

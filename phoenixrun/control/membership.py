@@ -15,8 +15,8 @@ from phoenixrun.control.state import FreeSlots, NodeRecord, Role
 class Membership:
     def __init__(self, nnodes: int) -> None:
         self.nodes: dict[str, NodeRecord] = {}
-        # slot -> node id, current generation (changes: the roster); roster.py is not annotated yet
-        self.slots: dict[int, str] = TrackedSlots()  # type: ignore[no-untyped-call]
+        # slot -> node id, current generation (changes: the roster)
+        self.slots: dict[int, str] = TrackedSlots()
         self.free_slots = FreeSlots(nnodes)  # what registrations before the start fill
         self.heard: OrderedDict[str, None] = OrderedDict()   # node ids, least recently heard from first
         self.api_nodes: set[str] = set()

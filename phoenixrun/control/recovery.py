@@ -12,6 +12,7 @@ its lock (control/jobstate.py).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from phoenixrun.control.cycle import Cycle, NoSpare
 from phoenixrun.control.decide import Next, fallback_attempts
@@ -52,7 +53,7 @@ class Recoveries:
     def drain_stale(self) -> None:
         self.flight.drain_stale()
 
-    def pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
+    def pump(self, timeout: float, lost: set[int], acks: Acks[Any] | None = None) -> None:
         self.flight.pump(timeout, lost, acks)
 
     # ---------------------------------------------------------------- torchrun-style restart
@@ -132,10 +133,10 @@ class Recoveries:
             raise Stop(1, grow.stop_reason(out.error)) from None
 
     # ---------------------------------------------------------------- planned drain
-    def drain(self, node: NodeRecord, reason: str, t_requested: float) -> None:
+    def drain(self, node: NodeRecord, slot: int, reason: str, t_requested: float) -> None:
         """Move a healthy node's ranks to a spare with nothing replayed (control/draining.py); interrupted, the
         drained slot is hot-swapped instead."""
-        drain = Drain(self.cycle, node, reason, t_requested)
+        drain = Drain(self.cycle, node, slot, reason, t_requested)
         if (out := self.cycle.drive(drain)) is not None:     # Next.HOT_SWAP
             lost, ev = drain.interrupted(out.error)
             self.hot_swap(lost, node, ev, Action.NODE_REPLACE, None, fresh=drain.fresh)

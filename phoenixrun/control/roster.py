@@ -27,11 +27,13 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any, TypeVar, overload
 
 from phoenixrun import auth
 
 log = logging.getLogger("phoenixrun.master")
 NAME = "roster.jsonl"
+_D = TypeVar("_D")
 
 
 def digest(nonce: str) -> str:
@@ -39,41 +41,47 @@ def digest(nonce: str) -> str:
     return hashlib.sha256(nonce.encode()).hexdigest()
 
 
-class TrackedSlots(dict):
+class TrackedSlots(dict[int, str]):
     """slot -> node id, remembering which slots changed since the roster was last written (`changed`). Reads are
     plain dict reads; the few writers (registrations, recoveries, reshapes) pay a Python call."""
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.changed: set[int] = set(self.keys())
 
-    def __setitem__(self, k, v):
+    def __setitem__(self, k: int, v: str) -> None:
         super().__setitem__(k, v)
         self.changed.add(k)
 
-    def __delitem__(self, k):
+    def __delitem__(self, k: int) -> None:
         super().__delitem__(k)
         self.changed.add(k)
 
-    def pop(self, k, *default):
+    @overload
+    def pop(self, k: int, /) -> str: ...
+
+    @overload
+    def pop(self, k: int, default: _D, /) -> str | _D: ...
+
+    def pop(self, k: int, *default: Any) -> Any:
         if k in self:
             self.changed.add(k)
         return super().pop(k, *default)
 
-    def popitem(self):
+    def popitem(self) -> tuple[int, str]:
         k, v = super().popitem()
         self.changed.add(k)
         return k, v
 
-    def clear(self):
+    def clear(self) -> None:
         self.changed.update(self.keys())
         super().clear()
 
-    def update(self, *a, **kw):
+    def update(self, *a: Any, **kw: Any) -> None:
         for k, v in dict(*a, **kw).items():
             self[k] = v
 
-    def setdefault(self, k, default=None):
+    def setdefault(self, k: int, default: str, /) -> str:   # never without a default
         if k not in self:
             self[k] = default
         return self[k]
@@ -137,7 +145,7 @@ class Roster:
             log.warning("cannot write %s (%s): a restarted master will refuse this run's rejoins", self.path, e)
             self._failed = True
 
-    def _apply(self, rec: dict) -> None:
+    def _apply(self, rec: dict[str, Any]) -> None:
         if rec.get("finished"):
             # the job ended: a master started later over this directory runs a new job, nobody rejoins it
             self.generation, self.slots, self.nonces = 0, {}, {}
@@ -161,7 +169,7 @@ class Roster:
     def append(self, epoch: int, generation: int | None = None, slots: dict[int, str | None] | None = None,
                nonces: dict[str, str] | None = None, finished: bool = False) -> None:
         """Record a change (call with the job's lock held): in memory at once, on disk with one write."""
-        rec: dict = {"epoch": epoch}
+        rec: dict[str, Any] = {"epoch": epoch}
         if finished:
             rec["finished"] = True
         if generation is not None:
@@ -195,7 +203,7 @@ class Roster:
         return expected is not None and nonce is not None and hmac.compare_digest(expected, digest(nonce))
 
 
-def _parse(line: str) -> dict | None:
+def _parse(line: str) -> dict[str, Any] | None:
     try:
         rec = json.loads(line)
     except ValueError:
