@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from phoenixrun import auth, preflight, runid
 from phoenixrun.config import AgentConfig, LaunchConfig, MasterConfig
@@ -43,7 +45,7 @@ def agent_argv(a: AgentConfig) -> list[str]:
     return _py() + ["agent"] + a.to_argv()
 
 
-def wait_for_master(run_dir: Path, proc: subprocess.Popen, timeout: float = 300.0) -> dict:
+def wait_for_master(run_dir: Path, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> dict[str, Any]:
     """The master's endpoint once it has written it. The wait ends early if the master exits; the timeout only
     catches a master that hangs while starting (60 s was reached on a 2-core machine at a load average of 37)."""
     path = Path(run_dir) / "master.json"
@@ -52,7 +54,7 @@ def wait_for_master(run_dir: Path, proc: subprocess.Popen, timeout: float = 300.
         if proc.poll() is not None:
             raise RuntimeError(f"the master exited with code {proc.returncode} before it was ready")
         if path.exists():
-            info = json.loads(path.read_text())
+            info: dict[str, Any] = json.loads(path.read_text())
             if info.get("pid") == proc.pid:
                 return info
         time.sleep(0.05)
@@ -68,7 +70,7 @@ def started(run_dir: Path) -> bool:
         return False
 
 
-def failed_agents(agents: list[subprocess.Popen]) -> list[tuple[int, int]]:
+def failed_agents(agents: list[subprocess.Popen[bytes]]) -> list[tuple[int, int]]:
     """(index, exit code) of the agents that exited with an error - not killed by a signal, as a fault drill
     does. Polling also reaps the agents that were killed (a zombie's slot files would stay)."""
     return [(i, a.returncode) for i, a in enumerate(agents) if a.poll() is not None and a.returncode > 0]
@@ -104,15 +106,15 @@ def preflight_problem(c: LaunchConfig) -> str | None:
 class ProcessSet:
     """Children of the launcher; all are torn down on any exit path."""
 
-    def __init__(self):
-        self.procs: list[subprocess.Popen] = []
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(argv, env=env)
         self.procs.append(p)
         return p
 
-    def terminate(self, grace: float = 5.0, first: subprocess.Popen | None = None, later_grace: float = 25.0) -> None:
+    def terminate(self, grace: float = 5.0, first: subprocess.Popen[bytes] | None = None, later_grace: float = 25.0) -> None:
         """SIGTERM, then SIGKILL after the grace. `first` (the master) goes first: an agent that gets SIGTERM asks
         the master to drain its node and leaves at once only if the master is gone; the agents then get
         `later_grace` (a drain, or the 20 s an agent waits for one, must not be cut short by SIGKILL: its workers
@@ -152,9 +154,9 @@ def _run(c: LaunchConfig) -> int:
     env = {**os.environ, **c.extra_env, auth.SECRET_ENV: secret}
     procs = ProcessSet()
     master = None
-    stop = {"sig": None}
+    stop: dict[str, int | None] = {"sig": None}
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         stop["sig"] = signum
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -22,6 +22,7 @@ import resource
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from phoenixrun.config import MasterConfig
 from phoenixrun.control import layout_file
@@ -30,7 +31,7 @@ from phoenixrun.control.directives import Directive, DirectiveBoard
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.handlers import Handlers
 from phoenixrun.control.jobstate import JobState
-from phoenixrun.control.lease import LeaseDir, master_id
+from phoenixrun.control.lease import Lease, LeaseDir, master_id
 from phoenixrun.control.monitor import HeartbeatMonitor
 from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.probe import unreachable
@@ -86,15 +87,15 @@ class Master:
     def acquire_lease(self, stop: threading.Event | None = None) -> int | None:
         """With --lease-ttl: wait until this master holds the lease (a standby waits here, no port open). Returns
         None once it holds it (start() next), or the job's exit code if it finished under another master."""
-        if not self.cfg.lease.lease_ttl or self.acquired is not None:
+        if self.lease_dir is None or self.acquired is not None:    # no --lease-ttl, or it holds the lease
             return None
         # the store is torch's: imported before the wait, not after the takeover (20 s on a loaded 2-core machine)
-        from torch.distributed import TCPStore  # noqa: F401
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # noqa: F401  (not in torch's __all__)
 
-        def on_wait(rec, why):
+        def on_wait(rec: Lease | None, why: str) -> None:
             log.info("standby: %s; waiting to take over", why)
-            self.events.emit(MasterStandby(pid=os.getpid(), holder_epoch=rec and rec.epoch,
-                                              holder_endpoint=rec and rec.endpoint,
+            self.events.emit(MasterStandby(pid=os.getpid(), holder_epoch=rec.epoch if rec else None,
+                                              holder_endpoint=rec.endpoint if rec else None,
                                               endpoint=f"{self.cfg.listen.host}:{self.cfg.listen.port}"), self.generation)
         got = await_lease(self.lease_dir, self.lease_id, f"{self.cfg.listen.host}:{self.cfg.listen.port}",
                           self.cfg.lease.lease_ttl, self.cfg.lease.max_clock_skew, stop or threading.Event(), on_wait)
@@ -105,14 +106,14 @@ class Master:
         self.job.master_epoch = got.epoch
         with self.job.cv:
             # the holder wrote on while this master waited; from now on a deposed holder's late lines are skipped
-            self.job.members.roster.close()
-            self.job.members.roster = Roster(self.run_dir, self.cfg.run_id)
-            self.job.members.roster.append(got.epoch)
+            if self.job.members.roster is not None:
+                self.job.members.roster.close()
+            self.job.members.roster = roster = Roster(self.run_dir, self.cfg.run_id)
+            roster.append(got.epoch)
         return None
 
-    def _keep_lease(self) -> None:
-        got = self.acquired
-        self.keeper = LeaseKeeper(self.lease_dir, self.lease_id, got.epoch, self.endpoint,
+    def _keep_lease(self, leases: LeaseDir, got: Acquired) -> None:
+        self.keeper = LeaseKeeper(leases, self.lease_id, got.epoch, self.endpoint,
                                   self.cfg.lease.lease_ttl, self.cfg.lease.max_clock_skew, self._deposed)
         self.keeper.start()
         if got.previous is not None:
@@ -135,7 +136,7 @@ class Master:
     def start(self) -> None:
         if self.cfg.lease.lease_ttl and self.acquired is None:
             self.acquire_lease()
-        from torch.distributed import TCPStore  # the workers' rendezvous store lives here
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # the workers' rendezvous store lives here
         self.store = TCPStore(self.cfg.listen.host, self.cfg.listen.store_port, is_master=True, wait_for_workers=False,
                               use_libuv=True)
         self.store_port = self.store.port
@@ -148,8 +149,8 @@ class Master:
         self.endpoint = f"{self.cfg.listen.host}:{self.http.server_address[1]}"
         for target, name in ((self.monitor.run, "_monitor"), (self.coordinator.run, "_controller")):
             threading.Thread(target=target, daemon=True, name=name).start()
-        if self.acquired is not None:
-            self._keep_lease()
+        if self.lease_dir is not None and self.acquired is not None:
+            self._keep_lease(self.lease_dir, self.acquired)
         info = {"endpoint": self.endpoint, "pid": os.getpid(), "store_port": self.store_port,
                 "run_id": self.cfg.run_id, "epoch": self.job.master_epoch}
         tmp = self.run_dir / "master.json.tmp"
@@ -179,38 +180,38 @@ class Master:
         return self.job.course.exit_code or 0
 
     # ---------------------------------------------------------------- the transport's API (control/handlers.py)
-    def register(self, p: dict) -> dict:
+    def register(self, p: dict[str, Any]) -> dict[str, Any]:
         return self.handlers.register(p).to_wire()
 
-    def heartbeat(self, p: dict) -> dict:
+    def heartbeat(self, p: dict[str, Any]) -> dict[str, Any]:
         reply = self.handlers.heartbeat(p)
         if isinstance(reply, TurnedAway):
             return reply.to_wire()
         node_id = p["node_id"]
         return dataclasses.replace(reply, relay=self.relays.link(node_id), watch=self.watch.watch(node_id)).to_wire()
 
-    def report(self, p: dict) -> dict:
+    def report(self, p: dict[str, Any]) -> dict[str, Any]:
         if is_suspect_report(p):      # a ring watcher's (protocol/suspect.py): judged by the watch desk
             self.watch.note(parse_suspect(p), time.time())
             return Heard().to_wire()
         return self.handlers.report(p).to_wire()
 
-    def inject(self, p: dict) -> dict:
+    def inject(self, p: dict[str, Any]) -> dict[str, Any]:
         return self.handlers.inject(p)
 
-    def drain(self, p: dict) -> dict:
+    def drain(self, p: dict[str, Any]) -> dict[str, Any]:
         return self.handlers.drain(p)
 
-    def poll_intake(self, p: dict) -> messages.Poll:
+    def poll_intake(self, p: dict[str, Any]) -> messages.Poll:
         return self.handlers.poll_intake(p)
 
-    def answer_polls(self, polls: list[dict]) -> list[Directive | None]:
+    def answer_polls(self, polls: list[dict[str, Any]]) -> list[Directive | None]:
         return self.relays.answer(polls, self.handlers.answer_polls)
 
     def directives_sent(self, sent: list[Directive]) -> None:
         self.handlers.directives_sent(expand(sent))
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         state = self.handlers.state()
         state["standbys"] = self.lease_dir.standbys() if self.lease_dir is not None else []
         return state
@@ -256,7 +257,7 @@ class Master:
     def endpoint(self, value: str) -> None:
         self.job.endpoint = value
 
-    def _pump(self, timeout: float, lost: set[int], acks: Acks | None = None) -> None:
+    def _pump(self, timeout: float, lost: set[int], acks: Acks[Any] | None = None) -> None:
         self.recovery.pump(timeout, lost, acks)
 
     def _finish(self, exit_code: int, reason: str) -> None:

@@ -16,7 +16,7 @@ MAX_KEYS = 1024        # (peer, reason) pairs remembered: junk from many address
 
 
 class Rejections:
-    def __init__(self, emit: Callable[..., None], interval: float = INTERVAL_S, max_keys: int = MAX_KEYS):
+    def __init__(self, emit: Callable[..., object], interval: float = INTERVAL_S, max_keys: int = MAX_KEYS):
         self._emit = emit                  # emit(**fields): writes one rejected_request event
         self.interval = interval
         self.max_keys = max_keys

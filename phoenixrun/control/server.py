@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
@@ -152,14 +152,14 @@ class Connection(asyncio.Protocol):
         self.head_len = 0
         self.waiting_since: float | None = None   # an incomplete request (or no request yet) since then
         self.opened_at = 0.0
-        self.sock = None               # the transport's socket (to ask whether bytes of it wait unread)
-        self.transport: asyncio.Transport | None = None
+        self.sock: socket.socket | None = None   # the transport's socket (to ask whether bytes of it wait unread)
+        self.transport: asyncio.Transport   # set by connection_made, the first call the loop makes
         self.peer = "?"
         self.poll: _Poll | None = None   # its parked directive long-poll
         self.node_id: str | None = None  # the node whose directive polls it carries (authenticated by its token)
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)   # a TCP server's: readable, writable
         peer = transport.get_extra_info("peername")
         self.peer = peer[0] if peer else "?"
         now = time.monotonic()
@@ -184,7 +184,7 @@ class Connection(asyncio.Protocol):
         self.server.unauthenticated.pop(self, None)
         self.transport.abort()
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed and self.node_id is not None:   # closed by the agent's side: evidence (detection.py)
             self.server.link_closed(self.node_id)
         self.closed = True
@@ -270,7 +270,7 @@ class Connection(asyncio.Protocol):
 class _Poll:
     """A parked directive long-poll."""
     conn: Connection
-    payload: dict
+    payload: dict[str, Any]
     known: int
     timer: asyncio.TimerHandle | None = None
 
@@ -299,7 +299,7 @@ class ControlServer:
         self._thread = threading.Thread(target=self._run, daemon=True, name="control-server")
         self._started = threading.Event()
         # keyed by the path string (an Endpoint is one): a request's path looks its handler up as it arrived
-        self._routes: dict[str, Callable[[dict], dict]] = {
+        self._routes: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             Endpoint.REGISTER: master.register, Endpoint.HEARTBEAT: master.heartbeat, Endpoint.REPORT: master.report,
             Endpoint.INJECT: master.inject, Endpoint.DRAIN: master.drain}
 
@@ -385,7 +385,7 @@ class ControlServer:
         if not self._thread.is_alive():
             return
 
-        async def stop():
+        async def stop() -> None:
             self.server.close()
             for c in list(self.connections):
                 c.transport.close()
