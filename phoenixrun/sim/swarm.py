@@ -26,6 +26,7 @@ import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S, DIRECTIVE_POLL_S
 from phoenixrun.protocol.directives import decode
@@ -36,6 +37,9 @@ from phoenixrun.sim.swarm_relay import SwarmRelays
 from phoenixrun.sim.swarm_watch import SwarmWatch
 from phoenixrun.topology import Layout, place_replicas
 
+
+# a request's answer: (HTTP status, body), once its response has been read
+Answer = asyncio.Future[tuple[int, bytes]]
 
 FAULTS = ("kill", "silent")       # how Swarm.fail fails a node
 
@@ -78,21 +82,21 @@ class HttpConnection(asyncio.Protocol):
     connects, never holding an idle, unauthenticated connection open (the master drops those after
     READ_TIMEOUT_S: a pool opened ahead of use lost its connections that way, issue 32)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.buf = bytearray()
-        self.waiters: deque[asyncio.Future] = deque()
+        self.waiters: deque[Answer] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.answered_at = 0.0     # when the last response was read off the socket (before any task runs)
         self._ahead: list[bytes] = []   # written once connected
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)   # a TCP connection's
         if self._ahead:
             transport.write(b"".join(self._ahead))
             self._ahead = []
 
-    def connection_lost(self, exc, why: str = "master closed the connection") -> None:
+    def connection_lost(self, exc: Exception | None, why: str = "master closed the connection") -> None:
         self.lost = True
         why = f"{why} ({exc!r})" if exc is not None else why
         while self.waiters:
@@ -118,7 +122,7 @@ class HttpConnection(asyncio.Protocol):
             if not w.done():
                 w.set_result((status, body))
 
-    def send(self, raw: bytes) -> asyncio.Future:
+    def send(self, raw: bytes) -> Answer:
         """Write a request now (or once connected); the future gets (status, body) when its response arrives."""
         fut = asyncio.get_running_loop().create_future()
         if self.lost:
@@ -154,7 +158,7 @@ class Lane:
         self.dials = 0
         self._closed = False
 
-    def send(self, raw: bytes) -> asyncio.Future:
+    def send(self, raw: bytes) -> Answer:
         if self._closed:
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(ConnectionError("connection closed"))
@@ -165,7 +169,7 @@ class Lane:
             dial = asyncio.ensure_future(asyncio.get_running_loop().create_connection(lambda: conn, self.host,
                                                                                       self.port))
 
-            def dialled(f: asyncio.Future) -> None:
+            def dialled(f: asyncio.Future[Any]) -> None:
                 if f.cancelled() or f.exception() is not None:   # refused: fail what waits on it
                     conn.connection_lost(None, f"cannot connect: {'cancelled' if f.cancelled() else f.exception()}")
             dial.add_done_callback(dialled)
@@ -174,7 +178,7 @@ class Lane:
     async def request(self, raw: bytes) -> tuple[int, bytes]:
         return await self.send(raw)
 
-    def send_within(self, raw: bytes, timeout: float = CLIENT_TIMEOUT_S) -> asyncio.Future:
+    def send_within(self, raw: bytes, timeout: float = CLIENT_TIMEOUT_S) -> Answer:
         """send, with the agent's client timeout (protocol/client.py): no answer within it, the connection is given
         up - what waits on it fails, the next request dials anew - as the agent's http.client connection is. Without
         it a request on a connection that never completes (a connect the master's full listen queue dropped: the
@@ -187,7 +191,7 @@ class Lane:
             fut.add_done_callback(lambda _: handle.cancel())
         return fut
 
-    def _expire(self, conn: HttpConnection | None, fut: asyncio.Future) -> None:
+    def _expire(self, conn: HttpConnection | None, fut: Answer) -> None:
         if fut.done() or conn is None or conn.lost:
             return
         conn.lost = True
@@ -228,16 +232,16 @@ class Swarm:
         self.stalls: list[tuple[float, float]] = []   # (when, seconds): the generator's own loop ran late
         self._stop = asyncio.Event()
         self._report_conns: list[Lane] = []
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._polls: dict[int, Lane] = {}
         self._hb_conns: list[Lane] = []
         self._peer_servers: list[asyncio.AbstractServer] = []
         self._victim_server: dict[int, asyncio.AbstractServer] = {}
         self.arrivals: Counter[tuple[str, int]] = Counter()     # (command, generation) -> agents reached
-        self._targets: dict[tuple[str, int], list[tuple[int, asyncio.Future]]] = {}
+        self._targets: dict[tuple[str, int], list[tuple[int, asyncio.Future[bool]]]] = {}
 
     # ------------------------------------------------------------------ wire
-    def _raw(self, path: str, payload: dict) -> bytes:
+    def _raw(self, path: str, payload: dict[str, Any]) -> bytes:
         body = json.dumps(payload).encode()
         return (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.cfg.secret}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
@@ -248,7 +252,7 @@ class Swarm:
     # ------------------------------------------------------------------ setup
     async def _peer_listener(self) -> tuple[asyncio.AbstractServer, str]:
         """A port that accepts connections, like an agent's peer server (the master probes it)."""
-        async def accept(reader, writer):
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             writer.close()
         srv = await asyncio.start_server(accept, self.cfg.peer_host, 0)
         return srv, f"{self.cfg.peer_host}:{srv.sockets[0].getsockname()[1]}"
@@ -365,7 +369,7 @@ class Swarm:
                    "snapshots": snapshots, "replicas": replicas, "protection": {}, "api": True}
         t0 = time.monotonic()
 
-        def done(f: asyncio.Future) -> None:
+        def done(f: Answer) -> None:
             if f.cancelled() or self._stop.is_set():
                 return
             if f.exception() is not None:     # the next one goes out on a new connection, as the agent's would
@@ -384,14 +388,14 @@ class Swarm:
     async def _poll_loop(self, a: SimAgent) -> None:
         conn, relays = self._polls[a.index], self.relays
 
-        def poll() -> asyncio.Future:
-            payload = {"node_id": a.node_id, "token": a.token, "version": a.version,
+        def poll() -> Answer:
+            payload: dict[str, Any] = {"node_id": a.node_id, "token": a.token, "version": a.version,
                        "timeout": relays.poll_timeout(a, self.cfg.poll_timeout_s)}
             state = relays.state(a)
             if state is not None:
                 payload["relay"] = state
             return conn.send(self._raw(Endpoint.DIRECTIVE, payload))
-        pending: asyncio.Future | None = None
+        pending: Answer | None = None
         while a.alive and not self._stop.is_set():
             relay = relays.relay_of(a) if pending is None else None
             if relay is not None:          # a child polls its relay (in-process: sim/swarm_relay.py)
@@ -433,7 +437,7 @@ class Swarm:
             # shares the machine's cores with the master) is not the master's broadcast time
             self._act(a, d, conn.answered_at)
 
-    def _act(self, a: SimAgent, d: dict, at: float) -> None:
+    def _act(self, a: SimAgent, d: dict[str, Any], at: float) -> None:
         """Do what the directive says, as a node whose workers obey at once would."""
         a.version = d["version"]
         order = decode(d)     # as the real agent decodes it (protocol/directives.py)
@@ -471,7 +475,7 @@ class Swarm:
         reply must not hold up the reports queued behind it)."""
         conn = self._report_conns[a.index % len(self._report_conns)]
 
-        def done(f: asyncio.Future) -> None:
+        def done(f: Answer) -> None:
             if f.cancelled() or self._stop.is_set():
                 return
             if f.exception() is not None:
