@@ -11,9 +11,10 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from pathlib import Path
-from typing import Any, Callable
+from dataclasses import Field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import click
 
@@ -22,10 +23,20 @@ from phoenixrun.config import AgentConfig, ConfigError, LaunchConfig, MasterConf
 from phoenixrun.protocol.client import split_endpoints
 from phoenixrun.protocol.messages import FAULTS, valid_fault  # noqa: F401  (the master checks the same)
 
+# what click.option and a group of options are: a decorator of a command's function
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+class _Configurable(Protocol):
+    """A config class of phoenixrun/config.py: its fields, each with its Setting."""
+    @classmethod
+    def settings(cls) -> dict[str, Field[Any]]: ...
+
+
 SUBCOMMANDS = ("master", "agent", "status", "simulate", "inject", "drain")
 
 
-def _opt(*names, env: str | None = None, **kw):
+def _opt(*names: str, env: str | None = None, **kw: Any) -> Decorator:
     """An option spelled with dashes and with underscores (torchrun accepts both), PET_* env."""
     decls = list(names)
     for n in names:
@@ -37,8 +48,8 @@ def _opt(*names, env: str | None = None, **kw):
     return click.option(*decls, **kw)
 
 
-def _field(cls: type, name: str, *, help: str | None = None, env: str | None = None, alias: bool = True,
-           launch: bool = False):
+def _field(cls: type[_Configurable], name: str, *, help: str | None = None, env: str | None = None, alias: bool = True,
+           launch: bool = False) -> Decorator:
     """The click option of a config field: its flag, type and bounds, default and help all come from the field's
     Setting (phoenixrun/config.py), so the command line and the config cannot drift. `help` only where the
     flag means more on this command (the launcher's --node-rank also decides who runs the master); `launch`:
@@ -46,11 +57,11 @@ def _field(cls: type, name: str, *, help: str | None = None, env: str | None = N
     f = cls.settings()[name]
     s, k = config.setting_of(f), config.kind(f)
     default = config.launch_default(f) if launch else config.cli_default(f)
-    kw: dict = {"help": help or s.doc}
+    kw: dict[str, Any] = {"help": help or s.doc}
     if k == "bool":
         kw["is_flag"] = True
     else:
-        kw["type"] = {"int": click.IntRange(s.min, s.max), "float": click.FloatRange(s.min, s.max),
+        kw["type"] = {"int": click.IntRange(_whole(s.min), _whole(s.max)), "float": click.FloatRange(s.min, s.max),
                       "Path": click.Path(file_okay=False, path_type=Path), "str": click.Choice(s.choices) if s.choices else None, "ranks": RANKS}[k]
         if default is MISSING:
             kw["required"] = True
@@ -61,14 +72,24 @@ def _field(cls: type, name: str, *, help: str | None = None, env: str | None = N
     return _opt(*names, env=env, **kw) if alias else click.option(*names, envvar=env, show_envvar=bool(env), **kw)
 
 
-class _Ranks(click.ParamType):
+def _whole(bound: float | None) -> int | None:
+    return None if bound is None else int(bound)
+
+
+if TYPE_CHECKING:    # generic in recent click (8.5.1 here), not in 8.1 (the floor): subscripted for the checker alone
+    _ParamType = click.ParamType[Any]
+else:
+    _ParamType = click.ParamType
+
+
+class _Ranks(_ParamType):
     """torchrun's --local-ranks-filter: comma-separated local ranks -> frozenset (empty: None, every rank)."""
     name = "ranks"
 
-    def get_metavar(self, *args, **kw):
+    def get_metavar(self, *args: Any, **kw: Any) -> str:
         return "TEXT"
 
-    def convert(self, value, param, ctx):
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> frozenset[int] | None:
         if value is None or isinstance(value, frozenset):
             return value
         try:
@@ -143,19 +164,20 @@ def _tee(tee: str | None, redirects: str | None) -> bool:
     return redirects in (None, "0")
 
 
-def _options(*opts):
+def _options(*opts: Decorator) -> Decorator:
     """One decorator for a group of options (shared by the commands that take them)."""
-    def apply(f):
+    def apply(f: Callable[..., Any]) -> Callable[..., Any]:
         for opt in reversed(opts):
             f = opt(f)
         return f
     return apply
 
 
-def _component(cls: type, **env: str) -> Callable[[Any], Any]:
+def _component(cls: type[_Configurable], **env: str) -> Decorator:
     """The options of one MasterConfig component, in its field order: the CLI's groups of flags are the config's
     components (phoenixrun/config.py), shared by the commands that take them."""
-    return _options(*(_field(cls, f.name, env=env.get(f.name)) for f in fields(cls) if config.setting_of(f).flag))
+    return _options(*(_field(cls, f.name, env=env.get(f.name)) for f in cls.settings().values()
+                      if config.setting_of(f).flag))
 
 
 # The job's shape, the master's recovery policy, its straggler detector and persistence: `phoenixrun` (which runs
@@ -212,7 +234,7 @@ def _persist_dir(persist_dir: Path | None, persist_every: int, run_dir: Path) ->
 @_agent_timeouts
 @_persistence
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
-def launch(entry, **o):
+def launch(entry: tuple[str, ...], **o: Any) -> None:
     """Launch SCRIPT on every worker, torchrun-style, with PHOENIX hot-swap recovery."""
     from phoenixrun.launcher import run
     cfg = launch_config(o, entry)
@@ -260,7 +282,7 @@ def _check_dirs(dirs: list[tuple[str, Path, str]]) -> None:
             raise click.UsageError(problem)
 
 
-def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
+def launch_config(o: dict[str, Any], entry: tuple[str, ...]) -> LaunchConfig:
     """The launcher's config from its parsed options (click's params) and SCRIPT [ARGS]; UsageError if bad."""
     from phoenixrun.agents.workers import WorkerSpec
 
@@ -312,7 +334,7 @@ def launch_config(o: dict, entry: tuple[str, ...]) -> LaunchConfig:
 
 
 @click.group("phoenixrun")
-def commands():
+def commands() -> None:
     """phoenixrun subcommands."""
 
 
@@ -331,7 +353,7 @@ def commands():
 @_recovery_policy
 @_stragglers
 @_persistence
-def master_cmd(**o):
+def master_cmd(**o: Any) -> None:
     """Run the rendezvous master (control plane) in the foreground."""
     from phoenixrun.control.master import Master
     _logging()
@@ -352,7 +374,7 @@ def master_cmd(**o):
     sys.exit(m.wait())
 
 
-def master_config(o: dict) -> MasterConfig:
+def master_config(o: dict[str, Any]) -> MasterConfig:
     """`phoenixrun master`'s config from its parsed options (click's params)."""
     return MasterConfig.from_options(o, persist_dir=_persist_dir(o["persist_dir"], o["persist_every"], o["run_dir"]))
 
@@ -376,7 +398,7 @@ def master_config(o: dict) -> MasterConfig:
 @click.option("-m", "--module", is_flag=True)
 @_opt("--no-python", is_flag=True)
 @click.argument("entry", nargs=-1, type=click.UNPROCESSED, required=True, metavar="SCRIPT [ARGS]...")
-def agent_cmd(secret_file, **o):
+def agent_cmd(secret_file: Path | None, **o: Any) -> None:
     """Run one node's agent: it joins the master as an active node or a spare."""
     from phoenixrun.agents.agent import Agent
     _logging()
@@ -394,7 +416,7 @@ def agent_cmd(secret_file, **o):
     sys.exit(Agent(cfg).run())
 
 
-def agent_config(o: dict, secret: str) -> AgentConfig:
+def agent_config(o: dict[str, Any], secret: str) -> AgentConfig:
     """`phoenixrun agent`'s config from its parsed options (click's params) and the job secret."""
     from phoenixrun.agents.workers import WorkerSpec
     entry = o["entry"]
@@ -425,7 +447,8 @@ def from_argv(command: str, argv: list[str], secret: str = "") -> MasterConfig |
 @click.option("--json", "as_json", is_flag=True, help="Print the raw state JSON.")
 @click.option("--watch", is_flag=True, help="Refresh live.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
-def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
+def status_cmd(run_dir: Path | None, endpoint: str | None, secret_file: Path | None, as_json: bool, watch: bool,
+               interval: float) -> None:
     """Show the job, its nodes and recent events."""
     from phoenixrun.status import show
     sys.exit(show(run_dir, endpoint, secret_file, as_json, watch, interval))
@@ -442,7 +465,7 @@ def status_cmd(run_dir, endpoint, secret_file, as_json, watch, interval):
                    "partition drops the node's traffic (for SECONDS, or until its agent gets SIGUSR1); "
                    "comm-timeout makes one worker's collectives fail; nan makes one worker's next observed loss NaN; "
                    "slow:FACTOR makes the node's workers compute FACTOR times slower (a straggler, 1-100)")
-def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
+def inject_cmd(run_dir: Path | None, endpoint: str | None, secret_file: Path | None, slot: int, fault: str) -> None:
     """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
     from phoenixrun.protocol.client import ControlError
     from phoenixrun.status import client_for
@@ -465,7 +488,7 @@ def inject_cmd(run_dir, endpoint, secret_file, slot, fault):
 @_opt("--secret-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--node", "slot", type=click.IntRange(min=0), required=True, help="Node slot to drain.")
 @click.option("--reason", default="operator request", show_default=True, help="Why (recorded in the events).")
-def drain_cmd(run_dir, endpoint, secret_file, slot, reason):
+def drain_cmd(run_dir: Path | None, endpoint: str | None, secret_file: Path | None, slot: int, reason: str) -> None:
     """Move a healthy node's ranks to a spare at a step boundary, nothing replayed; the node's agent then exits.
     Returns once the master accepted the drain: follow it with `phoenixrun status` (docs/operations.md)."""
     from phoenixrun.protocol.client import ControlError

@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Self, cast
 
 from phoenixrun.agents.phases import QUIESCE_GRACE_CAP_S
 from phoenixrun.topology import Layout
@@ -192,7 +192,7 @@ class _Settings:
         return [f for f in cls.settings().values() if setting_of(f).flag]
 
     @classmethod
-    def build(cls, **flat: Any) -> Any:
+    def build(cls, **flat: Any) -> Self:
         """The config from every setting by name, whichever component holds it (`nnodes=2, node_timeout=3.0`);
         a name no component has raises TypeError, as a dataclass does."""
         kw: dict[str, Any] = {}
@@ -204,7 +204,7 @@ class _Settings:
         kw.update(flat)
         return cls(**kw)
 
-    def updated(self, **flat: Any) -> Any:
+    def updated(self, **flat: Any) -> Self:
         """A copy with the settings named changed, whichever component holds them (dataclasses.replace, routed)."""
         kw: dict[str, Any] = {}
         for f in _fields(self):
@@ -214,7 +214,8 @@ class _Settings:
                 if own:
                     kw[f.name] = getattr(self, f.name).updated(**own)
         kw.update(flat)
-        return replace(cast(Any, self), **kw)
+        new: Self = replace(cast(Any, self), **kw)   # every subclass is a dataclass
+        return new
 
     def to_argv(self) -> list[str]:
         """The flags that give exactly this config (every flag-settable field, in field order, its components'
@@ -243,7 +244,7 @@ class _Settings:
         return argv
 
     @classmethod
-    def from_options(cls, params: Mapping[str, Any], **given: Any) -> Any:
+    def from_options(cls, params: Mapping[str, Any], **given: Any) -> Self:
         """The config from parsed CLI options (click's params: the flag's name with underscores), plus `given`
         for fields the caller derives itself. A flag that is not among `params` leaves its field's default."""
         kw: dict[str, Any] = {}

@@ -46,6 +46,17 @@ def test_a_planted_config_fault_is_named(listed, extra, expected):
     assert any(expected in p for p in problems), problems
 
 
+def test_no_ratchet_block_is_every_module_strict_and_two_are_refused():
+    no_block = {"tool": {"mypy": {"strict": True, "overrides": [{"module": ["psutil"], "ignore_missing_imports": True}]}}}
+    assert typecheck.ratchet_modules(no_block) == [] and typecheck.config_problems(no_block, ROOT) == []
+    relaxed = {"module": "phoenixrun.auth", "disable_error_code": ["arg-type"]}
+    no_block["tool"]["mypy"]["overrides"].append(relaxed)
+    assert typecheck.config_problems(no_block, ROOT) == [
+        "phoenixrun.auth disables error codes but is not in the NOT_YET_STRICT list"]
+    with pytest.raises(SystemExit, match="at most one override block"):
+        typecheck.ratchet_modules(_config(["phoenixrun.auth"], {"module": "x", "disallow_untyped_defs": False}))
+
+
 def test_agents_and_packages_map_to_their_files():
     assert typecheck.module_file(ROOT, "phoenixrun.agents.slots") == ROOT / "agents" / "slots.py"
     assert typecheck.module_file(ROOT, "phoenixrun.faults") == ROOT / "phoenixrun" / "faults" / "__init__.py"
