@@ -312,8 +312,8 @@ class Coordinator:
         time.sleep(self.cfg.recovery.correlation_window)
         losses = self.inbox.take(lambda e: e.kind in NODE_LOSSES)
         with job.cv:
-            actives = [n for n in job.members.actives() if n.slot is not None and n.slot not in lost]
-            slot_of = {n.node_id: n.held_slot for n in actives}
+            slot_of = {n.node_id: n.slot for n in job.members.actives() if n.slot is not None and n.slot not in lost}
+            actives = [job.members.nodes[nid] for nid in slot_of]
             reported = {e.node_id: e for e in losses}
         gone = [n for n in actives if n.node_id in reported]
         # refusals only: a killed node's agent refuses at once, and on a loaded machine a live agent answering
@@ -324,11 +324,12 @@ class Coordinator:
         if gone:
             with job.cv:
                 for n in gone:
-                    lost.add(slot_of[n.node_id])
+                    slot = slot_of[n.node_id]
+                    lost.add(slot)
                     loss = reported.get(n.node_id) or r.NodeLost(node_id=n.node_id, detail="agent unreachable")
-                    c = loss_verdict(loss, slot_of[n.node_id], self.cfg.recovery.max_local_resets)
+                    c = loss_verdict(loss, slot, self.cfg.recovery.max_local_resets)
                     n.last_fault = fault_text(c, loss)
-                    rec = self.events.emit(fault_detected(loss, n.node_id, slot_of[n.node_id], c, signal=r.NodeLost.KIND,
+                    rec = self.events.emit(fault_detected(loss, n.node_id, slot, c, signal=r.NodeLost.KIND,
                                                           detail="node lost with the failure", symptom_of_loss=True),
                                            job.course.generation)
                     if n is gone[0] and not reporter_lost:    # the incident is the loss (what the console says)

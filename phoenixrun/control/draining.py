@@ -52,7 +52,8 @@ class Drain:
 
     def plan(self, quiesced: Quiesced | None, attempt: int) -> FromMemory:
         """decide.plan_drain; the spare takes the slot (none left: everyone resumes in place, the node stays)."""
-        self.reached = 0 if quiesced is None else quiesced.reached    # a drain always quiesces
+        assert quiesced is not None, "a drain always quiesces (its quiesce() gives a Quiesce)"
+        self.reached = quiesced.reached
         job, node = self.job, self.node
         with job.cv:
             spare = pick_spare(job.members.nodes, avoid_domains=[node.fault_domain])
@@ -75,13 +76,14 @@ class Drain:
         return FromMemory(plan, cause="drain")
 
     def resume(self, quiesced: Quiesced | None, restore: FromMemory, restored: Restored, attempt: int) -> Resume:
+        assert quiesced is not None, "a drain always quiesces"
         plan, now = restore.plan, time.time()
         stop = ((self.node.node_id, f"drained: {self.reason}"),) if plan.replaced_slots else ()
         return Resume(RecoveryDone(
             restored_step=plan.restore_step, cause="drain", replayed_steps=max(0, self.reached - plan.restore_step),
             steps_completed_before=self.reached, duration_s=round(now - self.started, 4),
             detect_to_done_s=round(now - self.requested, 4), replaced_slots=plan.replaced_slots,
-            drained_node=self.node.node_id, attempts=1, phases={"quiesce_s": 0.0 if quiesced is None else quiesced.seconds, **restored.phases}),
+            drained_node=self.node.node_id, attempts=1, phases={"quiesce_s": quiesced.seconds, **restored.phases}),
             close=False, stop=stop)    # its state is on the spare now: the drained node may go
 
     def failed(self, error: Exception, after: AfterFailure) -> None:

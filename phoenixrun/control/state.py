@@ -84,13 +84,6 @@ class NodeRecord:
     draining: str | None = None   # a drain of this node is under way (or done: role drained): its reason
     straggler: float | None = None   # how many times slower than its peers, while it is a straggler
 
-    @property
-    def held_slot(self) -> int:
-        """The slot of a node that holds one (an active node, or one draining out of it): asking a spare's is a bug."""
-        if self.slot is None:
-            raise ValueError(f"node {self.node_id} ({self.role.value}) holds no slot")
-        return self.slot
-
     def to_json(self, now: float) -> dict[str, Any]:
         d = asdict(self)
         d["role"] = self.role.value
