@@ -19,7 +19,7 @@ def test_versions_grow_and_each_node_keeps_only_its_newest():
     board.set(["a"], command="run", slot=0)
     board.set(["b"], command="run", slot=1)
     board.set(["a"], command="quiesce")
-    assert board.get("a").version == 3 and board.get("a").fields["command"] == "quiesce"
+    assert board.get("a").version == 3 and board.get("a").command == "quiesce"
     assert board.get("b").version == 2
     assert board.get("zzz") is None
 
@@ -30,7 +30,7 @@ def test_answer_gives_newer_directives_and_records_the_ack():
     board.set(["a"], command="run")
     d = board.get("a")
     assert board.answer("a", -1) is d and json.loads(d.body)["version"] == 11
-    assert board.answer("a", 5) is d and d.fields["command"] == "run"
+    assert board.answer("a", 5) is d and d.command == "run"
     assert not d.acked
     assert board.answer("a", 11) is None and d.acked          # it holds the current one: ack, park
     assert board.answer("a", 12) is None                      # claims a newer one (older master): park

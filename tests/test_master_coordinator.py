@@ -36,7 +36,7 @@ def test_a_finished_job_ends_with_exit_code_0(tmp_path):
             m.cv.wait(0.05)
     for nid in ("a", "b"):
         d = m.directives.get(nid)
-        assert d.fields["command"] == "run"
+        assert d.command == "run"
         m.directives.mark_sent(d)
     assert m.report({"node_id": "a", "token": tokens["a"], "kind": "workers_done", "generation": 0})["ok"]
     assert not m.job.stopped.wait(0.5)                       # one node's workers are not the job's
@@ -47,7 +47,7 @@ def test_a_finished_job_ends_with_exit_code_0(tmp_path):
     m.events.close()
     end = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "job_finished"]
     assert [(e["exit_code"], e["reason"]) for e in end] == [(0, "all workers finished")]
-    assert {m.directives.get(n).fields["command"] for n in ("a", "b")} == {"stop"}
+    assert {m.directives.get(n).command for n in ("a", "b")} == {"stop"}
 
 
 @pytest.mark.parametrize("kind, cls", [(reports.NodeLost, "node_lost"), (reports.Left, "node_lost")])

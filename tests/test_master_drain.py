@@ -114,6 +114,7 @@ from phoenixrun.control.events import read_events  # noqa: E402
 from phoenixrun.control.master import Master, MasterConfig  # noqa: E402
 from phoenixrun.control.state import Phase  # noqa: E402
 from phoenixrun.protocol.messages import MessageError  # noqa: E402
+from phoenixrun.protocol.directives import Stop  # noqa: E402
 
 
 def _running(tmp_path, spares: int = 0, warm: bool = True) -> Master:
@@ -173,8 +174,8 @@ def test_a_sigterm_drain_without_a_spare_leaves_as_before(tmp_path):
     """No spare: the agent that asked is told to stop as on SIGTERM and its slot is handled as a node that left."""
     m = _running(tmp_path)
     m.coordinator._drain(m.nodes["b"], 1, reports.Drain(node_id="b", reason="agent got SIGTERM", t=1.0))
-    d = m.directives.get("b").fields
-    assert (d["command"], d["exit_code"]) == ("stop", 143) and "no spare node" in d["reason"]
+    d = m.directives.get("b").decoded().order
+    assert isinstance(d, Stop) and d.exit_code == 143 and d.reason is not None and "no spare node" in d.reason
     left = m._inbox.get_nowait()
     assert isinstance(left, reports.Left) and left.node_id == "b" and "drain refused" in left.detail
     m.events.close()
@@ -236,5 +237,5 @@ def test_a_drain_whose_restore_fails_its_checksum_becomes_a_hot_swap(tmp_path, m
     m._inbox.put(reports.RestoreFailed(node_id="s0", generation=g, reason="checksum mismatch", integrity=True))
     m.recovery.drain(m.nodes["b"], 1, "kernel update", 1.0)
     assert swaps == [(set(), "b", {1: "s0"})]
-    assert m.directives.get("b").fields["command"] == "stop"
+    assert m.directives.get("b").command == "stop"
     m.events.close()

@@ -10,6 +10,7 @@ from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, Net
 from phoenixrun.agents.peer import PeerError, PeerServer
 from phoenixrun.cli import valid_fault
 from phoenixrun.protocol.client import ControlError
+from phoenixrun.control.directives import Ask
 from phoenixrun.control.events import read_events
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.control.recovery import Cascade
@@ -55,7 +56,7 @@ def test_replaced_node_is_fenced_on_every_endpoint(tmp_path):
     hb = m.heartbeat({"node_id": "a", "snapshots": {"0": [9]}})
     assert hb["fenced"] and hb["command"] == "stop" and "inject" not in hb
     assert m.nodes["a"].snapshots == {}           # its reports are not taken into the job's state
-    d = json.loads(m.answer_polls([{"node_id": "a", "version": 5, "timeout": 0.1}])[0].body)
+    d = json.loads(m.answer_polls([Ask("a", 5)])[0].body)
     assert d["fenced"] and d["command"] == "stop" and d["version"] == 6
     assert m.report({"node_id": "a", "kind": "worker_exit", "rank": 0, "returncode": 1})["fenced"]
     assert m._inbox.empty()

@@ -13,7 +13,7 @@ import pytest
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
 from phoenixrun.agents.relay import ParentLink, RelayCache
 from phoenixrun.config import MasterConfig
-from phoenixrun.control.directives import DirectiveBoard
+from phoenixrun.control.directives import Ask, DirectiveBoard
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.relaying import Bundle, RelayDesk, expand
 from phoenixrun.control.state import NodeRecord, Role
@@ -129,7 +129,7 @@ def job_with(n: int, threshold: int) -> tuple[JobState, RelayDesk]:
 
 
 def answerer(board: DirectiveBoard):
-    return lambda polls: [board.answer(p["node_id"], p["version"]) for p in polls]
+    return lambda asks: [board.answer(a.node_id, a.version) for a in asks]
 
 
 def test_below_the_threshold_nobody_is_told_of_a_tree():
@@ -147,7 +147,7 @@ def test_the_desk_bundles_a_relays_children_sealed_for_each():
     board.set(job.members.nodes, command="quiesce", generation=1)
     assert set(desk.route([kids[0]])) == {kids[0], relay}
 
-    poll = {"node_id": relay, "version": -1, "relay": {}}
+    poll = Ask(relay, -1, {})
     (b,) = desk.answer([poll], answerer(board))
     assert isinstance(b, Bundle) and {d.version for d in expand([b])} == {101}
     got = json.loads(b.body)
@@ -157,7 +157,7 @@ def test_the_desk_bundles_a_relays_children_sealed_for_each():
         assert sealed(job.members.tokens[c], e["d"].encode(), e["mac"]) and e["v"] == 101 and e["g"] == 1
         assert got["keys"][c] == poll_key(job.members.tokens[c])
     # everything held, nothing new: parked; the children's acks recorded on the board
-    held = {"node_id": relay, "version": 101, "relay": {c: (101, 101) for c in kids}}
+    held = Ask(relay, 101, {c: (101, 101) for c in kids})
     assert desk.answer([held], answerer(board)) == [None]
     assert all(board.get(c).acked for c in kids)
 

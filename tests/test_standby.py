@@ -55,7 +55,7 @@ def test_orders_and_replies_carry_the_epoch(tmp_path):
     assert reply["master_epoch"] == 7
     assert m.heartbeat({"node_id": "a", "token": reply["token"]})["master_epoch"] == 7
     m.register({"node_id": "b", "host": "127.0.0.1", "agent_pid": 2, "peer_addr": "127.0.0.1:8"})
-    assert m.directives.get("b").fields["master_epoch"] == 7       # a spare's wait order
+    assert m.directives.get("b").decoded().master_epoch == 7       # a spare's wait order
     m.events.close()
 
 

@@ -20,22 +20,45 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from phoenixrun.control import wire
+from phoenixrun.protocol import directives as wire_directives
+from phoenixrun.protocol.names import Command
 
 
 @dataclass
 class Directive:
+    """One node's order as the board holds it: encoded once (`body`, shared by a broadcast's nodes), with the two
+    things the master itself asks of it afterwards; `decoded()` is what the agent will make of the bytes."""
     version: int
-    fields: dict[str, Any]   # what the agent gets, as the master set it (shared by a broadcast's nodes)
-    body: bytes           # the same, encoded
+    command: Command
+    generation: int | None
+    body: bytes
     sent: bool = False    # handed to the agent's connection (in its socket buffer, or on the wire)
     acked: bool = False   # the agent polled again holding this version: it has it
+
+    def decoded(self) -> wire_directives.Directive:
+        return wire_directives.decode(wire.loads(self.body))
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A node asking for a directive newer than the `version` it holds (-1: none yet): its own long-poll
+    (protocol/messages.py's Poll, validated), or one a relay's poll asks for a child (control/relaying.py), whose
+    `relay` says what it holds and has acked for each child: child id -> (held, acked)."""
+    node_id: str
+    version: int
+    relay: Mapping[str, tuple[int, int]] | None = None
+
+
+def _made(fields: Mapping[str, Any], version: int, body: bytes) -> Directive:
+    gen = fields.get("generation")
+    return Directive(version, Command(fields["command"]), gen if isinstance(gen, int) else None, body)
 
 
 @dataclass
 class Rollout:
     """One version on its way out: set for `targets` nodes at `set_at`, sent to `sent` of them."""
     version: int
-    command: str
+    command: Command
     generation: int | None
     targets: int
     set_at: float
@@ -62,7 +85,7 @@ class DirectiveBoard:
         body = wire.dumps(fields)
         ids = list(node_ids)
         for nid in ids:
-            self._by_node[nid] = Directive(self.version, fields, body)
+            self._by_node[nid] = _made(fields, self.version, body)
         self._track(fields, len(ids))
         return ids
 
@@ -75,15 +98,15 @@ class DirectiveBoard:
         for nid, own in orders.items():
             if own:
                 fields = {**common, **own}
-                self._by_node[nid] = Directive(self.version, fields, wire.dumps(fields))
+                self._by_node[nid] = _made(fields, self.version, wire.dumps(fields))
             else:
                 shared = wire.dumps(common) if shared is None else shared
-                self._by_node[nid] = Directive(self.version, common, shared)
+                self._by_node[nid] = _made(common, self.version, shared)
         self._track(common, len(orders))
         return list(orders)
 
     def _track(self, fields: dict[str, Any], targets: int) -> None:
-        self._rollouts[self.version] = Rollout(self.version, fields["command"], fields.get("generation"), targets,
+        self._rollouts[self.version] = Rollout(self.version, Command(fields["command"]), fields.get("generation"), targets,
                                                time.time())
         while len(self._rollouts) > ROLLOUTS_KEPT:
             self._rollouts.popitem(last=False)

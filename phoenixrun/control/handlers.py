@@ -18,7 +18,7 @@ from phoenixrun.protocol.events import (FaultInjected, NodeFenced, NodeJoined, N
                                        Straggler)
 from phoenixrun.protocol import messages, reports
 from phoenixrun.control.decide import RUNS_WORKERS
-from phoenixrun.control.directives import Directive
+from phoenixrun.control.directives import Ask, Directive
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.job_view import job_view
 from phoenixrun.control.jobstate import JobState
@@ -26,7 +26,7 @@ from phoenixrun.control.orders import Inbox, Orders
 from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.roster import digest
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
-from phoenixrun.protocol.names import REPORT_KINDS, ReportKind
+from phoenixrun.protocol.names import REPORT_KINDS, Command, ReportKind
 from phoenixrun.protocol.replies import Admitted, Heard, HeartbeatReply, JobTerms, PersistTerms, TurnedAway
 
 log = logging.getLogger("phoenixrun.master")
@@ -308,8 +308,7 @@ class Handlers:
         if node.role != Role.ACTIVE or node.slot is None or generation != self.job.course.generation:
             return False
         d = self.orders.board.get(node.node_id)
-        if d is not None and d.sent and d.fields.get("generation") == generation \
-                and d.fields.get("command") in RUNS_WORKERS:
+        if d is not None and d.sent and d.generation == generation and d.command in RUNS_WORKERS:
             return True
         return self.job.members.rejoin_generation.get(node.node_id) == generation
 
@@ -322,25 +321,23 @@ class Handlers:
                 self._check_token(msg.node_id, msg.token, "directive poll")
         return msg
 
-    def answer_polls(self, polls: list[dict[str, Any]]) -> list[Directive | None]:
+    def answer_polls(self, asks: list[Ask]) -> list[Directive | None]:
         """Directive long-polls (many under one hold of the lock: a broadcast wakes thousands): ack the
         version each agent holds, return its newer directive if there is one, else None (the transport
         parks the poll until `_direct` wakes it or it times out). The transport calls `directives_sent`
         once it has written the answers."""
-        for p in polls:   # malformed -> 400 now, not when the poll expires
-            int(p.get("version", -1)), float(p.get("timeout", 10.0))
         answers: list[Directive | None] = []
         parked = False
         with self.job.cv:
-            for p in polls:
-                node_id, known = p.get("node_id", ""), int(p.get("version", -1))
-                fenced = self._fence(node_id, "directive")
+            for ask in asks:
+                fenced = self._fence(ask.node_id, "directive")
                 if fenced:
-                    fields = {**fenced.to_wire(), "version": known + 1, "generation": self.job.course.generation,
+                    fields = {**fenced.to_wire(), "version": ask.version + 1, "generation": self.job.course.generation,
                               "master_epoch": self.job.master_epoch}
-                    answers.append(Directive(known + 1, fields, wire.dumps(fields)))   # not on the board
+                    answers.append(Directive(ask.version + 1, Command.STOP, self.job.course.generation,
+                                             wire.dumps(fields)))   # not on the board
                     continue
-                d = self.orders.board.answer(node_id, known)
+                d = self.orders.board.answer(ask.node_id, ask.version)
                 parked = parked or d is None
                 answers.append(d)
             if parked:

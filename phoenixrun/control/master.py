@@ -27,7 +27,7 @@ from typing import Any
 from phoenixrun.config import MasterConfig
 from phoenixrun.control import layout_file
 from phoenixrun.control.coordinator import Coordinator
-from phoenixrun.control.directives import Directive, DirectiveBoard
+from phoenixrun.control.directives import Ask, Directive, DirectiveBoard
 from phoenixrun.control.events import EventLog
 from phoenixrun.control.handlers import Handlers
 from phoenixrun.control.jobstate import JobState
@@ -205,8 +205,8 @@ class Master:
     def poll_intake(self, p: dict[str, Any]) -> messages.Poll:
         return self.handlers.poll_intake(p)
 
-    def answer_polls(self, polls: list[dict[str, Any]]) -> list[Directive | None]:
-        return self.relays.answer(polls, self.handlers.answer_polls)
+    def answer_polls(self, asks: list[Ask]) -> list[Directive | None]:
+        return self.relays.answer(asks, self.handlers.answer_polls)
 
     def directives_sent(self, sent: list[Directive]) -> None:
         self.handlers.directives_sent(expand(sent))

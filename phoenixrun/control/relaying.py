@@ -11,19 +11,20 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from phoenixrun.control import relay_tree
-from phoenixrun.control.directives import Directive
+from phoenixrun.control.directives import Ask, Directive
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.relay_tree import Member, Tree
 from phoenixrun.control.state import Role
+from phoenixrun.protocol.names import Command
 from phoenixrun.protocol.relay import FALLBACK_POLL_S, poll_key, seal
 from phoenixrun.protocol.replies import RelayLink
 
 REFRESH_S = 0.25       # the tree follows the membership this closely (a relay's children do not wait for it:
                        # they poll the master directly the moment their relay fails)
-Answer = Callable[[list[dict[str, Any]]], list[Directive | None]]
+Answer = Callable[[list[Ask]], list[Directive | None]]
 
 
 @dataclass
@@ -88,26 +89,24 @@ class RelayDesk:
         return ids if not self._addr else list(relay_tree.route(self.tree, ids))
 
     # ------------------------------------------------------------------ answering relays
-    def answer(self, polls: list[dict[str, Any]], answer: Answer) -> list[Directive | None]:
-        """Directive polls, some of them relays' (with a `relay` field): plain ones as `answer` answers them,
-        a relay's with a Bundle (None: nothing new for it or its children: park it)."""
-        if not any("relay" in p for p in polls):
-            return answer(polls)
+    def answer(self, asks: list[Ask], answer: Answer) -> list[Directive | None]:
+        """Directive polls, some of them relays' (`relay` set): plain ones as `answer` answers them, a relay's
+        with a Bundle (None: nothing new for it or its children: park it)."""
+        if all(a.relay is None for a in asks):
+            return answer(asks)
         out: list[Directive | None] = []
-        for p in polls:
-            if "relay" not in p:
-                out.extend(answer([p]))
+        for a in asks:
+            if a.relay is None:
+                out.extend(answer([a]))
                 continue
-            out.append(self._bundle(p, answer))
+            out.append(self._bundle(a.node_id, a.version, a.relay, answer))
         return out
 
-    def _bundle(self, p: dict[str, Any], answer: Answer) -> Directive | None:
-        relay, known = p["node_id"], p.get("version", -1)
-        state: dict[str, tuple[int, int]] = p["relay"]
+    def _bundle(self, relay: str, known: int, state: Mapping[str, tuple[int, int]],
+                answer: Answer) -> Directive | None:
         kids = self._kids.get(relay, ())
-        acks = [{"node_id": c, "version": state[c][1]} for c in kids if c in state and state[c][1] >= 0]
-        asked = [{"node_id": relay, "version": known}] + [
-            {"node_id": c, "version": state.get(c, (-1, -1))[0]} for c in kids]
+        acks = [Ask(c, state[c][1]) for c in kids if c in state and state[c][1] >= 0]
+        asked = [Ask(relay, known)] + [Ask(c, state.get(c, (-1, -1))[0]) for c in kids]
         got = answer(acks + asked)[len(acks):]     # the acks first: answering a held version records it
         own, theirs = got[0], list(zip(kids, got[1:]))
         children = {c: d for c, d in theirs if d is not None}
@@ -122,12 +121,13 @@ class RelayDesk:
                 f'{own.version if own else known}, "children": {{{entries}}}, "keys": {{{keys}}}, "own": ').encode() \
             + (own.body if own else b"null") + b"}"
         parts = ([own] if own else []) + list(children.values())
-        return Bundle(own.version if own else known, {}, body, parts=parts)
+        own_command = own.command if own else Command.NOOP
+        return Bundle(own.version if own else known, own_command, own.generation if own else None, body, parts=parts)
 
     @staticmethod
     def _entry(token: str, d: Directive) -> str:
-        gen = d.fields.get("generation")
-        return (f'{{"v": {d.version}, "g": {gen if isinstance(gen, int) else -1}, '
+        gen = d.generation
+        return (f'{{"v": {d.version}, "g": {gen if gen is not None else -1}, '
                 f'"d": {json.dumps(d.body.decode())}, "mac": "{seal(token, d.body)}"}}')
 
     def _key(self, node: str, token: str) -> str:

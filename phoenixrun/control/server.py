@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 
 from phoenixrun import auth, netaddr
 from phoenixrun.control import metrics, wire
+from phoenixrun.control.directives import Ask
 from phoenixrun.protocol.admission import Throttle, pick_eviction
-from phoenixrun.protocol.constants import (DEFAULT_POLL_TIMEOUT_S, MAX_BODY, MAX_HEAD, MAX_PARKED_POLL_S,
+from phoenixrun.protocol.constants import (MAX_BODY, MAX_HEAD, MAX_PARKED_POLL_S,
                                            MAX_UNAUTHENTICATED, READ_TIMEOUT_S)
 from phoenixrun.protocol.messages import MessageError
 from phoenixrun.protocol.names import Command, Endpoint
@@ -270,8 +271,8 @@ class Connection(asyncio.Protocol):
 class _Poll:
     """A parked directive long-poll."""
     conn: Connection
-    payload: dict[str, Any]
-    known: int
+    ask: Ask
+    timeout: float
     timer: asyncio.TimerHandle | None = None
 
 
@@ -447,7 +448,7 @@ class ControlServer:
     def _answer_or_park(self, polls: list[_Poll]) -> None:
         rendered: tuple[bytes, bytes] | None = None   # a broadcast's nodes share one body: render it once
         sent = []
-        for poll, d in zip(polls, self.master.answer_polls([poll.payload for poll in polls])):
+        for poll, d in zip(polls, self.master.answer_polls([poll.ask for poll in polls])):
             if d is not None:
                 if not poll.conn.keep_alive:
                     poll.conn.respond(Status.OK, d.body)
@@ -462,19 +463,19 @@ class ControlServer:
                 # polls again at once) do not all expire together: 16K agents re-polling in one burst every poll
                 # period were, each time, 16K requests in the loop's backlog (and a broadcast then in flight
                 # missed their parked polls).
-                timeout = min(float(poll.payload.get("timeout", DEFAULT_POLL_TIMEOUT_S)), MAX_PARKED_POLL_S) \
+                timeout = min(poll.timeout, MAX_PARKED_POLL_S) \
                     * random.uniform(0.5, 1.0)
                 poll.timer = self.loop.call_later(max(0.0, timeout), self._expire, poll)
-            self._polls.setdefault(poll.payload.get("node_id", ""), []).append(poll)
+            self._polls.setdefault(poll.ask.node_id, []).append(poll)
             poll.conn.poll = poll
         if sent:
             self.master.directives_sent(sent)
 
     def _expire(self, poll: _Poll) -> None:
-        waiting = self._polls.get(poll.payload.get("node_id", ""), [])
+        waiting = self._polls.get(poll.ask.node_id, [])
         if poll in waiting:
             waiting.remove(poll)
-            poll.conn.respond(Status.OK, wire.dumps({"version": poll.known, "command": Command.NOOP}))
+            poll.conn.respond(Status.OK, wire.dumps({"version": poll.ask.version, "command": Command.NOOP}))
 
     def forget(self, conn: Connection) -> None:
         """A connection closed: drop its parked poll, if any."""
@@ -483,7 +484,7 @@ class ControlServer:
             return
         if poll.timer:
             poll.timer.cancel()
-        waiting = self._polls.get(poll.payload.get("node_id", ""), [])
+        waiting = self._polls.get(poll.ask.node_id, [])
         if poll in waiting:
             waiting.remove(poll)
 
@@ -532,10 +533,9 @@ class ControlServer:
                 poll = self.master.poll_intake(payload)
                 if poll.node_id in self.master.job.members.nodes:   # a registered node's link (its token checked)
                     conn.node_id, self._polled_at[poll.node_id] = poll.node_id, time.time()
-                relay = {"relay": parse_relay_state(payload["relay"])} if "relay" in payload else {}  # relay_tree.py
+                relay = parse_relay_state(payload["relay"]) if "relay" in payload else None  # relay_tree.py
                 timeout = self.master.relays.poll_timeout(poll.node_id, poll.timeout)
-                self._answer_or_park([_Poll(conn, {"node_id": poll.node_id, "version": poll.version,
-                                                   "timeout": timeout, **relay}, poll.version)])
+                self._answer_or_park([_Poll(conn, Ask(poll.node_id, poll.version, relay), timeout)])
                 return
             conn.respond(Status.OK, wire.dumps(fn(payload)))
         except (ValueError, KeyError, TypeError, RecursionError) as e:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S, DIRECTIVE_POLL_S
-from phoenixrun.protocol.directives import decode
+from phoenixrun.protocol.directives import Run, decode
 from phoenixrun.protocol import reports
 from phoenixrun.protocol.names import Command, Endpoint
 from phoenixrun.protocol.status import Status
@@ -439,8 +439,8 @@ class Swarm:
 
     def _act(self, a: SimAgent, d: dict[str, Any], at: float) -> None:
         """Do what the directive says, as a node whose workers obey at once would."""
-        a.version = d["version"]
         order = decode(d)     # as the real agent decodes it (protocol/directives.py)
+        a.version = order.version
         cmd, g = order.command, a.generation if order.generation is None else order.generation
         a.received.setdefault((cmd, g), at)
         a.generation = g
@@ -455,7 +455,7 @@ class Swarm:
             self._report(a, reports.Resumed(node_id=a.node_id, generation=g, slot=a.slot))
         elif cmd == Command.RUN:
             a.role = "active"
-            if d.get("resume"):
+            if isinstance(order.order, Run) and order.order.resume:
                 self.recovering = False
         elif cmd == Command.STOP:
             a.alive = False
