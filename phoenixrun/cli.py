@@ -468,18 +468,18 @@ def status_cmd(run_dir: Path | None, endpoint: str | None, secret_file: Path | N
 def inject_cmd(run_dir: Path | None, endpoint: str | None, secret_file: Path | None, slot: int, fault: str) -> None:
     """Inject a fault into a running job (tests, demos, fire drills). Authenticated like every control call."""
     from phoenixrun.protocol.client import ControlError
+    from phoenixrun.protocol.names import Endpoint
+    from phoenixrun.protocol.replies import Injected
     from phoenixrun.status import client_for
     if not valid_fault(fault):
         raise click.BadParameter(f"unknown fault {fault!r}", param_hint="--fault")
     try:
-        reply = client_for(run_dir, endpoint, secret_file).post("/v1/inject", {"slot": slot, "fault": fault})
-    except ControlError as e:
+        reply = Injected.from_wire(client_for(run_dir, endpoint, secret_file).post(
+            Endpoint.INJECT, {"slot": slot, "fault": fault}))
+    except (ControlError, ValueError) as e:
         click.echo(f"phoenixrun inject: {e}", err=True)
         sys.exit(1)
-    if reply.get("error"):
-        click.echo(f"phoenixrun inject: {reply['error']}", err=True)
-        sys.exit(1)
-    click.echo(f"injected {fault} into slot {slot} (node {reply['node']})")
+    click.echo(f"injected {fault} into slot {slot} (node {reply.node})")
 
 
 @commands.command("drain")
@@ -492,13 +492,19 @@ def drain_cmd(run_dir: Path | None, endpoint: str | None, secret_file: Path | No
     """Move a healthy node's ranks to a spare at a step boundary, nothing replayed; the node's agent then exits.
     Returns once the master accepted the drain: follow it with `phoenixrun status` (docs/operations.md)."""
     from phoenixrun.protocol.client import ControlError
+    from phoenixrun.protocol.names import Endpoint
+    from phoenixrun.protocol.replies import Draining
     from phoenixrun.status import client_for, refusal_text
     try:
-        reply = client_for(run_dir, endpoint, secret_file).post("/v1/drain", {"slot": slot, "reason": reason})
+        reply = Draining.from_wire(client_for(run_dir, endpoint, secret_file).post(
+            Endpoint.DRAIN, {"slot": slot, "reason": reason}))
     except ControlError as e:
         click.echo(f"phoenixrun drain: {refusal_text(e)}", err=True)
         sys.exit(1)
-    click.echo(f"draining slot {slot} (node {reply['node']}): its ranks move to a spare at a step boundary")
+    except ValueError as e:
+        click.echo(f"phoenixrun drain: {e}", err=True)
+        sys.exit(1)
+    click.echo(f"draining slot {reply.slot} (node {reply.node}): its ranks move to a spare at a step boundary")
 
 
 def register_simulate() -> None:

@@ -3,8 +3,8 @@ the master built, the wire keeps the fields agents of every version read, and a 
 refused by name."""
 import pytest
 
-from phoenixrun.protocol.replies import (Admitted, Heard, HeartbeatReply, JobTerms, PersistTerms, RelayLink, TurnedAway,
-                                         heartbeat_reply, registration_reply, report_reply)
+from phoenixrun.protocol.replies import (Admitted, Draining, Heard, HeartbeatReply, Injected, JobTerms, PersistTerms,
+                                         RelayLink, TurnedAway, heartbeat_reply, registration_reply, report_reply)
 
 TERMS = JobTerms(run_id="r1", store_port=29500, nnodes=4, nproc_per_node=2, tp=2, pp=1, max_restarts=3,
                  persist=PersistTerms(dir="/ckpt", every=50, keep=2, world_size=8))
@@ -75,3 +75,17 @@ def test_a_report_reply_decodes_to_what_the_master_built(reply):
 def test_a_report_reply_it_cannot_read_is_refused(wire):
     with pytest.raises(ValueError, match="report reply"):
         report_reply(wire)
+
+
+@pytest.mark.parametrize("reply", [Injected("n3"), Draining("n1", 1)])
+def test_an_operator_reply_decodes_to_what_the_master_built(reply):
+    assert type(reply).from_wire(reply.to_wire()) == reply
+
+
+@pytest.mark.parametrize("cls, wire, named", [
+    (Injected, {"ok": True}, "node"), (Injected, [], "object"),
+    (Draining, {"ok": True, "node": "n1"}, "slot"), (Draining, {"node": "n1", "slot": "1"}, "slot"),
+])
+def test_an_operator_reply_it_cannot_read_is_refused_by_name(cls, wire, named):
+    with pytest.raises(ValueError, match=named):
+        cls.from_wire(wire)

@@ -27,7 +27,8 @@ from phoenixrun.control.rejections import Rejections
 from phoenixrun.control.roster import digest
 from phoenixrun.control.state import NodeRecord, Phase, Role, admit, fence_reply
 from phoenixrun.protocol.names import REPORT_KINDS, Command, ReportKind
-from phoenixrun.protocol.replies import Admitted, Heard, HeartbeatReply, JobTerms, PersistTerms, TurnedAway
+from phoenixrun.protocol.replies import (Admitted, Draining, Heard, HeartbeatReply, Injected, JobTerms, PersistTerms,
+                                         TurnedAway)
 
 log = logging.getLogger("phoenixrun.master")
 R = TypeVar("R", bound=Admitted | TurnedAway | HeartbeatReply)
@@ -252,7 +253,7 @@ class Handlers:
             self.inbox.put(reports.Drain(node_id=node.node_id, by="straggler", t=time.time(),
                                         reason=f"straggler: {node.straggler}x slower than its peers"))
 
-    def inject(self, p: dict[str, Any]) -> dict[str, Any]:
+    def inject(self, p: dict[str, Any]) -> Injected:
         """Queue a fault for a node's agent; it gets it with its next heartbeat reply."""
         msg = messages.parse_inject(p, self._msg_job)
         with self.job.cv:
@@ -261,9 +262,9 @@ class Handlers:
                 raise messages.MessageError(f"no active node in slot {msg.slot}", code=409, reason="no_such_node")
             self.job.members.injections.setdefault(nid, []).append(msg.fault)
             self.events.emit(FaultInjected(node=nid, slot=msg.slot, fault=msg.fault), self.job.course.generation)
-            return {"ok": True, "node": nid}
+            return Injected(nid)
 
-    def drain(self, p: dict[str, Any]) -> dict[str, Any]:
+    def drain(self, p: dict[str, Any]) -> Draining:
         """`phoenixrun drain`: move a healthy node's ranks to a spare at a step boundary (the coordinator carries
         it out, control/recovery.py's Recoveries.drain). Refused (409) with what is wrong and what to do."""
         msg = messages.parse_drain(p, self._msg_job)
@@ -273,7 +274,7 @@ class Handlers:
                 raise messages.MessageError(f"cannot drain slot {msg.slot}: {refusal}", code=409, reason="drain_refused")
             nid = self.job.members.slots[msg.slot]
         self.inbox.put(reports.Drain(node_id=nid, reason=msg.reason, by="operator", t=time.time()))
-        return {"ok": True, "node": nid, "slot": msg.slot}
+        return Draining(nid, msg.slot)
 
     def report(self, p: dict[str, Any]) -> Heard | TurnedAway:
         sent = reports.parse_report(p, self._msg_job, time.time())

@@ -197,10 +197,10 @@ class Master:
         return self.handlers.report(p).to_wire()
 
     def inject(self, p: dict[str, Any]) -> dict[str, Any]:
-        return self.handlers.inject(p)
+        return self.handlers.inject(p).to_wire()
 
     def drain(self, p: dict[str, Any]) -> dict[str, Any]:
-        return self.handlers.drain(p)
+        return self.handlers.drain(p).to_wire()
 
     def poll_intake(self, p: dict[str, Any]) -> messages.Poll:
         return self.handlers.poll_intake(p)

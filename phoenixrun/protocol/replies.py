@@ -8,7 +8,8 @@ decodes each into the same type (agents/master_link.py) - nothing reads a reply 
   (`fenced`: its agent stops its workers and exits, whatever it asked - control/state.py::fence_reply);
 - `HeartbeatReply`: alive and heard; faults to inject, the directive tree (`RelayLink`) and the ring neighbours
   to watch (`watch`);
-- `Heard`: a report taken (or `ignored`, with why: one about workers of a generation already replaced).
+- `Heard`: a report taken (or `ignored`, with why: one about workers of a generation already replaced);
+- `Injected`, `Draining`: an operator's `phoenixrun inject` / `phoenixrun drain` taken (decoded by the CLI).
 
 Every answer an agent acts on names the master's lease epoch (`master_epoch`): agents ignore a deposed master's.
 A reply with a field of the wrong type is a ValueError naming it (the agent logs it and asks again)."""
@@ -216,3 +217,34 @@ def report_reply(m: Any) -> Heard | TurnedAway:
     if m.get("ok") is not True:
         raise ValueError(f"report reply: neither ok nor fenced: {m!r}")
     return Heard(_typed(m, "ignored", str, "report reply", none=True))
+
+
+@dataclass(frozen=True)
+class Injected:
+    """`phoenixrun inject` taken: the fault is queued for `node`, which gets it with its next heartbeat reply."""
+    node: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True, "node": self.node}
+
+    @classmethod
+    def from_wire(cls, m: Any) -> Injected:
+        if not isinstance(m, Mapping):
+            raise ValueError(f"inject reply must be an object, got {m!r}")
+        return cls(_typed(m, "node", str, "inject reply"))
+
+
+@dataclass(frozen=True)
+class Draining:
+    """`phoenixrun drain` accepted: `node`'s ranks (slot `slot`) move to a spare at a step boundary."""
+    node: str
+    slot: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"ok": True, "node": self.node, "slot": self.slot}
+
+    @classmethod
+    def from_wire(cls, m: Any) -> Draining:
+        if not isinstance(m, Mapping):
+            raise ValueError(f"drain reply must be an object, got {m!r}")
+        return cls(_typed(m, "node", str, "drain reply"), _typed(m, "slot", int, "drain reply"))
