@@ -25,13 +25,12 @@ import time
 import uuid
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from phoenixrun import netaddr
 from phoenixrun.config import AgentConfig
 from phoenixrun.protocol.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, poll_all
-from phoenixrun.protocol import reports
+from phoenixrun.protocol import messages, reports
 from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S
 from phoenixrun.protocol.replies import Admitted, TurnedAway
 from phoenixrun.agents.drills import FaultDrills
@@ -115,11 +114,11 @@ class Agent:
                                   self.peers)
         self.link = MasterLink(
             self.node, self.life, self.client,
-            registration={"node_id": self.node.node_id, "host": self.cfg.host, "agent_pid": os.getpid(),
-                          "peer_addr": self.peer_server.addr, "fault_domain": self.cfg.fault_domain,
-                          "nproc_per_node": self.cfg.nproc_per_node,
-                          # only this process holds it: proves a retried registration or a rejoin is ours
-                          "nonce": secrets.token_hex(16)},
+            registration=messages.Register(
+                node_id=self.node.node_id, host=self.cfg.host, agent_pid=os.getpid(), peer_addr=self.peer_server.addr,
+                fault_domain=self.cfg.fault_domain, nproc_per_node=self.cfg.nproc_per_node,
+                # only this process holds it: proves a retried registration or a rejoin is ours
+                nonce=secrets.token_hex(16)),
             heartbeat_interval=self.cfg.heartbeat_interval, node_state=self._heartbeat_state,
             rejoin_state=self._rejoin_state, on_inject=self.drills.inject,
             parent=ParentLink(GatedPeerClient(self.cfg.secret, self.cut, io_timeout=RELAY_POLL_S + 3)), relay=relay)
@@ -223,22 +222,21 @@ class Agent:
         self.peer_server.close()
 
     # ------------------------------------------------------------------ what the master learns from us
-    def _heartbeat_state(self) -> dict[str, Any]:
-        with self.node.lock:
-            state = {"worker_pids": self.supervisor.live_pids(),
-                     "snapshots": self.slots.available(), "replicas": self.replicas.available(),
-                     "protection": {r: f.to_wire() for r, f in self.node.protection.items()}, "api": self.node.api}
-            if self.node.role == AgentRole.SPARE:
-                state["warm_ready"] = self.warm_ready()
-        return state
-
-    def _rejoin_state(self) -> dict[str, Any]:
+    def _heartbeat_state(self) -> messages.Heartbeat:
         node = self.node
         with node.lock:
-            return {"role": node.role.value, "slot": node.slot, "generation": node.generation,
-                    "restart_count": node.restart_count, "api": node.api, "world": node.world.to_wire(),
-                    "frozen": self.slots.frozen,
-                    "snapshots": self.slots.available(), "replicas": self.replicas.available()}
+            return messages.Heartbeat(
+                node_id=node.node_id, token=node.token, worker_pids=self.supervisor.live_pids(),
+                snapshots=self.slots.available(), replicas=self.replicas.available(), protection=dict(node.protection),
+                api=node.api, warm_ready=node.role == AgentRole.SPARE and self.warm_ready())
+
+    def _rejoin_state(self) -> messages.Rejoin:
+        node = self.node
+        with node.lock:
+            return messages.Rejoin(role=node.role.value, slot=node.slot, generation=node.generation,
+                                   restart_count=node.restart_count, api=node.api, frozen=self.slots.frozen,
+                                   snapshots=self.slots.available(), replicas=self.replicas.available(),
+                                   world_slots=dict(node.world.slots))
 
     def warm_ready(self) -> bool:
         """A spare whose pre-started workers have all connected (torch imported) and whose checkpoint I/O process

@@ -8,12 +8,14 @@ ran on after a pause) is not listened to - the client moves on to the next endpo
 standby that took over) starts its directive versions afresh."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
 import time
 from typing import Any, Callable
 
+from phoenixrun.protocol import messages
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.protocol.directives import Directive, decode
 from phoenixrun.protocol.replies import (Admitted, RelayLink, TurnedAway, Watch, heartbeat_reply,
@@ -29,8 +31,8 @@ log = logging.getLogger("phoenixrun.agent")
 
 class MasterLink:
     def __init__(self, node: NodeState, life: Lifecycle, client: ControlClient,
-                 registration: dict[str, Any], heartbeat_interval: float, node_state: Callable[[], dict[str, Any]],
-                 rejoin_state: Callable[[], dict[str, Any]], on_inject: Callable[[str], None],
+                 registration: messages.Register, heartbeat_interval: float,
+                 node_state: Callable[[], messages.Heartbeat], rejoin_state: Callable[[], messages.Rejoin], on_inject: Callable[[str], None],
                  parent: ParentLink | None = None, relay: RelayCache | None = None) -> None:
         """registration: what this node tells the master about itself (host, addresses, nproc_per_node...);
         node_state: the heartbeat's view of the node; rejoin_state: what a restarted master learns from us;
@@ -67,11 +69,10 @@ class MasterLink:
             self._version = -1
         return True
 
-    def register(self, rejoin: dict[str, Any] | None = None, node_rank: int | None = None) -> Admitted | TurnedAway:
+    def register(self, rejoin: messages.Rejoin | None = None, node_rank: int | None = None) -> Admitted | TurnedAway:
         deadline = time.time() + 60
-        payload = {**self.registration, "rejoin": rejoin}
-        if node_rank is not None and rejoin is None:
-            payload["node_rank"] = node_rank
+        payload = dataclasses.replace(self.registration, rejoin=rejoin,
+                                      node_rank=node_rank if rejoin is None else None).to_wire()
         while True:
             try:
                 raw = self.client.post("/v1/register", payload)
@@ -164,7 +165,7 @@ class MasterLink:
     def heartbeat(self) -> None:
         """Thread: tell the master this node is alive (and what it holds) until the agent stops."""
         while not self.life.stopping:
-            payload = {"node_id": self.node.node_id, "token": self.node.token, **self.node_state()}
+            payload = self.node_state().to_wire()
             try:
                 raw = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
                 if self.current_master(raw):

@@ -11,7 +11,7 @@ import pytest
 from phoenixrun.protocol import worker_messages as wm
 from phoenixrun.protocol.directives import Assignment
 from phoenixrun.protocol.figures import COUNTS, FIELDS, SECONDS, Figures
-from phoenixrun.protocol.messages import Job, MessageError, parse_heartbeat
+from phoenixrun.protocol.messages import Heartbeat, Job, MessageError, Register, Rejoin, parse_heartbeat, parse_register
 from phoenixrun.protocol.reshard import Image, NodeReshard, WorkerReshard
 
 
@@ -89,3 +89,21 @@ def test_a_worker_reshard_round_trips_and_refuses_what_is_not_one():
         WorkerReshard.from_wire({"old_world": 6, "predecessor": "4"})
     with pytest.raises(ValueError, match="map old ranks to file paths"):
         WorkerReshard.from_wire({"old_world": 6, "images": {"4": 7}})
+
+
+def test_what_an_agent_sends_parses_back_to_the_type_it_built():
+    """The agent builds its heartbeat, registration and rejoin as the types the master parses them into
+    (agents/agent.py): through JSON and the master's parser each comes back equal."""
+    hb = Heartbeat(node_id="n1", token="t" * 32, worker_pids=[11, 12], snapshots={0: [3, 4], 1: [4]},
+                   replicas={2: [4]}, protection={0: Figures(every=1, committed_step=4)}, api=True, warm_ready=False)
+    assert parse_heartbeat(_wire(hb), JOB) == hb
+    spare = Heartbeat(node_id="n9", token=None, worker_pids=[], snapshots={}, replicas={}, protection={}, api=False,
+                      warm_ready=True)
+    assert parse_heartbeat(_wire(spare), JOB) == spare
+    rejoin = Rejoin(role="active", slot=1, generation=3, restart_count=1, api=True, frozen=False,
+                    snapshots={2: [7]}, replicas={0: [7]}, world_slots={0: "10.0.0.1:7000", 1: "10.0.0.2:7000"})
+    for reg in (Register(node_id="n1", host="h1", agent_pid=42, peer_addr="10.0.0.2:7000", fault_domain="rack1",
+                         nonce="a" * 32, nproc_per_node=2, node_rank=1),
+                Register(node_id="n1", host="h1", agent_pid=42, peer_addr="10.0.0.2:7000", fault_domain="rack1",
+                         nonce="a" * 32, nproc_per_node=2, rejoin=rejoin)):
+        assert parse_register(_wire(reg), JOB) == reg

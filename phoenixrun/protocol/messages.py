@@ -221,6 +221,12 @@ class Rejoin:
     replicas: dict[int, list[int]]
     world_slots: dict[int, str]      # slot -> peer address, as the agent knew its world
 
+    def to_wire(self) -> dict[str, Any]:
+        """What the agent sends (agents/agent.py builds it; parse_rejoin reads it back)."""
+        return {"role": self.role, "slot": self.slot, "generation": self.generation,
+                "restart_count": self.restart_count, "api": self.api, "frozen": self.frozen,
+                "snapshots": self.snapshots, "replicas": self.replicas, "world": {"slots": self.world_slots}}
+
 
 @dataclass(frozen=True, slots=True)
 class Register:
@@ -234,6 +240,18 @@ class Register:
     # a random value only this agent process holds, the same in each of its registrations: a retry or a rejoin
     # must carry it (what /v1/state shows of a node - host, pid, address - anyone holding the secret can read)
     nonce: str | None = field(default=None, repr=False)
+    nproc_per_node: int | None = None   # checked against the job's (a mismatch is refused by name)
+
+    def to_wire(self) -> dict[str, Any]:
+        """What the agent sends (agents/master_link.py; parse_register reads it back)."""
+        out: dict[str, Any] = {"node_id": self.node_id, "host": self.host, "agent_pid": self.agent_pid,
+                               "peer_addr": self.peer_addr, "fault_domain": self.fault_domain,
+                               "rejoin": None if self.rejoin is None else self.rejoin.to_wire(), "nonce": self.nonce}
+        if self.node_rank is not None:
+            out["node_rank"] = self.node_rank
+        if self.nproc_per_node is not None:
+            out["nproc_per_node"] = self.nproc_per_node
+        return out
 
 
 # Heartbeat is not frozen (the others are): with a frozen __init__ (and a generator over worker_pids)
@@ -249,6 +267,15 @@ class Heartbeat:
     protection: dict[int, Figures]
     api: bool
     warm_ready: bool = False      # a spare whose pre-started workers (and checkpoint I/O process) are up
+
+    def to_wire(self) -> dict[str, Any]:
+        """What the agent sends (agents/agent.py builds it; parse_heartbeat reads it back)."""
+        out: dict[str, Any] = {"node_id": self.node_id, "token": self.token, "worker_pids": self.worker_pids,
+                               "snapshots": self.snapshots, "replicas": self.replicas,
+                               "protection": {r: f.to_wire() for r, f in self.protection.items()}, "api": self.api}
+        if self.warm_ready:
+            out["warm_ready"] = True
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +341,7 @@ def parse_register(p: Any, job: Job) -> Register:
                     fault_domain=str_field(p.get("fault_domain"), "fault_domain") or node_id,
                     rejoin=parse_rejoin(r, job) if r else None,
                     node_rank=int_field(p.get("node_rank"), "node_rank", 0, MAX_COUNT, none=True),
-                    nonce=_nonce(p.get("nonce")))
+                    nonce=_nonce(p.get("nonce")), nproc_per_node=None if nproc is None else job.nproc_per_node)
 
 
 def _nonce(v: Any) -> str | None:
