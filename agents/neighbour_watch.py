@@ -11,13 +11,14 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from phoenixrun.control.ring_watch import PING_S, SUSPECT_AFTER_S, is_suspect, silent_for
+from phoenixrun.protocol.peer_requests import Ping
 from phoenixrun.protocol.reports import Report, Suspect
 from phoenixrun.agents.peer import PeerError
 
 log = logging.getLogger("phoenixrun.agent")
 
-PING_OP = "ping"
-Call = Callable[[str, dict[str, Any]], object]       # PeerClient.call (a client with a short io timeout)
+PING_OP = Ping.OP
+Call = Callable[[str, Ping], object]                 # PeerClient.call (a client with a short io timeout)
 Send = Callable[[Report], object]                    # Reporter.send_now
 
 
@@ -62,7 +63,7 @@ class NeighbourWatch:
             targets = dict(self._targets)
         for nid, addr in targets.items():
             try:
-                self.call(addr, {"op": PING_OP})
+                self.call(addr, Ping())
                 with self._lock:
                     self._answered[nid] = time.monotonic()
                     self._reported.discard(nid)

@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from phoenixrun.protocol.client import ControlClient
+from phoenixrun.protocol.peer_requests import PeerRequest
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S
 from phoenixrun.agents.peer import Payload, PeerClient, PeerError
 
@@ -57,7 +58,7 @@ class GatedPeerClient(PeerClient):
         super().__init__(secret, connect_timeout, io_timeout)
         self.cut = cut
 
-    def call(self, addr: str, header: dict[str, Any], payload: Payload = b"") -> tuple[dict[str, Any], bytearray]:
+    def call(self, addr: str, request: PeerRequest, payload: Payload = b"") -> tuple[dict[str, Any], bytearray]:
         if self.cut.active:
             raise PeerError(f"peer {addr}: network partitioned (injected)")
-        return super().call(addr, header, payload)
+        return super().call(addr, request, payload)

@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable
 
 from phoenixrun.protocol.admission import Throttle, pick_eviction
+from phoenixrun.protocol.peer_requests import PeerRequest
 from phoenixrun.slot_format import checksum
 from phoenixrun.testing import pause_point
 
@@ -337,7 +338,9 @@ class PeerClient:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def call(self, addr: str, header: dict[str, Any], payload: Payload = b"") -> tuple[dict[str, Any], bytearray]:
+    def call(self, addr: str, request: PeerRequest, payload: Payload = b"") -> tuple[dict[str, Any], bytearray]:
+        """Send `request` (protocol/peer_requests.py) and its payload; the peer's reply header and payload."""
+        header = request.to_header()
         with self._guard:
             lock = self._locks.setdefault(addr, threading.Lock())
         with lock:

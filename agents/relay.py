@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S, poll_key, sealed
+from phoenixrun.protocol.peer_requests import RelayPoll, RelayReply
+from phoenixrun.protocol.relay import RELAY_POLL_S, poll_key, sealed
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.peer import PeerClient, PeerError
 
@@ -62,21 +63,19 @@ class RelayCache:
     def serve(self, header: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
         """The peer op RELAY_OP: a child's long-poll. Answers its sealed directive once one newer than the version
         it holds is here, or {"noop": true} after its timeout."""
-        child, known = str(header.get("node_id", "")), header.get("version", -1)
-        if type(known) is not int:
-            raise PeerError("version must be an integer")
-        timeout = min(float(header.get("timeout", RELAY_POLL_S)), 2 * RELAY_POLL_S)
+        ask = RelayPoll.from_header(header)
+        child, known, timeout = ask.node_id, ask.version, min(ask.timeout, 2 * RELAY_POLL_S)
         with self.cv:
             key = self.keys.get(child)
-            if key is None or not hmac.compare_digest(key.encode(), str(header.get("key", "")).encode()):
+            if key is None or not hmac.compare_digest(key.encode(), ask.key.encode()):
                 raise PeerError(f"{child[:80]!r} is not a child of this relay")
             self.acked[child] = known
             self.cv.wait_for(lambda: child in self.held and self.held[child].version > known, timeout)
             d = self.held.get(child)
         if d is None or d.version <= known:
-            return {"noop": True}, b""
+            return RelayReply().to_header(), b""
         pause_point("relay_serve", d.generation)    # tests: the relay dies with a broadcast half forwarded
-        return {"version": d.version, "mac": d.mac}, d.body
+        return RelayReply(d.version, d.mac).to_header(), d.body
 
 
 class ParentLink:
@@ -89,11 +88,14 @@ class ParentLink:
         """The directive the relay at addr holds for this node if newer than `version` and sealed by the master
         for it; None if none came. PeerError if the relay is unreachable (the caller polls the master) or
         answered something the master did not seal (a forged or corrupted directive: never acted on)."""
-        reply, body = self.peers.call(addr, {"op": RELAY_OP, "node_id": node_id, "key": poll_key(token),
-                                             "version": version, "timeout": RELAY_POLL_S})
-        if reply.get("noop"):
+        header, body = self.peers.call(addr, RelayPoll(node_id, poll_key(token), version))
+        try:
+            reply = RelayReply.from_header(header)
+        except ValueError as e:
+            raise PeerError(f"relay {addr} answered something else than a directive: {e}") from None
+        if reply.version is None:
             return None
-        if not sealed(token, bytes(body), reply.get("mac")):
+        if not sealed(token, bytes(body), reply.mac):
             raise PeerError(f"relay {addr} sent a directive the master did not seal for this node")
         d = json.loads(bytes(body))
         return d if isinstance(d, dict) else None

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping, TypeVar
 from phoenixrun.protocol import PeerOp, reports
 from phoenixrun.protocol import worker_orders as wo
 from phoenixrun.protocol.figures import Figures
+from phoenixrun.protocol.peer_requests import SlotRequest
 from phoenixrun.protocol.restore import Part, RankSource, Refusal
 from phoenixrun.protocol.directives import World
 from phoenixrun.protocol.timings import Timings
@@ -90,7 +91,7 @@ class Replicator:
         deadline, pause = time.monotonic() + BUSY_WAIT_S, 0.005
         while True:
             try:
-                self.peers.call(addr, {"op": PeerOp.PUT, "rank": rank, "step": step}, data)
+                self.peers.call(addr, SlotRequest(PeerOp.PUT, rank, step), data)
                 return
             except PeerBusy:
                 if self.slots.frozen or time.monotonic() > deadline:
@@ -130,7 +131,7 @@ class Replicator:
         return Timings(fetch_s=time.time() - t0, params_fetch_s=shared_s)
 
     def _get(self, addr: str, op: PeerOp, rank: int, step: int) -> bytearray:
-        return self.peers.call(addr, {"op": op, "rank": rank, "step": step})[1]
+        return self.peers.call(addr, SlotRequest(op, rank, step))[1]
 
     def _first(self, rank: int, part: Part, options: list[tuple[str, int]], take: Callable[[str, int], T]) -> T:
         """take(addr, source_rank) for each option in order until one succeeds; each failure is logged and
@@ -162,18 +163,20 @@ class Replicator:
     def peer_handlers(self) -> dict[str, Handler]:
         """The peer server's operations (agents/peer.py)."""
         return {PeerOp.PUT: self._peer_put, PeerOp.GET_PRIVATE: self._peer_get_private,
-                PeerOp.GET_SHARED: self._peer_get_shared, PeerOp.PING: lambda h, p: ({}, b"")}
+                PeerOp.GET_SHARED: self._peer_get_shared}
 
     def peer_sinks(self) -> dict[str, Sink]:
         """Where the peer server receives a put's payload: into the replica store's buffer for it."""
-        return {PeerOp.PUT: lambda h, n: self.replicas.receive_buffer(int(h["rank"]), n)}
+        return {PeerOp.PUT: lambda h, n: self.replicas.receive_buffer(SlotRequest.from_header(h).rank, n)}
 
     def _peer_put(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
-        self.replicas.put(int(h["rank"]), int(h["step"]), payload)
+        req = SlotRequest.from_header(h)
+        self.replicas.put(req.rank, req.step, payload)
         return {}, b""
 
     def _peer_get_private(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
-        rank, step = int(h["rank"]), int(h["step"])
+        req = SlotRequest.from_header(h)
+        rank, step = req.rank, req.step
         idx = self.slots.slot_of(rank, step)
         if idx is None:
             # tests: a holder whose copy went bad (its first metadata byte, always under the checksum)
@@ -184,7 +187,8 @@ class Replicator:
         return {}, bytes(mm[:SlotHeader.unpack(mm).replicated_len])
 
     def _peer_get_shared(self, h: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
-        rank, step = int(h["rank"]), int(h["step"])
+        req = SlotRequest.from_header(h)
+        rank, step = req.rank, req.step
         idx = self.slots.slot_of(rank, step)
         if idx is None:
             raise SlotError(f"no local snapshot of rank {rank} at step {step}")

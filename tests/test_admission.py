@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from phoenixrun.protocol.peer_requests import Ping
 from phoenixrun import auth
 from phoenixrun.agents import peer as peer_mod
 from phoenixrun.agents.peer import PeerClient, PeerServer
@@ -69,11 +70,11 @@ def test_idle_strangers_on_the_peer_port_do_not_keep_the_jobs_peers_out(caplog):
     try:
         time.sleep(1.0)                               # older than the grace: idle
         for _ in range(3):                            # a fresh connection each time (the spare's restore client)
-            assert PeerClient("s").call(peer.addr, {"op": "ping"})[0]["pong"]
+            assert PeerClient("s").call(peer.addr, Ping())[0]["pong"]
         idle += _connect_many(peer.addr, 200)         # a burst: more strangers than idle ones to close
         for _ in range(3):
             time.sleep(0.6)
-            assert PeerClient("s").call(peer.addr, {"op": "ping"})[0]["pong"]
+            assert PeerClient("s").call(peer.addr, Ping())[0]["pong"]
         lines = _lines(caplog, "phoenixrun.agent.peer", "refused a connection", "closed an idle")
         assert 1 <= len(lines) <= 4, lines            # 200+ refusals/evictions: one line per interval per kind
         assert peer.evicted.total + peer.refused.total >= 200
@@ -123,7 +124,7 @@ def test_a_trickling_stranger_is_closed_at_the_auth_deadline():
             except OSError:
                 closed_after = time.monotonic() - t0
         assert closed_after is not None and closed_after < 2.0, closed_after
-        assert PeerClient("s").call(peer.addr, {"op": "ping"})[0]["ok"]
+        assert PeerClient("s").call(peer.addr, Ping())[0]["ok"]
     finally:
         s.close()
         peer.close()

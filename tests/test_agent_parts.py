@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from phoenixrun.protocol import PeerOp
+from phoenixrun.protocol.peer_requests import SlotRequest
 from phoenixrun.agents.agent import Agent
 from phoenixrun.config import AgentConfig
 from phoenixrun.agents.node import Handover
@@ -427,7 +429,7 @@ def test_replicas_are_received_into_the_buffers_the_store_keeps(two_agents):
         h = SlotHeader.unpack(bad)
         bad[:64] = SlotHeader(5, h.meta_cap, h.meta_len, h.private_len, h.shared_len, h.crc_private ^ 1).pack()
         with pytest.raises(PeerError, match="checksum"):
-            a.peers.call(peer_addr_of(a.node.world, 1), {"op": "put", "rank": 0, "step": 5}, bad)
+            a.peers.call(peer_addr_of(a.node.world, 1), SlotRequest(PeerOp.PUT, 0, 5), bad)
         assert b.replicas.available() == {0: [4]} and SlotHeader.unpack(b.replicas.get(0, 4)).step == 4
     finally:
         link.close()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from phoenixrun.protocol.peer_requests import Ping
 from phoenixrun import auth
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
 from phoenixrun.protocol import messages as m
@@ -477,7 +478,7 @@ def test_oversized_frames_and_bodies_from_unauthenticated_peers_do_not_grow_memo
         grown = _rss() - base
         assert grown < 100 << 20, f"RSS grew by {grown >> 20} MB"
         # both still serve their job
-        assert PeerClient(secret).call(peer.addr, {"op": "ping"})[0]["ok"]
+        assert PeerClient(secret).call(peer.addr, Ping())[0]["ok"]
         assert ControlClient(master.endpoint, secret).get_json("/v1/state")["phase"] == "running"
         assert master.state()["rejected_requests"]["by_reason"] == {"unauthorized": 30, "too_large": 30}
     finally:
@@ -490,8 +491,8 @@ def test_peer_refuses_payloads_the_operation_does_not_carry(tmp_path):
     peer = PeerServer("127.0.0.1", "s", {"ping": lambda h, p: ({}, b"")})
     try:
         with pytest.raises(PeerError, match="over its limit of 0 bytes"):
-            PeerClient("s").call(peer.addr, {"op": "ping"}, b"x" * 1024)
-        assert PeerClient("s").call(peer.addr, {"op": "ping"})[0]["ok"]
+            PeerClient("s").call(peer.addr, Ping(), b"x" * 1024)
+        assert PeerClient("s").call(peer.addr, Ping())[0]["ok"]
     finally:
         peer.close()
 
@@ -503,7 +504,7 @@ def test_unauthenticated_peer_connections_are_bounded_and_time_out():
     try:
         for s in idle:       # silent connections are closed after the I/O timeout (or at once, past the bound)
             assert s.recv(1) == b""
-        assert PeerClient("s").call(peer.addr, {"op": "ping"})[0]["ok"]
+        assert PeerClient("s").call(peer.addr, Ping())[0]["ok"]
     finally:
         for s in idle:
             s.close()

@@ -5,6 +5,7 @@ import socket
 
 import pytest
 
+from phoenixrun.protocol.peer_requests import Ping
 from phoenixrun import auth
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerError, PeerServer
@@ -72,19 +73,19 @@ def test_cut_fails_control_and_peer_calls_and_heal_restores_them():
     peers = GatedPeerClient("s", cut)
     server = PeerServer("127.0.0.1", "s", {"ping": lambda h, p: ({"pong": True}, b"")})
     try:
-        assert peers.call(server.addr, {"op": "ping"})[0]["pong"]
+        assert peers.call(server.addr, Ping())[0]["pong"]
         cut.start()
         with pytest.raises(ControlError, match="partitioned"):
             ctl.post("/v1/heartbeat", {})
         with pytest.raises(PeerError, match="partitioned"):
-            peers.call(server.addr, {"op": "ping"})
+            peers.call(server.addr, Ping())
         server.suspend()                          # others (the master's probe) cannot connect now
         host, port = server.addr.rsplit(":", 1)
         with pytest.raises(OSError):
             socket.create_connection((host, int(port)), timeout=0.5).close()
         cut.heal()
         server.resume()                           # same address: peers and the master know it
-        assert GatedPeerClient("s", cut).call(server.addr, {"op": "ping"})[0]["pong"]
+        assert GatedPeerClient("s", cut).call(server.addr, Ping())[0]["pong"]
     finally:
         server.close()
 

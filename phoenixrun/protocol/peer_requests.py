@@ -1,0 +1,97 @@
+"""What agents ask each other over the peer port, one frozen dataclass per request: the asking agent builds it and
+agents/peer.py's client frames its `to_header()`; the serving agent's handler decodes the header once
+(`from_header`) before it acts. A header that is not one (a field missing or of the wrong type) is a ValueError
+naming the field, which the peer server answers as a refusal - the asking agent sees it, the serving agent goes on.
+
+- `SlotRequest`: a replica to store (`put`, the payload is the replicated prefix of the rank's slot) or a rank's
+  private or shared state of a step to send back (`get_private`, `get_shared`: agents/replicator.py);
+- `RelayPoll` / `RelayReply`: a child's directive long-poll at its relay and the relay's answer
+  (agents/relay.py; the protocol: protocol/relay.py);
+- `Ping`: are you running (agents/neighbour_watch.py's ring watch; the reply says `pong`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Protocol
+
+from phoenixrun.protocol.names import PeerOp
+from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S
+
+SLOT_OPS = (PeerOp.PUT, PeerOp.GET_PRIVATE, PeerOp.GET_SHARED)
+
+
+class PeerRequest(Protocol):
+    """Anything agents/peer.py's client sends: its frame's header (the client adds the secret and the size)."""
+    def to_header(self) -> dict[str, Any]: ...
+
+
+def _int(h: Mapping[str, Any], name: str, low: int) -> int:
+    v = h.get(name)
+    if type(v) is not int or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {str(v)[:40]!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class SlotRequest:
+    op: PeerOp
+    rank: int
+    step: int
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.op.value, "rank": self.rank, "step": self.step}
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> SlotRequest:
+        op = next((o for o in SLOT_OPS if o.value == h.get("op")), None)
+        if op is None:
+            raise ValueError(f"op must be one of {', '.join(SLOT_OPS)}, got {str(h.get('op'))[:40]!r}")
+        return cls(op, _int(h, "rank", 0), _int(h, "step", 0))
+
+
+@dataclass(frozen=True)
+class RelayPoll:
+    OP: ClassVar[str] = RELAY_OP
+    node_id: str
+    key: str                # the child's poll key (protocol/relay.py's poll_key), not its token
+    version: int            # the newest directive version it holds (-1: none)
+    timeout: float = RELAY_POLL_S
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.OP, "node_id": self.node_id, "key": self.key, "version": self.version,
+                "timeout": self.timeout}
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> RelayPoll:
+        node_id, key, timeout = h.get("node_id"), h.get("key"), h.get("timeout", RELAY_POLL_S)
+        if not isinstance(node_id, str) or not isinstance(key, str):
+            raise ValueError("node_id and key must be strings")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout:
+            raise ValueError(f"timeout must be a number >= 0, got {str(timeout)[:40]!r}")
+        return cls(node_id, key, _int(h, "version", -1), float(timeout))
+
+
+@dataclass(frozen=True)
+class RelayReply:
+    """A relay's answer: the directive's version and the master's seal of its bytes (the frame's payload), or
+    nothing newer came within the poll's timeout (version None)."""
+    version: int | None = None
+    mac: str | None = None
+
+    def to_header(self) -> dict[str, Any]:
+        return {"noop": True} if self.version is None else {"version": self.version, "mac": self.mac}
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> RelayReply:
+        if h.get("noop"):
+            return cls()
+        mac = h.get("mac")
+        return cls(_int(h, "version", 0), mac if isinstance(mac, str) else None)
+
+
+@dataclass(frozen=True)
+class Ping:
+    OP: ClassVar[str] = PeerOp.PING.value
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.OP}
