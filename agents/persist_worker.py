@@ -2,14 +2,9 @@
 
 Importing torch.distributed.checkpoint and serialising tensors hold the GIL for seconds on a busy
 node; in the agent that would starve its heartbeat thread into a false "node lost". So the agent
-hands images over in /dev/shm files and this process does the disk work. Protocol: one JSON
-object per line on stdin, one reply per line on stdout.
-
-    {"op": "write", "rank": r, "image": PATH}        -> {"ok": true, "step": s, "pruned": [...]}
-                                                         (then prunes old checkpoints)
-    {"op": "read", "rank": r, "step": s, "out": PATH} -> {"ok": true, "step": s}   (image in PATH)
-
-Errors come back as {"ok": false, "error": "..."}; the process keeps serving.
+hands images over in /dev/shm files and this process does the disk work. Protocol: one request per line
+on stdin, one answer per line on stdout (protocol/persist_io.py: a write, then the old checkpoints pruned; a
+read into a file). Errors come back as a `Failed` answer; the process keeps serving.
 """
 from __future__ import annotations
 
@@ -19,47 +14,45 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Iterable, TextIO
 
 from phoenixrun import persist
+from phoenixrun.protocol import persist_io as pio
 
 
 def serve(root: Path, world_size: int, keep: int, inp: Iterable[str] = sys.stdin,
           out: TextIO = sys.stdout) -> None:
     import torch.distributed.checkpoint  # noqa: F401 - pay the import once, before the first request
-    out.write(json.dumps({"ok": True, "ready": True}) + "\n")
+    out.write(json.dumps(pio.Ready().to_wire()) + "\n")
     out.flush()
     for line in inp:
-        req = json.loads(line)
+        reply: pio.Answer
         try:
-            reply = _handle(req, root, world_size, keep)
+            reply = _handle(pio.decode_request(json.loads(line)), root, world_size, keep)
         except (persist.CheckpointError, OSError, ValueError) as e:
-            reply = {"ok": False, "error": str(e)}
+            reply = pio.Failed(str(e))
         except Exception as e:  # noqa: BLE001 - DCP wraps I/O failures in its own exception types
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps({"op": req.get("op"), "rank": req.get("rank"), **reply}) + "\n")
+            reply = pio.Failed(f"{type(e).__name__}: {e}")
+        out.write(json.dumps(reply.to_wire()) + "\n")
         out.flush()
 
 
-def _handle(req: dict[str, Any], root: Path, world_size: int, keep: int) -> dict[str, Any]:
-    op = req["op"]
-    if op == "write":
-        path = Path(req["image"])
+def _handle(req: pio.Request, root: Path, world_size: int, keep: int) -> pio.Done:
+    if isinstance(req, pio.WriteImage):
+        path = Path(req.image)
         try:
             with open(path, "rb") as f:   # copy-on-write map: tensors view it, nothing is copied
                 image = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         finally:
             path.unlink(missing_ok=True)
         step = persist.parse_image(image)[0].step
-        persist.write_rank(root, int(req["rank"]), image)
-        return {"ok": True, "step": step, "pruned": persist.prune(root, world_size, keep)}
-    if op == "read":
-        data = persist.read_rank(root, int(req["step"]), int(req["rank"]))
-        tmp = Path(req["out"] + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, req["out"])
-        return {"ok": True, "step": int(req["step"])}
-    raise ValueError(f"unknown op {op!r}")
+        persist.write_rank(root, req.rank, image)
+        return pio.Done(step, tuple(persist.prune(root, world_size, keep)))
+    data = persist.read_rank(root, req.step, req.rank)
+    tmp = Path(req.out + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, req.out)
+    return pio.Done(req.step)
 
 
 if __name__ == "__main__":

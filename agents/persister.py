@@ -16,8 +16,9 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Callable
 
+from phoenixrun.protocol import persist_io as pio
 from phoenixrun.protocol.replies import PersistTerms
 from phoenixrun.agents.slots import SHM_DIR
 
@@ -76,25 +77,29 @@ class _IOProcess:
             self._reply(self.proc)    # ready
         return self.proc
 
-    def _reply(self, proc: subprocess.Popen[str]) -> dict[str, Any]:
+    def _reply(self, proc: subprocess.Popen[str]) -> pio.Answer:
         line = _pipes(proc)[1].readline()
         if not line:
             raise PersistError(f"checkpoint I/O process exited ({proc.wait()})")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
+        try:
+            return pio.decode_answer(json.loads(line))
+        except ValueError as e:
+            raise PersistError(f"checkpoint I/O process answered {line[:80]!r}: {e}") from None
 
-    def call(self, req: dict[str, Any]) -> dict[str, Any]:
+    def call(self, req: pio.Request) -> pio.Done:
         with self.lock:
             proc = self._ensure()
             try:
                 stdin = _pipes(proc)[0]
-                stdin.write(json.dumps(req) + "\n")
+                stdin.write(json.dumps(req.to_wire()) + "\n")
                 stdin.flush()
             except OSError as e:
                 raise PersistError(f"checkpoint I/O process gone: {e}") from None
             reply = self._reply(proc)
-        if not reply.get("ok"):
-            raise PersistError(reply.get("error", "unknown error"))
+        if isinstance(reply, pio.Failed):
+            raise PersistError(reply.error)
+        if not isinstance(reply, pio.Done):
+            raise PersistError(f"checkpoint I/O process answered {reply} to {req}")
         return reply
 
     def close(self) -> None:
@@ -160,7 +165,7 @@ class Persister:
         """The slot image of (step, rank) from disk, checksum-verified by the I/O process."""
         out = SHM_DIR / f"{self.prefix}-load-r{rank}"
         try:
-            self.io.call({"op": "read", "rank": rank, "step": step, "out": str(out)})
+            self.io.call(pio.ReadImage(rank, step, str(out)))
             return bytearray(out.read_bytes())
         finally:
             out.unlink(missing_ok=True)
@@ -207,7 +212,7 @@ class Persister:
 
     def _write(self, rank: int, step: int, path: Path) -> None:
         try:
-            self.io.call({"op": "write", "rank": rank, "image": str(path)})
+            self.io.call(pio.WriteImage(rank, str(path)))
         except (PersistError, OSError) as e:
             log.warning("checkpoint of rank %d step %d not written: %s", rank, step, e)
         finally:
