@@ -32,7 +32,8 @@ log = logging.getLogger("phoenixrun.agent")
 class MasterLink:
     def __init__(self, node: NodeState, life: Lifecycle, client: ControlClient,
                  registration: messages.Register, heartbeat_interval: float,
-                 node_state: Callable[[], messages.Heartbeat], rejoin_state: Callable[[], messages.Rejoin], on_inject: Callable[[str], None],
+                 node_state: Callable[[], messages.Heartbeat], rejoin_state: Callable[[], messages.Rejoin],
+                 on_inject: Callable[[str], None],
                  parent: ParentLink | None = None, relay: RelayCache | None = None) -> None:
         """registration: what this node tells the master about itself (host, addresses, nproc_per_node...);
         node_state: the heartbeat's view of the node; rejoin_state: what a restarted master learns from us;

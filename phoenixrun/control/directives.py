@@ -106,8 +106,8 @@ class DirectiveBoard:
         return list(orders)
 
     def _track(self, fields: dict[str, Any], targets: int) -> None:
-        self._rollouts[self.version] = Rollout(self.version, Command(fields["command"]), fields.get("generation"), targets,
-                                               time.time())
+        self._rollouts[self.version] = Rollout(self.version, Command(fields["command"]), fields.get("generation"),
+                                               targets, time.time())
         while len(self._rollouts) > ROLLOUTS_KEPT:
             self._rollouts.popitem(last=False)
 
