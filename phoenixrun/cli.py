@@ -11,9 +11,8 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import MISSING
+from dataclasses import MISSING, Field
 from pathlib import Path
-from dataclasses import Field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import click

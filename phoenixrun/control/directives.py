@@ -49,9 +49,10 @@ class Ask:
     relay: Mapping[str, tuple[int, int]] | None = None
 
 
-def _made(fields: Mapping[str, Any], version: int, body: bytes) -> Directive:
+def _head(fields: Mapping[str, Any]) -> tuple[Command, int | None]:
+    """A directive's command and generation, read once per version (not per node: a broadcast sets 16K)."""
     gen = fields.get("generation")
-    return Directive(version, Command(fields["command"]), gen if isinstance(gen, int) else None, body)
+    return Command(fields["command"]), gen if isinstance(gen, int) else None
 
 
 @dataclass
@@ -84,9 +85,10 @@ class DirectiveBoard:
         fields["version"] = self.version
         body = wire.dumps(fields)
         ids = list(node_ids)
+        command, generation = _head(fields)
         for nid in ids:
-            self._by_node[nid] = _made(fields, self.version, body)
-        self._track(fields, len(ids))
+            self._by_node[nid] = Directive(self.version, command, generation, body)
+        self._track(command, generation, len(ids))
         return ids
 
     def set_each(self, orders: Mapping[str, dict[str, Any]], **common: Any) -> list[str]:
@@ -95,19 +97,18 @@ class DirectiveBoard:
         self.version += 1
         common["version"] = self.version
         shared: bytes | None = None
+        command, generation = _head(common)     # a node's own part is its slot and world, never these
         for nid, own in orders.items():
             if own:
-                fields = {**common, **own}
-                self._by_node[nid] = _made(fields, self.version, wire.dumps(fields))
+                body = wire.dumps({**common, **own})
             else:
-                shared = wire.dumps(common) if shared is None else shared
-                self._by_node[nid] = _made(common, self.version, shared)
-        self._track(common, len(orders))
+                body = shared = wire.dumps(common) if shared is None else shared
+            self._by_node[nid] = Directive(self.version, command, generation, body)
+        self._track(command, generation, len(orders))
         return list(orders)
 
-    def _track(self, fields: dict[str, Any], targets: int) -> None:
-        self._rollouts[self.version] = Rollout(self.version, Command(fields["command"]), fields.get("generation"),
-                                               targets, time.time())
+    def _track(self, command: Command, generation: int | None, targets: int) -> None:
+        self._rollouts[self.version] = Rollout(self.version, command, generation, targets, time.time())
         while len(self._rollouts) > ROLLOUTS_KEPT:
             self._rollouts.popitem(last=False)
 

@@ -390,7 +390,7 @@ class Swarm:
 
         def poll() -> Answer:
             payload: dict[str, Any] = {"node_id": a.node_id, "token": a.token, "version": a.version,
-                       "timeout": relays.poll_timeout(a, self.cfg.poll_timeout_s)}
+                                       "timeout": relays.poll_timeout(a, self.cfg.poll_timeout_s)}
             state = relays.state(a)
             if state is not None:
                 payload["relay"] = state
