@@ -215,6 +215,7 @@ class DirectiveExecutor:
             self._restore_failed(e)
             return
         self.slots.fetching.open(token, paths=self._slot_paths)
+        self.replicator.fill(fetch)     # while the workers restore: their first snapshots need the second slots
 
     def _slot_paths(self, rank: int) -> worker_orders.Paths:
         """The reply to a worker's `slots` request that waited for the fetch."""

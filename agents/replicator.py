@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from phoenixrun.protocol import PeerOp, reports
 from phoenixrun.protocol import worker_orders as wo
@@ -20,7 +20,8 @@ from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
 from phoenixrun.agents.peer import Handler, Payload, PeerBusy, PeerClient, PeerError, Sink
 from phoenixrun.agents.reporter import Reporter
-from phoenixrun.agents.slots import IntegrityError, LocalSlots, ReplicaStore, SlotError, verify_replica
+from phoenixrun.agents.slots import (IntegrityError, LocalSlots, Params, Replica, ReplicaStore, SlotError,
+                                     verify_params, verify_replica)
 
 log = logging.getLogger("phoenixrun.agent")
 
@@ -109,26 +110,41 @@ class Replicator:
     def fetch(self, plan: Mapping[int, RankSource], step: int) -> Timings:
         """Install the snapshots of step `step` that the restore plan says to fetch from peers (rank -> its
         RankSource); their timings. Each part is taken from the first of its options whose bytes pass
-        the lost rank's own checksum; every option refused on the way is reported (`restore_refused`). Raises
-        IntegrityError when every option of a part held other bytes, PeerError or SlotError when some could not
-        be reached or had no such snapshot (the master plans again: a dead source is then known)."""
-        t0 = time.time()
-        shared_s = 0.0
-        if plan:
-            pause_point("fetch", step)   # tests: a spare that dies while restoring
-        for rank, src in plan.items():
-            replica = self._first(rank, Part.PRIVATE, [(a, rank) for a in src.private],
-                                  lambda addr, _: verify_replica(rank, bytes(self._get(addr, PeerOp.GET_PRIVATE,
-                                                                                       rank, step)), step))
-            t1 = time.time()
-            self.slots.forget(rank)   # fetched whole: a copy from an earlier attempt may be laid out smaller
-            self._first(rank, Part.SHARED, list(src.shared),
-                        lambda addr, peer: self.slots.install_replica(
-                            replica, bytes(self._get(addr, PeerOp.GET_SHARED, peer, step))))
-            shared_s += time.time() - t1
+        the lost rank's own checksum; every option refused on the way is reported (`restore_refused`). Ranks that
+        recorded the same parameters (same length and checksum: the DDP ranks of one node) take them from one
+        fetch. Raises IntegrityError when every option of a part held other bytes, PeerError or SlotError when
+        some could not be reached or had no such snapshot (the master plans again: a dead source is then known)."""
         if not plan:
             return Timings()
-        return Timings(fetch_s=time.time() - t0, params_fetch_s=shared_s)
+        t0 = time.time()
+        pause_point("fetch", step)   # tests: a spare that dies while restoring
+        replicas = {rank: self._first(rank, Part.PRIVATE, [(a, rank) for a in src.private], self._replica_of(step))
+                    for rank, src in plan.items()}
+        t1 = time.time()
+        fetched: list[Params] = []
+        install_s = 0.0
+        for rank, src in plan.items():
+            replica = replicas[rank]
+            params = next((p for p in fetched if p.fits(replica)), None)
+            if params is None:
+                params = self._first(rank, Part.SHARED, list(src.shared), self._params_for(replica))
+                fetched.append(params)
+            t2 = time.time()
+            self.slots.install_replica(replica, params)
+            install_s += time.time() - t2
+        return Timings(fetch_s=time.time() - t0, params_fetch_s=time.time() - t1 - install_s, install_s=install_s)
+
+    def _replica_of(self, step: int) -> Callable[[str, int], Replica]:
+        return lambda addr, rank: verify_replica(rank, bytes(self._get(addr, PeerOp.GET_PRIVATE, rank, step)), step)
+
+    def _params_for(self, replica: Replica) -> Callable[[str, int], Params]:
+        return lambda addr, peer: verify_params(replica, bytes(self._get(addr, PeerOp.GET_SHARED, peer,
+                                                                         replica.step)))
+
+    def fill(self, ranks: Iterable[int]) -> None:
+        """After a fetch (its workers restore meanwhile): each fetched rank's second slot grown to size."""
+        for rank in ranks:
+            self.slots.fill(rank)
 
     def _get(self, addr: str, op: PeerOp, rank: int, step: int) -> bytearray:
         return self.peers.call(addr, SlotRequest(op, rank, step))[1]

@@ -14,6 +14,7 @@ replica is kept in a buffer of its own size.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import re
@@ -25,6 +26,8 @@ import psutil
 
 from phoenixrun.agents.fetch_gate import FetchGate
 from phoenixrun.slot_format import SlotHeader, checksum, crc_private, crc_shared
+
+log = logging.getLogger("phoenixrun.agent")
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
@@ -143,6 +146,39 @@ class Replica:
     data: bytes
 
 
+@dataclass(frozen=True)
+class Params:
+    """A shared region (the parameters a data-parallel peer holds too) whose bytes passed the checksum a lost rank
+    recorded: made only by `verify_params`. Another lost rank that recorded the same length and checksum with the
+    same algorithm takes the same bytes without a second fetch or pass (the second rank of a DDP node)."""
+    data: bytes
+    algorithm: str
+    crc: int
+
+    def fits(self, replica: Replica) -> bool:
+        h = replica.header
+        return (len(self.data), self.algorithm, self.crc) == (h.shared_len, h.checksum, h.crc_shared)
+
+
+def verify_params(replica: Replica, shared: bytes) -> Params:
+    """The parameters fetched from a peer for `replica`'s rank, once they are the bytes that rank sealed
+    (IntegrityError otherwise: the caller may try another peer)."""
+    rank, step, h = replica.rank, replica.step, replica.header
+    if len(shared) != h.shared_len:
+        raise IntegrityError(f"rank {rank}: parameters from the DP peer are {len(shared)} bytes, expected "
+                             f"{h.shared_len}")
+    # The replica's header carries the checksum the lost rank itself sealed over its shared region: the peer's
+    # bytes must be exactly those. Equal length is no evidence (a pipeline stage or an FSDP shard of another
+    # rank has the same size and different bytes): a mismatch is a refusal, never a restore.
+    got = checksum(shared, h.checksum)
+    if got != h.crc_shared:
+        raise IntegrityError(
+            f"rank {rank} step {step}: the parameters fetched from its DP peer do not match the checksum rank "
+            f"{rank} recorded ({h.checksum} {got:#010x}, recorded {h.crc_shared:#010x}): that peer does not hold the "
+            "same replicated state (not a plain DDP replica of this rank); refusing to restore from it")
+    return Params(shared, h.checksum, got)
+
+
 def verify_replica(rank: int, replicated: bytes, step: int) -> Replica:
     """The replica of `rank` at `step` as fetched from a holder, checked against the checksum its rank sealed
     (IntegrityError: not those bytes; SlotError: another step)."""
@@ -188,9 +224,11 @@ class LocalSlots:
             self._grow(rank, rs, i, nbytes)
         return self.paths(rank)
 
-    def _grow(self, rank: int, rs: _RankSlots, idx: int, nbytes: int) -> None:
+    def _grow(self, rank: int, rs: _RankSlots, idx: int, nbytes: int, only_if_small: bool = False) -> None:
         """Replace slot `idx` (holding no committed snapshot) by a file of `nbytes`. Created and pre-faulted
-        without the lock (heartbeats read the inventory meanwhile); the slot is invalid throughout."""
+        without the lock (heartbeats read the inventory meanwhile); the slot is invalid throughout.
+        only_if_small: a growth ahead of need (`fill`), dropped if meanwhile the slot grew or was handed out:
+        a writer may hold that slot's path by then."""
         with self._lock:
             rs.grown += 1
             rs.steps[idx] = None
@@ -198,6 +236,9 @@ class LocalSlots:
         mm = _map(path, nbytes, create=True)        # SlotSpaceError: the old, smaller slot stays as it was
         _prefault(mm)
         with self._lock:
+            if only_if_small and (len(rs.maps[idx]) >= nbytes or rs.writing == idx):
+                _release(mm, path)
+                return
             if self._ranks.get(rank) is not rs or rs.committed == idx:   # cleared, or restored meanwhile
                 _release(mm, path)
                 raise SlotError(f"rank {rank}: slot {idx} changed hands while it grew")
@@ -326,32 +367,44 @@ class LocalSlots:
 
     def install(self, rank: int, replicated: bytes, shared: bytes, step: int) -> None:
         """Assemble a full snapshot for a rank whose memory was lost (spare taking its slot)."""
-        self.install_replica(verify_replica(rank, replicated, step), shared)
+        replica = verify_replica(rank, replicated, step)
+        self.install_replica(replica, verify_params(replica, shared))
 
-    def install_replica(self, replica: Replica, shared: bytes) -> None:
-        """Install a verified replica with the shared region fetched from a peer, once those bytes are the ones
-        its rank sealed (IntegrityError otherwise: nothing is installed, the caller may try another peer)."""
+    def install_replica(self, replica: Replica, params: Params) -> None:
+        """Install a verified replica with its verified parameters as the rank's committed snapshot (slot 0). Slot 1
+        is a one-page placeholder until `fill` or the rank's first write grows it: a replacement's fetch is the
+        recovery's critical path, and allocating and pre-faulting a second slot of the snapshot's size on it cost
+        ~25 ms a rank at d256 (26 MB; measured here, idle)."""
         rank, step, h, replicated = replica.rank, replica.step, replica.header, replica.data
-        if len(shared) != h.shared_len:
-            raise IntegrityError(f"rank {rank}: parameters from the DP peer are {len(shared)} bytes, expected "
-                                 f"{h.shared_len}")
-        # The replica's header carries the checksum the lost rank itself sealed over its shared region: the peer's
-        # bytes must be exactly those. Equal length is no evidence (a pipeline stage or an FSDP shard of another
-        # rank has the same size and different bytes): a mismatch is a refusal, never a restore.
-        got = checksum(shared, h.checksum)
-        if got != h.crc_shared:
-            raise IntegrityError(
-                f"rank {rank} step {step}: the parameters fetched from its DP peer do not match the checksum rank "
-                f"{rank} recorded ({h.checksum} {got:#010x}, recorded {h.crc_shared:#010x}): that peer does not hold the "
-                "same replicated state (not a plain DDP replica of this rank); refusing to restore from it")
-        self.allocate(rank, h.total_len)
+        if not params.fits(replica):
+            raise IntegrityError(f"rank {rank} step {step}: the parameters given are not the ones it recorded")
+        self.forget(rank)    # its files are about to be made anew under the same names
+        paths = [SHM_DIR / f"{self.prefix}-r{rank}-s{i}" for i in (0, 1)]
+        mm = _map(paths[0], h.total_len, create=True)   # no pre-fault: the copy below touches every page it needs
+        try:
+            spare = _map(paths[1], mmap.PAGESIZE, create=True)
+        except SlotError:
+            _release(mm, paths[0])
+            raise
+        mm[:h.replicated_len] = replicated
+        mm[h.shared_off:h.shared_off + h.shared_len] = params.data
         with self._lock:
-            rs = self._get(rank)
-            mm = rs.maps[0]
-            mm[:h.replicated_len] = replicated
-            mm[h.shared_off:h.shared_off + h.shared_len] = shared
-            rs.steps = [step, None]
-            rs.committed, rs.writing = 0, None
+            self._ranks[rank] = _RankSlots(paths, [mm, spare], steps=[step, None], committed=0)
+
+    def fill(self, rank: int) -> None:
+        """Grow `rank`'s other slot to its committed one's size, off the recovery's critical path (after the
+        fetch). Leaves it alone once someone else grew it or it was handed out for writing."""
+        with self._lock:
+            rs = self._ranks.get(rank)
+            if rs is None or rs.committed is None:
+                return
+            idx, nbytes = 1 - rs.committed, len(rs.maps[rs.committed])
+            if len(rs.maps[idx]) >= nbytes or rs.writing == idx:
+                return
+        try:
+            self._grow(rank, rs, idx, nbytes, only_if_small=True)
+        except SlotError as e:      # no room: the rank's first write says so, as a fault of its own
+            log.info("rank %d: its second snapshot slot was not grown ahead: %s", rank, e)
 
     def clear(self) -> None:
         with self._lock:

@@ -238,11 +238,18 @@ def main() -> int:
     p.add_argument("--hang-timeout", type=float, default=3.0)
     p.add_argument("--no-baseline", action="store_true", help="no torchrun checkpoint-restart arm")
     p.add_argument("--json", default=None)
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep each class's job directory (events, logs) under DIR instead of deleting it")
     args = p.parse_args()
     out: dict[str, Any] = {"config": vars(args), "classes": {}, "failed_trials": [], "torchrun": []}
     for fault in args.faults.split(","):
-        with tempfile.TemporaryDirectory(prefix="phoenixrun-detect-") as tmp:
-            rows, failed = run_class(Path(tmp), fault, args.trials, args.size, args.hang_timeout)
+        if args.keep:
+            kept = Path(args.keep) / fault
+            kept.mkdir(parents=True)
+            rows, failed = run_class(kept, fault, args.trials, args.size, args.hang_timeout)
+        else:
+            with tempfile.TemporaryDirectory(prefix="phoenixrun-detect-") as tmp:
+                rows, failed = run_class(Path(tmp), fault, args.trials, args.size, args.hang_timeout)
         out["classes"][fault] = {"rows": rows, **summarise(rows)}
         out["failed_trials"] += failed
     if not args.no_baseline:

@@ -24,6 +24,7 @@ class Timings:
     state_wait_s: float | None = None       # worker: a replacement's restore waiting for its agent's fetch to end
     fetch_s: float | None = None            # agent: a replacement's fetch of its ranks' state from the plan's sources
     params_fetch_s: float | None = None     # agent: of fetch_s, the shared (model) parts from data-parallel peers
+    install_s: float | None = None          # agent: of fetch_s, writing the fetched state into the node's slots
 
     def slowest(self, other: Timings) -> Timings:
         """Each phase's slowest of the two (a phase one of them did not measure: the other's)."""
