@@ -167,7 +167,10 @@ def trial(job: Job, fault: str, prog: Path, since_step: int, steps: int) -> Row:
     # the victim's fault, detected after it was made (CI, load 5.6: a detection 0.33 s before the kill was taken
     # for this one); any other fault found since the steady state was reached is reported, not hidden
     found = by_event(job.events(), "fault_detected")[seen_before:]
-    detected = [e for e in found if not e.get("during_recovery") and e.get("node") == victim and e["t"] >= t0]
+    # (an injected comm timeout is found by whichever rank's collective fails first: the incident may name the
+    # victim's peer, so any node's detection after t0 is the fault's)
+    detected = [e for e in found if not e.get("during_recovery") and e["t"] >= t0
+                and (e.get("node") == victim or fault == "comm-timeout")]
     others = [e for e in found if not e.get("during_recovery") and e not in detected]
     return {"fault": fault, "load_avg": round(load, 2), "lost_s": round(t_back - t0, 3),
             "detect_s": round(detected[0]["t"] - t0, 3) if detected and fault != "drain" else None,
