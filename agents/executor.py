@@ -168,8 +168,7 @@ class DirectiveExecutor:
                     return
             time.sleep(0.01)
         with self.node.lock:
-            for lr in self.phases.unacked_quiesce():
-                self.supervisor.kill(lr)
+            self.supervisor.kill_unanswering(self.phases.unacked_quiesce())
             self.phases.drop_quiesce()
 
     # ------------------------------------------------------------------ restore from peers

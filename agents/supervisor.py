@@ -18,6 +18,7 @@ from typing import Any
 from phoenixrun.config import AgentConfig
 from phoenixrun.faults.mismatch import state_mismatch
 from phoenixrun.protocol import reports, worker_orders
+from phoenixrun.protocol.constants import STACK_DUMP_WAIT_S
 from phoenixrun.agents.failure_text import failure_text
 from phoenixrun.agents.ipc import WorkerConn
 from phoenixrun.agents.node import NodeState
@@ -134,6 +135,19 @@ class WorkerSupervisor:
         self.conns.clear()
         self.waiting_hello.clear()
         self.standby.retire()
+
+    def kill_unanswering(self, local_ranks: list[int]) -> None:
+        """Kill workers that did not acknowledge a quiesce within its grace, each first asked for its threads' stacks
+        (to its stderr, so the job log shows where it was blocked); the next recovery step respawns them."""
+        # connected: its runtime said hello, after installing the handler (runtime/api.py init)
+        asked = [lr for lr in local_ranks
+                 if lr in self.conns and (w := self.workers.get(lr)) is not None and w.ask_stacks()]
+        if asked:
+            log.warning("rank(s) %s: their threads' stacks follow in their output", ", ".join(
+                str(self.workers[lr].rank) for lr in asked))
+            time.sleep(STACK_DUMP_WAIT_S)
+        for lr in local_ranks:
+            self.kill(lr)
 
     def kill(self, local_rank: int) -> None:
         """Kill a worker on purpose (our doing, not a fault to report); the next recovery step respawns it."""
@@ -302,7 +316,7 @@ class WorkerSupervisor:
                                 "step, at least %gs; blocked in a collective): killing it; it restarts from this "
                                 "node's snapshot", w.rank if w else lr, self.phases.quiesce_grace_s,
                                 QUIESCE_GRACE_STEPS, QUIESCE_GRACE_FLOOR_S)
-                    self.kill(lr)
+                self.kill_unanswering(self.phases.unacked_quiesce())
                 self.phases.drop_quiesce()
             if not self.slots.frozen:   # waiting is legitimate during a recovery
                 self._watch_hangs(now)

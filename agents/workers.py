@@ -19,6 +19,7 @@ from typing import IO, Callable
 import psutil
 
 from phoenixrun.agents.prefixer import Prefixer
+from phoenixrun.runtime.stacks import stack_signal
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,16 @@ class Worker:
 
     def poll(self) -> int | None:
         return self.proc.poll()
+
+    def ask_stacks(self) -> bool:
+        """Ask a managed worker to print its threads' stacks to its stderr (runtime/stacks.py), before it is killed
+        for not answering. False if it is gone. (A worker that did not install the handler dies of the signal:
+        only ever sent to a worker about to be killed.)"""
+        try:
+            os.kill(self.pid, stack_signal())
+            return True
+        except ProcessLookupError:
+            return False
 
     def kill_now(self, wait: float = 2.0) -> None:
         """SIGKILL the worker's whole tree at once (a hung worker: a stopped process cannot act on a SIGTERM, and

@@ -34,3 +34,12 @@ MAX_PARKED_POLL_S = 30.0          # the master holds a poll at most this long (a
 # broadcast only once its re-poll is read: at 16K agents, 10 s meant ~2,200 re-polls a second and a tail of
 # late agents on every broadcast. A dead master connection fails the poll at once; a silent one at +5 s.
 DIRECTIVE_POLL_S = 30.0
+
+# ------------------------------------------------------------------ worker stacks (runtime/stacks.py)
+# The signal an agent sends a managed worker it is about to kill for not answering (a quiesce it did not
+# acknowledge): the worker's runtime has faulthandler print every thread's Python stack to its stderr on it.
+# A real-time signal, not SIGUSR1/2, which scripts and frameworks use for their own ends (Lightning's Slurm
+# requeue is SIGUSR1). STACK_DUMP_WAIT_S: how long the agent lets it write before the kill (the handler writes
+# synchronously, in C, even while a thread is blocked inside a collective).
+STACK_SIGNAL_OFFSET = 6           # signal.SIGRTMIN + this
+STACK_DUMP_WAIT_S = 0.2

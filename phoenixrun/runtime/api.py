@@ -41,7 +41,7 @@ from phoenixrun.protocol import worker_orders
 from phoenixrun.protocol.progress_block import ProgressBlock
 from phoenixrun.protocol.reshard import WorkerReshard
 from phoenixrun.protocol.worker_orders import WorkerOrder
-from phoenixrun.runtime import boundaries, layout_check, process_group
+from phoenixrun.runtime import boundaries, layout_check, process_group, stacks
 from phoenixrun.runtime.agent_link import AgentGone, AgentLink
 from phoenixrun.runtime.collective_check import CHECKS
 from phoenixrun.runtime.data import BatchStream, DataPositionLost, InputWatch, Loader, RunPosition, Skip, StatefulObjects
@@ -134,6 +134,7 @@ def init(backend: str = "gloo") -> Context:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         managed = False
     else:
+        stacks.install()      # its agent asks for our stacks before it kills us for not answering
         _runtime = _Runtime(settings.agent_sock, int(os.environ.get("LOCAL_RANK", "0")))
         rank, world, local = _runtime.rank, _runtime.world_size, _runtime.local_rank
         managed = True
