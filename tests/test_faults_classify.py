@@ -38,7 +38,7 @@ TABLE = [
     (Signal(K.USER_EXCEPTION, detail="RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
      TC, LR, False, False),
     (Signal(K.COLLECTIVE_ERROR, detail="anything"), TC, LR, False, False),
-    (Signal(K.WORKER_HANG), TC, LR, True, True),
+    (Signal(K.WORKER_HANG), TC, LR, True, False),   # its own process did not answer (agents/watchdog.py)
     # worker exits: killed by a signal (Popen -N or shell 128+N) -> local reset; exit code -> the text decides
     *[(Signal(K.WORKER_EXIT, code=-s), TC, LR, True, False)
       for s in (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGTERM)],

@@ -80,14 +80,16 @@ def test_repeated_transient_escalates_with_history():
     assert r.decision(1).action is Action.NODE_REPLACE
 
 
-def test_hang_is_root_cause_only_without_a_definite_one():
+def test_a_hang_is_its_own_nodes_root_cause():
+    """A hang is reported only for a worker that did not answer its agent (and was killed by it): a root cause
+    like a worker's death, whatever else the window holds; the peers blocked on it are symptoms."""
     hang = Signal(K.WORKER_HANG, node=1, timestamp=30.0)
     r = correlate([hang, comm(0, 20.0)])
     assert r.decision(1).verdict is Verdict.ROOT_CAUSE and r.decision(1).action is Action.LOCAL_RESET
     assert r.decision(0).verdict is Verdict.SYMPTOM
     r = correlate([hang, Signal(K.NODE_UNREACHABLE, node=2, timestamp=31.0)])
-    assert r.decision(1).verdict is Verdict.SYMPTOM
-    assert r.acted_on[0].node == 2
+    assert r.decision(1).verdict is Verdict.ROOT_CAUSE and r.decision(1).action is Action.LOCAL_RESET
+    assert [d.node for d in r.acted_on] == [1, 2] and r.decision(2).action is Action.NODE_REPLACE
 
 
 def test_signal_without_node_is_rejected():
@@ -104,9 +106,10 @@ DEFINITE = st.sampled_from([
     Signal(K.NODE_HEARTBEAT_LOST), Signal(K.NODE_UNREACHABLE), Signal(K.XID, code=79), Signal(K.XID, code=48),
     Signal(K.XID, code=13), Signal(K.ECC_UNCORRECTABLE), Signal(K.ROW_REMAP_FAILURE), Signal(K.NIC_DOWN),
     Signal(K.WORKER_EXIT, code=-9), Signal(K.WORKER_EXIT, code=-7), Signal(K.GPU_RECOVERY_ACTION, code=2),
+    Signal(K.WORKER_HANG),
 ])
 SURVIVOR = st.sampled_from([
-    Signal(K.COLLECTIVE_ERROR, detail=GLOO_CLOSED), Signal(K.WORKER_HANG), Signal(K.WORKER_EXIT, code=1),
+    Signal(K.COLLECTIVE_ERROR, detail=GLOO_CLOSED), Signal(K.WORKER_EXIT, code=1),
     Signal(K.USER_EXCEPTION, detail="Watchdog caught collective operation timeout"),
     Signal(K.WORKER_EXIT, code=-6, detail="NCCL error: ncclRemoteError"),
 ])

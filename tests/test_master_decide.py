@@ -35,7 +35,7 @@ def test_signal_of_a_report(ev, kind, code, detail):
     (r.NodeLost(), True),
     (r.WorkerExit(returncode=-9), True),
     (r.WorkerExit(returncode=1), False),      # an exit without a reason may be a peer's symptom
-    (r.WorkerHang(), False),
+    (r.WorkerHang(), True),                   # its own process did not answer its agent (agents/watchdog.py)
     (r.CommError(text="gloo"), False),
     (r.WorkerError(text="ValueError"), True),
 ])

@@ -175,9 +175,12 @@ def _base(sig: Signal) -> Classification:
         # Without text it may be a survivor whose collective raised, hence ambiguous.
         return _classify_text(sig.detail, f"worker exited with code {sig.code}", ambiguous_if_empty=True)
     if k is SignalKind.WORKER_HANG:
-        # The hung rank and the peers blocked on it look the same from progress heartbeats alone.
-        return _c(FaultClass.TRANSIENT_COMM, Action.LOCAL_RESET, "worker made no progress past the hang timeout",
-                  ambiguous=True)
+        # Definite: the agent reports a hang only when the worker's own process did not answer its liveness
+        # question (agents/watchdog.py), and has killed it. A peer blocked on it answers and is never reported.
+        # (When the watchdog went by progress messages alone, a hung rank and the peers blocked on it looked
+        # alike, and the master waited out the correlation window on every hang: 0.5 s of each hang's 3.5 s
+        # fault -> training at --hang-timeout 3, measured 2026-12-07, docs/benchmarks.md.)
+        return _c(FaultClass.TRANSIENT_COMM, Action.LOCAL_RESET, "worker did not answer past the hang timeout")
     if k is SignalKind.NODE_HEARTBEAT_LOST:
         # The agent is gone (its peer port refuses) or silent: that is all the master knows. A dead host, a
         # kill, a reboot and a partition look alike from here, so the class says so instead of guessing at
