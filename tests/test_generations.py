@@ -242,3 +242,27 @@ def test_abort_before_any_generation_shuts_what_was_opened_since(store):
     assert gens.abort() >= 1
     with pytest.raises(Exception):
         client.set("k", "v")
+
+
+def test_an_abort_leaves_the_scripts_own_sockets_alone(store):
+    """The script's sockets opened after the generation (a logger's connection, a data loader's) survive a
+    recovery's abort; the generation's own (its store client, its pairs) are shut down. Before, every socket
+    opened since the generation began was."""
+    import socket
+    m = members(GlooGeneration, store)
+    both(lambda r: m[r][2].connect(0, "/test/own-a/"))
+    listener = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(listener.getsockname())
+    theirs, _ = listener.accept()
+    try:
+        # (both members are threads of this process here: the first abort shuts what both made)
+        assert sum(g.abort() for _, _, g in m) >= 1     # the generation's store clients and pairs
+        mine.sendall(b"still here")
+        assert theirs.recv(64) == b"still here"
+        with pytest.raises(Exception):
+            allreduce(m[0][0].world, 1)                 # the generation's pairs are gone
+    finally:
+        for s in (mine, theirs, listener):
+            s.close()
+        for _, _, g in m:
+            g.close()

@@ -2,9 +2,9 @@
 fresh one on the new generation's store prefix, over the same membership.
 
 Gloo offers no call that unblocks an op stuck on a dead or hung peer; shutting down the
-generation's own TCP sockets does (within milliseconds). `abort_sockets_since(baseline)` shuts
-down every socket created after a baseline taken when the generation began (never gloo's
-listening socket: that aborts the process).
+generation's own TCP sockets does (within milliseconds). A generation notes the sockets
+its own creation calls open (the store client, the backends' pairs) and `abort()` shuts those down (never
+gloo's listening socket: that aborts the process); a socket the script opens itself is left alone.
 
 A generation is one object behind a small interface (`Generation`: create over a membership, abort from
 any thread while work may hang, destroy when idle), driven by one lifecycle (`Generations`) whatever the
@@ -20,7 +20,7 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
@@ -29,6 +29,8 @@ if TYPE_CHECKING:   # torch's CUDA build only: imported where it is built (make_
     from torch._C._distributed_c10d import ProcessGroupNCCL
 
 log = logging.getLogger("phoenixrun.runtime")
+T = TypeVar("T")
+
 
 def socket_inodes() -> dict[str, int]:
     out: dict[str, int] = {}
@@ -65,8 +67,13 @@ class Generation(ABC):
         self.master_addr, self.master_port = master_addr, master_port
         # the master's per-generation prefix (generation fencing); the plain one for an agent that sends none
         self.prefix_name = store_prefix or f"/phoenixrun/gen{generation}/"
-        # every socket this generation will own is created after this: abort() shuts down only those
-        self.baseline: set[str] = set(socket_inodes())
+        # the sockets this generation made (its store client, its backends' pairs): abort() shuts down these, and
+        # while a creation is under way every socket since it began (`_creating`: a rendezvous may block inside
+        # it). Not every socket since the generation began: the script's own, opened later (a logger's
+        # connection, a data loader's), were shut down at every recovery.
+        self.owned: set[str] = set()
+        self._creating: set[str] | None = None
+        self._own_lock = threading.Lock()
         self.aborted = False
         self.destroyed = False
         self.store: TCPStore | None = None
@@ -76,20 +83,34 @@ class Generation(ABC):
 
     def open(self) -> "Generation":
         """Connect the store and build the world's backend (blocks until every member has joined)."""
-        self.store = TCPStore(self.master_addr, self.master_port, self.world_size, is_master=False,
-                                   timeout=self.timeout, use_libuv=True)
+        self.store = self._owning(lambda: TCPStore(self.master_addr, self.master_port, self.world_size,
+                                                   is_master=False, timeout=self.timeout, use_libuv=True))
         self._check_aborted()
         self.prefix = PrefixStore(self.prefix_name, self.store)
-        self.backend = self._make(self.prefix, self.rank, self.world_size)
+        prefix = self.prefix
+        self.backend = self._owning(lambda: self._make(prefix, self.rank, self.world_size))
         self._check_aborted()
         return self
+
+    def _owning(self, create: Callable[[], T]) -> T:
+        """create(), the sockets it opened noted as this generation's (any thread's, while it runs)."""
+        with self._own_lock:
+            self._creating = set(socket_inodes())
+        try:
+            return create()
+        finally:
+            with self._own_lock:
+                if self._creating is not None:
+                    self.owned |= set(socket_inodes()) - self._creating
+                self._creating = None
 
     def subgroup_backend(self, name: str, group_rank: int, group_size: int) -> Backend:
         """A backend for one subgroup of this generation (a rendezvous among its members only)."""
         if self.prefix is None:
             raise RuntimeError(f"phoenixrun: generation {self.generation} is not open (or destroyed): "
                                f"no backend for group {name}")
-        b = self._make(PrefixStore(f"group/{name}/", self.prefix), group_rank, group_size)
+        prefix = PrefixStore(f"group/{name}/", self.prefix)
+        b = self._owning(lambda: self._make(prefix, group_rank, group_size))
         self.subgroups.append(b)
         self._check_aborted()
         return b
@@ -107,7 +128,11 @@ class Generation(ABC):
             if b is not None:
                 self._abort_backend(b)
         # the store's sockets (a rendezvous blocked on a dead member) and, for gloo, the backends' own pairs
-        return abort_sockets_since(self.baseline)
+        with self._own_lock:
+            since = self._creating
+            owned = set(self.owned)
+        n = shut_sockets(owned)
+        return n + (abort_sockets_since(since | owned) if since is not None else 0)
 
     def destroy(self) -> None:
         """Release the backends. Only when idle: no op of this generation may be in flight."""
@@ -372,9 +397,20 @@ class Generations:
 
 
 def abort_sockets_since(baseline: set[str]) -> int:
+    """Shut down every connected socket of this process not in `baseline` (listening ones are left: shutting
+    gloo's down aborts the process). The number shut down."""
+    return _shut(lambda inode: inode not in baseline)
+
+
+def shut_sockets(inodes: set[str]) -> int:
+    """Shut down the connected sockets among `inodes` still open in this process. The number shut down."""
+    return _shut(lambda inode: inode in inodes)
+
+
+def _shut(which: Callable[[str], bool]) -> int:
     n = 0
     for inode, fd in socket_inodes().items():
-        if inode in baseline:
+        if not which(inode):
             continue
         try:
             s = socket.socket(fileno=os.dup(fd))
