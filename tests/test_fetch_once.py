@@ -15,23 +15,15 @@ from phoenixrun.protocol import PeerOp
 from phoenixrun.protocol.replies import JobTerms
 from phoenixrun.protocol.restore import RankSource
 from phoenixrun.slot_format import SlotHeader
+from tests.test_restore_integrity import seal as seal_step
 
 STEP = 5
 
 
 def seal(slots: LocalSlots, rank: int, private: bytes, shared: bytes) -> SlotHeader:
-    """S_STEP of `rank` written, sealed and committed as its worker and agent would."""
-    h = SlotHeader(step=STEP, meta_cap=64, meta_len=2, private_len=len(private), shared_len=len(shared))
-    slots.allocate(rank, h.total_len)
-    idx = slots.begin_write(rank)
-    mm = slots.view(rank, idx)
-    mm[64:66] = b"{}"
-    mm[h.private_off:h.private_off + len(private)] = private
-    mm[h.shared_off:h.shared_off + len(shared)] = shared
-    mm[:64] = h.pack()
-    sealed = slots.finish_write(rank, idx, STEP)
-    slots.commit(rank, idx, STEP)
-    return sealed
+    """S_STEP of `rank` written, sealed and committed as its worker and agent would; its sealed header."""
+    replicated, _ = seal_step(slots, rank, private, shared, STEP)
+    return SlotHeader.unpack(replicated)
 
 
 @pytest.fixture

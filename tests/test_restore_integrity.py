@@ -12,9 +12,10 @@ STEP = 7
 SIZE = 256
 
 
-def seal(slots: LocalSlots, rank: int, private: bytes, shared: bytes) -> tuple[bytes, bytes]:
-    """Write and seal S_STEP of `rank` as its worker and agent would; return (replicated prefix, shared region)."""
-    h = SlotHeader(step=STEP, meta_cap=64, meta_len=2, private_len=len(private), shared_len=len(shared))
+def seal(slots: LocalSlots, rank: int, private: bytes, shared: bytes, step: int = STEP) -> tuple[bytes, bytes]:
+    """Write, seal and commit snapshot `step` of `rank` as its worker and agent would; return (replicated prefix,
+    shared region). (tests/test_fetch_once.py uses it too.)"""
+    h = SlotHeader(step=step, meta_cap=64, meta_len=2, private_len=len(private), shared_len=len(shared))
     slots.allocate(rank, h.total_len)
     idx = slots.begin_write(rank)
     mm = slots.view(rank, idx)
@@ -22,8 +23,8 @@ def seal(slots: LocalSlots, rank: int, private: bytes, shared: bytes) -> tuple[b
     mm[h.private_off:h.private_off + len(private)] = private
     mm[h.shared_off:h.shared_off + len(shared)] = shared
     mm[:64] = h.pack()
-    sealed = slots.finish_write(rank, idx, STEP)
-    slots.commit(rank, idx, STEP)
+    sealed = slots.finish_write(rank, idx, step)
+    slots.commit(rank, idx, step)
     return bytes(mm[:sealed.replicated_len]), bytes(mm[sealed.shared_off:sealed.shared_off + sealed.shared_len])
 
 
