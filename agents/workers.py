@@ -19,7 +19,7 @@ from typing import IO, Callable
 import psutil
 
 from phoenixrun.agents.prefixer import Prefixer
-from phoenixrun.runtime.stacks import stack_signal
+from phoenixrun.protocol.constants import stack_signal
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from phoenixrun.runtime.stacks import stack_signal
+from phoenixrun.protocol.constants import stack_signal
 
 BLOCKED = """
 import signal, sys, threading

@@ -5,6 +5,8 @@ agent's watch interval) stays with that side.
 """
 from __future__ import annotations
 
+import signal
+
 # ------------------------------------------------------------------ the control API (HTTP, control/server.py)
 # What a peer can make the master hold (measured on main at 73f19fc: 60 unauthenticated connections sending
 # 16 MiB bodies took it from 233 MB to 1.3 GB): before authentication at most MAX_HEAD bytes per connection
@@ -43,3 +45,8 @@ DIRECTIVE_POLL_S = 30.0
 # synchronously, in C, even while a thread is blocked inside a collective).
 STACK_SIGNAL_OFFSET = 6           # signal.SIGRTMIN + this
 STACK_DUMP_WAIT_S = 0.2
+
+
+def stack_signal() -> int:
+    """The stack signal's number (both the agent, which sends it, and the worker's runtime need it)."""
+    return int(signal.SIGRTMIN) + STACK_SIGNAL_OFFSET

@@ -8,11 +8,7 @@ import faulthandler
 import signal
 import sys
 
-from phoenixrun.protocol.constants import STACK_SIGNAL_OFFSET
-
-
-def stack_signal() -> int:
-    return int(signal.SIGRTMIN) + STACK_SIGNAL_OFFSET
+from phoenixrun.protocol.constants import stack_signal
 
 
 def install() -> bool:
