@@ -152,6 +152,23 @@ def _wait(cond, proc: subprocess.Popen, what: str, timeout: float = 600):
     raise RuntimeError(f"timed out waiting for {what}")
 
 
+def _pids_once_reported(run: Path, before: dict[int, list[int]], victim: int, nproc: int,
+                        proc: subprocess.Popen) -> dict[int, list[int]] | None:
+    """Each slot's worker pids once slot 1's agent has reported its reset: status shows what the last heartbeat
+    carried, and on a loaded machine the job can be back at work before that heartbeat (CI read the victim's pid there
+    once and called the survivors replaced). None if the job ended first."""
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            after = {n["slot"]: sorted(n["worker_pids"]) for n in status(run)["nodes"] if n["slot"] in before}
+        except (subprocess.CalledProcessError, ValueError):
+            return None
+        if victim not in after.get(1, [victim]) and len(after[1]) == nproc:
+            return after
+        time.sleep(0.05)
+    return None
+
+
 def worker_death_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int, model: list[str],
                        standby: bool) -> dict:
     """One job with one worker of slot 1 SIGKILLed at step `kill` or later: with the node's standby worker (once it
@@ -191,10 +208,7 @@ def worker_death_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int,
     if target >= steps:
         raise RuntimeError(f"the kill landed after the last step ({target} of {steps}): give more --steps")
     t_back = wait_all_reached(prog, world, target, t_kill, proc)
-    try:
-        after = {n["slot"]: sorted(n["worker_pids"]) for n in status(run)["nodes"] if n["slot"] in before}
-    except (subprocess.CalledProcessError, ValueError):
-        after = None
+    after = _pids_once_reported(run, before, victim, nproc, proc)
     rc = proc.wait(timeout=600)
     ev = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     fault = next(e for e in ev if e["event"] == "fault_detected" and not e.get("during_recovery"))
@@ -204,7 +218,8 @@ def worker_death_trial(tmp: Path, nodes: int, nproc: int, steps: int, kill: int,
     return {"standby": standby, "exit_code": rc, "action": fault["action"], "lost_s": round(t_back - t_kill, 3),
             "detect_s": round(fault["t"] - t_kill, 3), "recovery_s": done["duration_s"],
             "detect_to_done_s": done.get("detect_to_done_s"), "replayed_steps": done["replayed_steps"],
-            "standby_took_rank": bool(sb and after and sb.pid in after[1]), "others_kept": others_kept, **idle}
+            "standby_took_rank": bool(sb and after and sb.pid in after[1]), "others_kept": others_kept,
+            "pids_before": before, "pids_after": after, **idle}
 
 
 def worker_death(args) -> int:
