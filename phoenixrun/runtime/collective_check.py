@@ -17,7 +17,10 @@ import inspect
 import os
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
+
 import torch
+from torch._C._distributed_c10d import Work
 
 import phoenixrun
 
@@ -97,13 +100,15 @@ class Checks:
     def disarm(self) -> None:
         self.armed = False
 
-    def before(self, backend: object, op: str, size: int, members: tuple[int, ...] | None) -> None:
-        """Compare `op` across the group (one all-gather on `backend`); raise CollectiveMismatch on a difference."""
+    def before(self, backend: object, op: str, size: int, members: tuple[int, ...] | None,
+               track: Callable[[Work], Work] = lambda w: w) -> None:
+        """Compare `op` across the group (one all-gather on `backend`, its Work through `track`: a wait the
+        generation's abort ends); raise CollectiveMismatch on a difference."""
         if not self.armed or op in UNCHECKED or size <= 1:
             return
         mine = encode(Issued(op, call_site()))
         out = [torch.empty_like(mine) for _ in range(size)]
-        backend.allgather([out], [mine]).wait()  # type: ignore[attr-defined]  # any group backend: ops by name
+        track(backend.allgather([out], [mine])).wait()  # type: ignore[attr-defined]  # any group backend: by name
         msg = mismatch([decode(t) for t in out], members)
         if msg is not None:
             self.armed = False     # every member raises here; nothing after it is compared

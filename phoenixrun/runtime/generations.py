@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, Ty
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
+from phoenixrun.runtime.abortable import InFlight
+
 if TYPE_CHECKING:   # torch's CUDA build only: imported where it is built (make_nccl_backend)
     from torch._C._distributed_c10d import ProcessGroupNCCL
 
@@ -74,6 +76,7 @@ class Generation(ABC):
         self.owned: set[str] = set()
         self._creating: set[str] | None = None
         self._own_lock = threading.Lock()
+        self.in_flight = InFlight(generation)    # its collectives' waits, which abort() fails (abortable.py)
         self.aborted = False
         self.destroyed = False
         self.store: TCPStore | None = None
@@ -131,8 +134,10 @@ class Generation(ABC):
         with self._own_lock:
             since = self._creating
             owned = set(self.owned)
-        n = shut_sockets(owned)
-        return n + (abort_sockets_since(since | owned) if since is not None else 0)
+        n = shut_sockets(owned) + (abort_sockets_since(since | owned) if since is not None else 0)
+        # then the waits of ops the shutdown did not fail (one enqueued as the connections went down: abortable.py)
+        self.in_flight.fail()
+        return n
 
     def destroy(self) -> None:
         """Release the backends. Only when idle: no op of this generation may be in flight."""

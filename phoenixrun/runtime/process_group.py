@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, Store, Work
 from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # absent from stubs
 
+from phoenixrun.runtime.abortable import InFlight
 from phoenixrun.runtime.collective_check import CHECKS
-from phoenixrun.runtime.generations import Generation
+from phoenixrun.runtime.generations import DeviceRouted, Generation
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import _DistributedBackendOptions
@@ -41,6 +42,10 @@ FORWARDED = {
     "gather": "gather", "scatter": "scatter", "barrier": "barrier", "monitored_barrier": "monitored_barrier",
     "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
 }
+
+# point-to-point ops keep the backend's Work: recv_anysource's source_rank() is on it, and gloo can abort these
+# (SendWork/RecvWork.abort); monitored_barrier's waits are its own (send/recv inside gloo)
+NOT_WRAPPED = {"send", "recv", "recv_anysource", "monitored_barrier"}
 
 # coalesced ops (lists of tensors) -> the single-tensor gloo op they are decomposed into
 COALESCED = {
@@ -75,13 +80,13 @@ def forwarding(name: str, target: str) -> GroupMethod:
             ON_COLLECTIVE()
         if self.inner is None:
             return self.local_op(name, args)
-        CHECKS.before(self.inner, target, self.size(), self.global_ranks)
+        CHECKS.before(self.inner, target, self.size(), self.global_ranks, self.tracked)
         fn = getattr(self.inner, target, None)
         if fn is None:
             raise RuntimeError(f"phoenixrun: {name} is not available on a gloo group (torch 2.13 exposes no "
                                f"{target} for it); use the uncoalesced collective")
         work: Work = fn(*args, **kwargs)
-        return work
+        return work if name in NOT_WRAPPED else self.tracked(work, args)
     method.__name__ = name
     return method
 
@@ -94,10 +99,10 @@ def coalesced(name: str, single: str) -> GroupMethod:
                opts: object = None) -> Work:
         if self.inner is None:
             return self.local_op(name, (outputs, inputs))
-        CHECKS.before(self.inner, single, self.size(), self.global_ranks)
+        CHECKS.before(self.inner, single, self.size(), self.global_ranks, self.tracked)
         for out, inp in zip(outputs, inputs):
             fn = getattr(self.inner, single)
-            (fn(out, inp) if opts is None else fn(out, inp, opts)).wait()
+            self.tracked(fn(out, inp) if opts is None else fn(out, inp, opts), (out, inp)).wait()
         return local_work()
     method.__name__ = name
     return method
@@ -138,6 +143,8 @@ class ReconfigurableProcessGroup(ProcessGroup):
         # what collectives are forwarded to, looked up by name: the current generation's backend
         # (generations.Backend) or a stand-in refusing every op while quiesced (api.QuiescedBackend)
         self.inner: object | None = None
+        # the generation's ops in flight (runtime/abortable.py): its abort fails their waits
+        self.in_flight: InFlight | None = None
         self.registry: GroupRegistry | None = None    # the registry that rebuilds it (None: the world group)
         self._name = ""
         self._desc = ""
@@ -183,6 +190,13 @@ class ReconfigurableProcessGroup(ProcessGroup):
     for _name, _why in UNSUPPORTED.items():
         locals()[_name] = unsupported(_name, _why)
     del _name, _why
+
+    def tracked(self, work: Work, tensors: Sequence[Any] = ()) -> Work:
+        """`work`, just issued on this group's backend, with a wait the generation's abort ends (abortable.py);
+        as it is for CUDA tensors (their future is CUDA-aware) or with no generation attached."""
+        if self.in_flight is None or DeviceRouted.on_cuda(tensors):
+            return work
+        return self.in_flight.track(work)
 
     def local_op(self, name: str, args: Sequence[Any]) -> Work:
         """Collective `name` with no backend (a replacement still restoring): completed locally."""
@@ -238,6 +252,7 @@ class GroupRegistry:
         pg.registry = self
         self.subgroups.append(pg)
         if self.generation is not None:        # created while training: its members meet now
+            pg.in_flight = self.generation.in_flight
             pg.set_backend(self.generation.subgroup_backend(pg.getGroupName(), pg.rank(), pg.size()))
         return pg
 
@@ -251,6 +266,7 @@ class GroupRegistry:
         for pg in [self.world, *self.subgroups]:
             if pg is not None:
                 pg.set_backend(None)
+                pg.in_flight = gen.in_flight if gen is not None else None
         if gen is None:
             return
         if self.world is not None:

@@ -1,0 +1,117 @@
+"""Collectives whose waits an abort ends, whatever gloo does with the op itself.
+
+Gloo has no call that ends a wait on a collective already enqueued: ProcessGroupGloo implements no abort() and its
+collective Work none either (only send/recv Work do). Shutting a generation's sockets down fails most such ops
+within milliseconds, but not all: in `benchmarks/detection.py --faults comm-timeout` (3 of 9 trials on
+2026-12-07) a survivor's training thread sat in gloo's Work::wait - once in DDP's backward (its gradient bucket),
+once in ZeroRedundancyOptimizer's parameter broadcast, with no connection of the process left but gloo's
+listener - until the agent's quiesce grace (5 s) killed it and its rank restarted from the node's snapshot.
+
+So every collective of CPU tensors that a group forwards returns an `AbortableWork`: its own future, completed
+with the backend's result, or failed with DistBackendError by `InFlight.fail` (the generation's abort), whichever
+comes first. A wait on it - `work.wait()` in Python, DDP's reducer at the end of backward, a functional
+collective's wait_tensor - then raises at once, which the step treats as any collective error. The gloo op itself
+stays where it is, on the aborted generation (kept referenced until exit: generations.py).
+
+Ops of CUDA tensors are not wrapped: their future is CUDA-aware (a wait orders the caller's stream after the
+collective's), a CPU future would not be, and NCCL's abort ends those waits itself.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Work
+
+
+class AbortableWork(Work):
+    """A collective's Work whose future is ours: completed by the backend's, or failed by `InFlight.fail`.
+    C++ callers (DDP's reducer, functional collectives) reach `wait` and `get_future` through torch's PyWork
+    trampoline; the other methods serve Python callers."""
+
+    def __init__(self, inner: Work, fut: torch.futures.Future[Any]):
+        super().__init__()
+        self.inner = inner       # the backend's Work, kept alive while its op runs
+        self.fut = fut
+
+    def wait(self, timeout: object = None) -> bool:
+        # the backend's own timeout (the generation's collective timeout) still ends the op: it then fails `fut`
+        self.fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self.fut
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
+
+    def is_success(self) -> bool:
+        return self.fut.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self.fut.done():
+            return None
+        try:
+            self.fut.value()
+        except BaseException as e:
+            return e
+        return None
+
+    def result(self) -> Any:
+        return self.fut.value()
+
+    def synchronize(self) -> None:
+        self.fut.wait()
+
+
+class InFlight:
+    """The collectives of one generation that were issued and have not completed, so that its abort fails their
+    waits. Thread-safe: ops complete on gloo's threads, the abort comes from the agent-link thread."""
+
+    def __init__(self, generation: int):
+        self.generation = generation
+        self._lock = threading.Lock()
+        self._pending: set[torch.futures.Future[Any]] = set()
+        self.aborted = False
+
+    def track(self, work: Work) -> Work:
+        """`work` (just issued on this generation's backend) as an AbortableWork."""
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            aborted = self.aborted
+            if not aborted:
+                self._pending.add(fut)
+        if aborted:
+            fut.set_exception(self._error())
+            return AbortableWork(work, fut)
+
+        def completed(inner: torch.futures.Future[Any]) -> None:   # on a gloo thread (or here, if already done)
+            with self._lock:
+                mine = fut in self._pending    # else fail() claimed it first
+                self._pending.discard(fut)
+            if not mine:
+                return
+            try:
+                value = inner.value()
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(value)
+
+        work.get_future().add_done_callback(completed)
+        return AbortableWork(work, fut)
+
+    def fail(self) -> int:
+        """Fail every pending op's wait, and every later one's at once. The number failed."""
+        with self._lock:
+            self.aborted = True
+            pending, self._pending = self._pending, set()
+        for fut in pending:
+            fut.set_exception(self._error())
+        return len(pending)
+
+    def _error(self) -> dist.DistBackendError:
+        return dist.DistBackendError(f"phoenixrun: generation {self.generation} was aborted with this collective in "
+                                     "flight (a peer failed or the master ordered a quiesce)")
