@@ -77,7 +77,12 @@ class InFlight:
         self.aborted = False
 
     def track(self, work: Work) -> Work:
-        """`work` (just issued on this generation's backend) as an AbortableWork."""
+        """`work` (just issued on this generation's backend) as an AbortableWork; `work` itself where it has no
+        future to follow (gloo's reduce-scatter in torch 2.13: "Work::getFuture not implemented")."""
+        try:
+            inner_fut = work.get_future()
+        except RuntimeError:
+            return work
         fut: torch.futures.Future[Any] = torch.futures.Future()
         with self._lock:
             aborted = self.aborted
@@ -100,7 +105,7 @@ class InFlight:
             else:
                 fut.set_result(value)
 
-        work.get_future().add_done_callback(completed)
+        inner_fut.add_done_callback(completed)
         return AbortableWork(work, fut)
 
     def fail(self) -> int:
