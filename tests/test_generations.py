@@ -289,15 +289,20 @@ def test_a_wait_no_socket_shutdown_reaches_is_ended_by_the_abort(store, unchecke
     t = torch.tensor([1.0])
     work = reg0.world.allreduce([t])                 # rank 1 never joins it
     chained = work.get_future().then(lambda f: f.value())
+    # a C++ consumer of the future (collect_all's combinator, as DDP's reducer): it must see a failure, not a
+    # completed future holding an exception object (Future.set_exception's way; DDP then crashed reading it)
+    combined = torch.futures.collect_all([work.get_future()])
     time.sleep(0.3)
     assert not work.is_completed() and not chained.done()
     t0 = time.monotonic()
     assert gens0.current.in_flight.fail() == 1
-    for wait in (work.wait, chained.wait):
+    with pytest.raises(dist.DistBackendError, match="generation 0 was aborted"):
+        work.wait()
+    for wait in (chained.wait, combined.wait, work.get_future().wait):
         with pytest.raises(Exception) as e:
             wait()
         assert recoverable_cause(e.value) is not None, e.value
-    assert time.monotonic() - t0 < 5 and not work.is_success()
+    assert time.monotonic() - t0 < 5 and not work.is_success() and work.exception() is not None
     with pytest.raises(dist.DistBackendError, match="generation 0 was aborted"):
         reg0.world.allreduce([t]).wait()             # a later op of the aborted generation fails at once
     for _, _, g in m:
@@ -334,4 +339,38 @@ def test_every_op_completes_or_fails_once_when_the_abort_races_completions(store
     assert outcomes["done"] + outcomes["failed"] == n and outcomes["failed"] > 0, outcomes
     assert "completed Future as complete again" not in capfd.readouterr().err   # torch logs a callback's error
     for _, _, g in m:
+        g.close()
+
+
+def test_ddp_backward_waiting_on_a_missing_peer_raises_when_the_generation_is_aborted(store, unchecked):
+    """DDP's reducer (C++) waits on its bucket's future at the end of backward. The abort must fail that future
+    natively: with Future.set_exception, C++ saw a completed future whose value was the exception object, read
+    the bucket's tensor out of it and the process died of SIGSEGV (every rank, in benchmarks/detection.py)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from phoenixrun.runtime.recovery_client import recoverable_cause
+    m = members(GlooGeneration, store)
+    both(lambda r: m[r][2].connect(0, "/test/inflight-ddp/"))
+
+    def build(r):
+        torch.manual_seed(0)
+        return DDP(torch.nn.Linear(8, 8), process_group=m[r][0].world)
+    ddp0, _ = both(build)
+    failed = []
+
+    def backward():    # rank 0 alone: its bucket's all-reduce waits for rank 1, which never joins it
+        try:
+            ddp0(torch.ones(2, 8)).sum().backward()
+        except Exception as e:  # noqa: BLE001
+            failed.append(e)
+    t = threading.Thread(target=backward, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and not failed, "the backward should wait for its bucket"
+    m[0][2].current.in_flight.fail()
+    t.join(10)
+    assert not t.is_alive() and failed, "the abort did not end DDP's wait"
+    assert recoverable_cause(failed[0]) is not None and "generation 0 was aborted" in str(failed[0]), failed[0]
+    for _, _, g in m:
+        g.abort()
         g.close()

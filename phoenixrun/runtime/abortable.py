@@ -9,7 +9,8 @@ listener - until the agent's quiesce grace (5 s) killed it and its rank restarte
 
 So every collective of CPU tensors that a group forwards returns an `AbortableWork`: its own future, completed
 with the backend's result, or failed with DistBackendError by `InFlight.fail` (the generation's abort), whichever
-comes first. A wait on it - `work.wait()` in Python, DDP's reducer at the end of backward, a functional
+comes first (a "gate" future that is completed once, with either outcome, and a `then` that raises for a failure:
+see `_settle`). A wait on it - `work.wait()` in Python, DDP's reducer at the end of backward, a functional
 collective's wait_tensor - then raises at once, which the step treats as any collective error. The gloo op itself
 stays where it is, on the aborted generation (kept referenced until exit: generations.py).
 
@@ -26,44 +27,61 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Work
 
 
+# What a gate future carries: ("ok", the backend's result) or ("error", the exception to raise).
+Outcome = tuple[str, Any]
+
+
+def _settle(gate: torch.futures.Future[Outcome]) -> Any:
+    """The `then` callback between a gate and the future C++ callers wait on. Raising here is the one way Python
+    has to fail a torch future natively: `Future.set_exception` completes it *successfully*, its value the
+    exception object, which only Python's `value()` raises - DDP's reducer took such a value for its bucket's
+    result and read a tensor out of it (SIGSEGV, every rank, measured)."""
+    kind, payload = gate.value()
+    if kind == "error":
+        raise payload
+    return payload
+
+
 class AbortableWork(Work):
     """A collective's Work whose future is ours: completed by the backend's, or failed by `InFlight.fail`.
     C++ callers (DDP's reducer, functional collectives) reach `wait` and `get_future` through torch's PyWork
-    trampoline; the other methods serve Python callers."""
+    trampoline; the other methods serve Python callers, who get the backend's own exception (or
+    DistBackendError) back, not the callback error that C++ callers see."""
 
-    def __init__(self, inner: Work, fut: torch.futures.Future[Any]):
+    def __init__(self, inner: Work, gate: torch.futures.Future[Outcome]):
         super().__init__()
         self.inner = inner       # the backend's Work, kept alive while its op runs
-        self.fut = fut
+        self.gate = gate
+        self.fut: torch.futures.Future[Any] = gate.then(_settle)
 
     def wait(self, timeout: object = None) -> bool:
-        # the backend's own timeout (the generation's collective timeout) still ends the op: it then fails `fut`
-        self.fut.wait()
+        # the backend's own timeout (the generation's collective timeout) still ends the op: it then fails the gate
+        kind, payload = self.gate.wait()
+        if kind == "error":
+            raise payload
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
         return self.fut
 
     def is_completed(self) -> bool:
-        return self.fut.done()
+        return self.gate.done()
 
     def is_success(self) -> bool:
-        return self.fut.done() and self.exception() is None
+        return self.gate.done() and self.gate.value()[0] == "ok"
 
     def exception(self) -> BaseException | None:
-        if not self.fut.done():
+        if not self.gate.done() or self.gate.value()[0] == "ok":
             return None
-        try:
-            self.fut.value()
-        except BaseException as e:
-            return e
-        return None
+        error: BaseException = self.gate.value()[1]
+        return error
 
     def result(self) -> Any:
-        return self.fut.value()
+        self.wait()
+        return self.gate.value()[1]
 
     def synchronize(self) -> None:
-        self.fut.wait()
+        self.gate.wait()
 
 
 class InFlight:
@@ -73,7 +91,7 @@ class InFlight:
     def __init__(self, generation: int):
         self.generation = generation
         self._lock = threading.Lock()
-        self._pending: set[torch.futures.Future[Any]] = set()
+        self._pending: set[torch.futures.Future[Outcome]] = set()
         self.aborted = False
 
     def track(self, work: Work) -> Work:
@@ -83,38 +101,38 @@ class InFlight:
             inner_fut = work.get_future()
         except RuntimeError:
             return work
-        fut: torch.futures.Future[Any] = torch.futures.Future()
+        gate: torch.futures.Future[Outcome] = torch.futures.Future()
+        tracked = AbortableWork(work, gate)
         with self._lock:
             aborted = self.aborted
             if not aborted:
-                self._pending.add(fut)
+                self._pending.add(gate)
         if aborted:
-            fut.set_exception(self._error())
-            return AbortableWork(work, fut)
+            gate.set_result(("error", self._error()))
+            return tracked
 
         def completed(inner: torch.futures.Future[Any]) -> None:   # on a gloo thread (or here, if already done)
             with self._lock:
-                mine = fut in self._pending    # else fail() claimed it first
-                self._pending.discard(fut)
+                mine = gate in self._pending    # else fail() claimed it first
+                self._pending.discard(gate)
             if not mine:
                 return
             try:
-                value = inner.value()
+                outcome: Outcome = ("ok", inner.value())
             except BaseException as e:
-                fut.set_exception(e)
-            else:
-                fut.set_result(value)
+                outcome = ("error", e)
+            gate.set_result(outcome)
 
         inner_fut.add_done_callback(completed)
-        return AbortableWork(work, fut)
+        return tracked
 
     def fail(self) -> int:
         """Fail every pending op's wait, and every later one's at once. The number failed."""
         with self._lock:
             self.aborted = True
             pending, self._pending = self._pending, set()
-        for fut in pending:
-            fut.set_exception(self._error())
+        for gate in pending:
+            gate.set_result(("error", self._error()))
         return len(pending)
 
     def _error(self) -> dist.DistBackendError:
