@@ -2,7 +2,8 @@
 fresh one on the new generation's store prefix, over the same membership.
 
 Gloo offers no call that unblocks an op stuck on a dead or hung peer; shutting down the
-generation's own TCP sockets does (within milliseconds). A generation notes the sockets
+generation's own TCP sockets does (within milliseconds), and the waits it does not end (an op enqueued as the
+connections went down) the generation's `InFlight` fails (runtime/abortable.py). A generation notes the sockets
 its own creation calls open (the store client, the backends' pairs) and `abort()` shuts those down (never
 gloo's listening socket: that aborts the process); a socket the script opens itself is left alone.
 
@@ -166,8 +167,9 @@ class Generation(ABC):
 class GlooGeneration(Generation):
     """The CPU path: one ProcessGroupGloo per group. Gloo offers no call that unblocks an op stuck on a dead or
     hung peer; shutting down the generation's own TCP sockets does (within milliseconds), so abort() is the
-    socket shutdown alone. An aborted generation is kept referenced until the process exits: destroying a gloo
-    backend whose peers vanished mid-collective is not a path torch makes safe."""
+    socket shutdown and the failing of the waits left (`InFlight.fail`). An aborted generation is kept referenced
+    until the process exits: destroying a gloo backend whose peers vanished mid-collective is not a path torch
+    makes safe."""
 
     kind = "gloo"
     destroy_after_abort = False
