@@ -311,9 +311,9 @@ def test_a_wait_no_socket_shutdown_reaches_is_ended_by_the_abort(store, unchecke
 
 
 def test_every_op_completes_or_fails_once_when_the_abort_races_completions(store, unchecked, capfd):
-    """Ops completing on gloo's threads while rank 0's abort fails what is still pending: each of rank 0's works
-    either holds its true result or raises DistBackendError - never both (a second completion would raise on gloo's
-    thread), never neither (a wait that hangs)."""
+    """Ops completing on gloo's threads while rank 0's abort fails what is still pending: each of rank 0's works,
+    waited on directly or through its future, either holds its true result or raises the abort's error - never both
+    (a future's second completion would raise on gloo's thread), never neither (a wait that hangs)."""
     m = members(GlooGeneration, store)
     both(lambda r: m[r][2].connect(0, "/test/inflight-b/"))
     n = 200
@@ -322,14 +322,17 @@ def test_every_op_completes_or_fails_once_when_the_abort_races_completions(store
         ts = [torch.tensor([float(i + r)]) for i in range(n)]
         works = [m[r][0].world.allreduce([x]) for x in ts]
         if r == 0:
+            for w in works[::2]:
+                w.get_future()                       # every other one also through its future (DDP's way)
             m[0][2].current.in_flight.fail()         # mid-stream: some done, some not
         return ts, works
     (ts0, works0), (ts1, works1) = both(issue)
     outcomes = {"done": 0, "failed": 0}
     for i, (x, w) in enumerate(zip(ts0, works0)):
         try:
-            w.wait()
-        except dist.DistBackendError:
+            w.get_future().wait() if i % 2 == 0 else w.wait()
+        except (dist.DistBackendError, RuntimeError) as e:
+            assert "generation 0 was aborted" in str(e), e
             outcomes["failed"] += 1
         else:
             assert x.item() == 2 * i + 1, (i, x)
