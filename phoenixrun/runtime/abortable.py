@@ -70,7 +70,9 @@ class AbortableWork(Work):
                 return bool(self.inner.wait(timedelta(seconds=tick)))
             except RuntimeError:
                 if self.inner.is_completed():
-                    raise                    # the op's own failure
+                    # done since: its own outcome (the exception caught may be the tick's "Operation timed out!",
+                    # raised just before the op completed - it once ended a healthy step)
+                    return bool(self.inner.wait())
                 if deadline is not None and time.monotonic() >= deadline:
                     raise                    # the caller's timeout ("Operation timed out!", as the backend's)
 
