@@ -15,10 +15,11 @@ from phoenixrun.protocol.timings import Timings
 # A worker acknowledges a quiesce at its next boundary: at once when blocked in a collective (its sockets are shut
 # down under it, and its generation's abort fails the collective's wait: runtime/abortable.py), else at its next
 # collective (a DDP gradient bucket, a ZeRO broadcast), its next forward or its optimizer step (runtime/api.py).
-# One that still does not answer (blocked where no abort reaches: a reduce-scatter, the script's own I/O) is
-# killed past the grace and restarts from this node's snapshot (a local reset). The grace follows the measured step time (`quiesce_grace`): a constant 5 s
-# killed every survivor whose step was longer (the PHOENIX paper's take 5-6 s), and the 7.7-8.5 s recovery tails in
-# docs/benchmarks.md were survivors killed at that constant on a loaded machine.
+# One that still does not answer (blocked where no abort reaches: a point-to-point op, the script's own I/O) is
+# killed past the grace and restarts from this node's snapshot (a local reset). The grace follows the measured step
+# time (`quiesce_grace`): a constant 5 s killed every survivor whose step was longer (the PHOENIX paper's take 5-6
+# s), and the 7.7-8.5 s recovery tails in docs/benchmarks.md were survivors killed at that constant on a loaded
+# machine.
 QUIESCE_GRACE_FLOOR_S = 5.0      # no step measured yet, or short steps: the old constant, never less
 QUIESCE_GRACE_STEPS = 2.0        # the grace covers this many of the longest recent steps (load varies step to step)
 QUIESCE_GRACE_CAP_S = 45.0       # below --recovery-timeout (config.RULES refuses one not above it): the agent acts first

@@ -20,7 +20,8 @@ def test_a_fault_repeating_at_one_step_escalates_and_stops_with_the_reason(tmp_p
     finished = by_event(ev, "job_finished")[-1]
     assert finished["exit_code"] == rc
     assert "made no progress" in finished["reason"] and "SIGKILL" in finished["reason"], finished["reason"]
-    # every recovery restored the step before the crash, or the one before it when rank 0 died before its
-    # snapshot of step 5 committed (the race faults/escalate.py SLACK allows for)
+    # every recovery restored a snapshot just before the crash: S_6 (taken as step 5 ends) when its commit, which
+    # overlaps step 6, beat the kill (a suite run on 2026-12-07 saw it), else S_5 or S_4 (the race
+    # faults/escalate.py SLACK allows for)
     steps = {e["restored_step"] for e in by_event(ev, "recovery_done")}
-    assert steps and steps <= {4, 5}, f"every recovery restored a step just before the crash: {steps}"
+    assert steps and steps <= {4, 5, 6}, f"every recovery restored a step just before the crash: {steps}"

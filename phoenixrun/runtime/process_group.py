@@ -43,8 +43,8 @@ FORWARDED = {
     "send": "send", "recv": "recv", "recv_anysource": "recv_anysource",
 }
 
-# point-to-point ops keep the backend's Work: recv_anysource's source_rank() is on it, and gloo can abort these
-# (SendWork/RecvWork.abort); monitored_barrier's waits are its own (send/recv inside gloo)
+# point-to-point ops keep the backend's Work (recv_anysource's source_rank() is on it): the socket shutdown alone
+# ends their waits; monitored_barrier's waits are its own (send/recv inside gloo)
 NOT_WRAPPED = {"send", "recv", "recv_anysource", "monitored_barrier"}
 
 # coalesced ops (lists of tensors) -> the single-tensor gloo op they are decomposed into
