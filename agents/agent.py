@@ -31,7 +31,8 @@ from phoenixrun.config import AgentConfig
 from phoenixrun.protocol.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, poll_all
 from phoenixrun.protocol import messages, reports
-from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S
+from phoenixrun.protocol.names import Endpoint
+from phoenixrun.protocol.relay import ACK_TIMEOUT_S, RELAY_OP, RELAY_POLL_S, REPORT_OP, batch_replies
 from phoenixrun.protocol.replies import Admitted, TurnedAway
 from phoenixrun.agents.drills import FaultDrills
 from phoenixrun.agents.executor import DirectiveExecutor
@@ -41,7 +42,7 @@ from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.partition import GatedControlClient, GatedPeerClient, NetworkCut
 from phoenixrun.agents.peer import PeerServer
 from phoenixrun.agents.neighbour_watch import PING_IO_TIMEOUT_S, PING_OP, NeighbourWatch, answer_ping
-from phoenixrun.agents.relay import ParentLink, RelayCache
+from phoenixrun.agents.relay import AckBatcher, ParentLink, RelayCache, UpLink
 from phoenixrun.agents.persister import PersistConfig, Persister
 from phoenixrun.agents.phases import PhaseAcks
 from phoenixrun.agents.replicator import Replicator
@@ -106,9 +107,13 @@ class Agent:
     # ------------------------------------------------------------------ startup
     def run(self) -> int:
         self.channel = WorkerChannelServer(self.sock_path, self.worker_ops.on_message, self.worker_ops.on_close)
-        relay = RelayCache()       # its directive fan-out part (agents/relay.py)
+        relay = RelayCache()       # its directive fan-out part (agents/relay.py), and its children's acks
+        acks = AckBatcher(relay, lambda batch: batch_replies(self.client.post(Endpoint.REPORTS, batch.to_wire(),
+                                                                               timeout=ACK_TIMEOUT_S)),
+                          lambda: (self.node.node_id, self.node.token or ""))
         self.peer_server = PeerServer(self.cfg.host, self.cfg.secret,
-                                      {**self.replicator.peer_handlers(), RELAY_OP: relay.serve, PING_OP: answer_ping},
+                                      {**self.replicator.peer_handlers(), RELAY_OP: relay.serve,
+                                       REPORT_OP: acks.serve, PING_OP: answer_ping},
                                       sinks=self.replicator.peer_sinks())
         self.drills = FaultDrills(self.node, self.life, self.supervisor, self.injected, self.cut, self.peer_server,
                                   self.peers)
@@ -127,6 +132,8 @@ class Agent:
                                 io_timeout=PING_IO_TIMEOUT_S)
         self.watch = NeighbourWatch(pings.call, self.reporter.send_now, self.life.stopped)
         self.link.on_watch = self.watch.follow
+        self.reporter.uplink = UpLink(GatedPeerClient(self.cfg.secret, self.cut, io_timeout=ACK_TIMEOUT_S + 2),
+                                      self.link.relay_addr)
         try:
             reg = self.link.register(node_rank=self.cfg.node_rank)
         except ControlError as e:

@@ -156,6 +156,10 @@ class MasterLink:
             except ValueError as e:
                 log.error("directive %s from the master is malformed, ignored: %s", d["version"], e)
 
+    def relay_addr(self) -> str | None:
+        """The relay this node polls now (None: the master), where its acks go too (agents/reporter.py)."""
+        return self.parent_addr if time.monotonic() >= self._direct_until else None
+
     def follow(self, relay: RelayLink | None) -> None:
         """The tree as the master's heartbeat reply gives it: this node's relay, and whether it is one (None:
         relaying was never on - as it was)."""

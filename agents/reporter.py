@@ -1,8 +1,10 @@
 """The agent's reports to the master: an outbox, delivered in order by one thread, retried with backoff while
 the master is unreachable (a restart), so a fault seen meanwhile is handled once it is back. Queueing never
-blocks: any thread may report while holding the agent's lock."""
+blocks: any thread may report while holding the agent's lock. A broadcast's acks go through the node's relay when
+it has one (agents/relay.py's UpLink; protocol/relay.py), and to the master directly when that fails."""
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -11,8 +13,11 @@ from typing import Any
 
 from phoenixrun.protocol.replies import TurnedAway, report_reply
 from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.relay import RELAYED_KINDS
 from phoenixrun.protocol.reports import Report
 from phoenixrun.agents.node import Lifecycle, NodeState
+from phoenixrun.agents.peer import PeerError
+from phoenixrun.agents.relay import UpLink
 
 log = logging.getLogger("phoenixrun.agent")
 
@@ -23,6 +28,7 @@ class Reporter:
         self.outbox: queue.Queue[Report | None] = queue.Queue()
         self._flush_deadline = float("inf")
         self._sender: threading.Thread | None = None
+        self.uplink: UpLink | None = None    # through this node's relay (set once the master link exists)
 
     def report(self, ev: Report) -> None:
         """Queue a report for the master; delivered in order, retried until it gets through."""
@@ -55,11 +61,36 @@ class Reporter:
     def _payload(self, ev: Report) -> dict[str, Any]:
         return {**ev.to_wire(), "token": self.node.token}     # the current token: a rejoin since it was queued changes it
 
+    def _via_relay(self, ev: Report) -> bool:
+        """Send an ack through this node's relay: True if the master took it (or fenced this node) that way; False:
+        send it to the master directly (no relay now, the relay failed, or the master refused it from the relay -
+        the direct send then says why, as without relays)."""
+        token = self.node.token
+        if self.uplink is None or not token:
+            return False
+        try:
+            reply = self.uplink.send(self.node.node_id, token, json.dumps(ev.to_wire()).encode())
+        except PeerError as e:
+            log.info("ack %s through the relay failed (%s): sending it to the master", ev.kind, e)
+            return False
+        if reply is None or "error" in reply:
+            return False
+        try:
+            decoded = report_reply(reply)
+        except ValueError as e:
+            log.warning("report %s: %s", ev.kind, e)
+            return True
+        if isinstance(decoded, TurnedAway):
+            self.life.fenced(decoded.reason, decoded.exit_code or 0)
+        return True
+
     def _send_reports(self) -> None:
         while True:
             ev = self.outbox.get()
             if ev is None:
                 return
+            if ev.kind in RELAYED_KINDS and self._via_relay(ev):
+                continue
             delay = 0.1
             while True:
                 try:

@@ -71,7 +71,8 @@ def main() -> int:
     print(f"  fan-out: {rec['relays']} relays serving {rec['relayed_children']} agents; the master wrote "
           f"{rec['master_directive_writes']} directive answers from the fault to the last resume "
           f"({rec['master_writes_per_broadcast']:g} per broadcast); the failed node "
-          f"{'was' if rec['victim_was_relay'] else 'was not'} a relay")
+          f"{'was' if rec['victim_was_relay'] else 'was not'} a relay; the relays carried {rec['relayed_acks']} "
+          f"acks in {rec['relayed_ack_requests']} requests")
     if r["errors"]:
         print(f"errors: {r['errors']}")
     if r["generator_stalls"]:

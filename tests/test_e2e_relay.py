@@ -3,7 +3,8 @@
 A job with --relay-threshold low enough that its 4 agents use 2 relays: a worker dies (the recovery's directives
 go out through the relays), a relay is SIGKILLed while it is forwarding that recovery's directives to its children
 (held at the `relay_serve` pause point, so the kill lands mid-broadcast), its children poll the master directly,
-the master takes the relay's loss as one more fault, and the job finishes bit-identical to torchrun.
+the master takes the relay's loss as one more fault, and the job finishes bit-identical to torchrun. The recoveries'
+acks travel through the relays as well.
 """
 import os
 import signal
@@ -37,6 +38,9 @@ def test_a_relay_killed_mid_broadcast_and_the_job_recovers_bit_identical(tmp_pat
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    # the acks came up through the relays too (protocol/relay.py): the master took some in relayed batches
+    state = job.wait_for(lambda s: (s["step"] or 0) >= STEPS - 5, what="the job held after both recoveries")
+    assert state["relayed_reports"]["taken"] > 0, state["relayed_reports"]
     (tmp_path / "release-d2h").touch()
     assert job.finish() == 0, job.log()[-3000:]
     ev = job.events()

@@ -199,7 +199,7 @@ class Handlers:
         token = self.job.members.tokens[node_id] = secrets.token_hex(8)
         return token
 
-    def _check_token(self, node_id: str, token: str | None, via: str) -> None:
+    def check_token(self, node_id: str, token: str | None, via: str) -> None:
         """Call with the lock held, for a node this master knows."""
         expected = self.job.members.tokens.get(node_id)
         if expected is None or token is None or not hmac.compare_digest(expected, token):
@@ -216,7 +216,7 @@ class Handlers:
             fenced = self._fence(node.node_id, "heartbeat")
             if fenced:
                 return self._epoch(fenced)
-            self._check_token(node.node_id, msg.token, "heartbeat")
+            self.check_token(node.node_id, msg.token, "heartbeat")
             node.last_heartbeat = time.time()
             self.job.members.heard.move_to_end(node.node_id)
             node.worker_pids = msg.worker_pids
@@ -286,7 +286,7 @@ class Handlers:
             fenced = self._fence(msg.node_id, "report")
             if fenced:
                 return fenced
-            self._check_token(msg.node_id, sent.token, "report")
+            self.check_token(msg.node_id, sent.token, "report")
             gen = msg.generation
             if gen is not None and gen > self.job.course.generation:
                 raise messages.MessageError(f"report generation {gen} was never issued (the job is at generation "
@@ -319,7 +319,7 @@ class Handlers:
         with self.job.cv:
             msg = messages.parse_poll(p, self.orders.board.version)
             if msg.node_id in self.job.members.nodes and self._fence(msg.node_id, "directive") is None:
-                self._check_token(msg.node_id, msg.token, "directive poll")
+                self.check_token(msg.node_id, msg.token, "directive poll")
         return msg
 
     def answer_polls(self, asks: list[Ask]) -> list[Directive | None]:

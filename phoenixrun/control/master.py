@@ -29,6 +29,7 @@ from phoenixrun.control import layout_file
 from phoenixrun.control.coordinator import Coordinator
 from phoenixrun.control.directives import Ask, Directive, DirectiveBoard
 from phoenixrun.control.events import EventLog
+from phoenixrun.control.fan_in import FanIn
 from phoenixrun.control.handlers import Handlers
 from phoenixrun.control.jobstate import JobState
 from phoenixrun.control.lease import Lease, LeaseDir, master_id
@@ -70,6 +71,8 @@ class Master:
         self._inbox = Inbox()
         self.rejections = Rejections(lambda **f: self.events.emit(RejectedRequest(**f), self.job.course.generation))
         self.handlers = Handlers(self.job, self.orders, self.events, self._inbox, self.rejections)
+        # the broadcasts' acks through the relays (fan_in.py)
+        self.fan_in = FanIn(self.job, self.rejections, self.handlers.check_token, self.handlers.report)
         self.recovery = Recoveries(self.job, self.orders, self.events, self._inbox, probe=unreachable)
         self.coordinator = Coordinator(self.job, self.orders, self.events, self._inbox, self.recovery,
                                        probe=unreachable)
@@ -196,6 +199,9 @@ class Master:
             return Heard().to_wire()
         return self.handlers.report(p).to_wire()
 
+    def relayed_reports(self, p: dict[str, Any]) -> dict[str, Any]:
+        return self.fan_in.take(p)
+
     def inject(self, p: dict[str, Any]) -> dict[str, Any]:
         return self.handlers.inject(p).to_wire()
 
@@ -214,6 +220,7 @@ class Master:
     def state(self) -> dict[str, Any]:
         state = self.handlers.state()
         state["standbys"] = self.lease_dir.standbys() if self.lease_dir is not None else []
+        state["relayed_reports"] = {"batches": self.fan_in.batches, "taken": self.fan_in.taken}
         return state
 
     def store_prefix(self, generation: int) -> str:

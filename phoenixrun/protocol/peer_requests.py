@@ -7,6 +7,7 @@ naming the field, which the peer server answers as a refusal - the asking agent 
   private or shared state of a step to send back (`get_private`, `get_shared`: agents/replicator.py);
 - `RelayPoll` / `RelayReply`: a child's directive long-poll at its relay and the relay's answer
   (agents/relay.py; the protocol: protocol/relay.py);
+- `RelayReport` / `RelayReportReply`: a child's ack sent through its relay, and the master's reply to it;
 - `Ping`: are you running (agents/neighbour_watch.py's ring watch; the reply says `pong`).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Protocol
 
 from phoenixrun.protocol.names import PeerOp
-from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S
+from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S, REPORT_OP
 
 SLOT_OPS = (PeerOp.PUT, PeerOp.GET_PRIVATE, PeerOp.GET_SHARED)
 
@@ -87,6 +88,42 @@ class RelayReply:
             return cls()
         mac = h.get("mac")
         return cls(_int(h, "version", 0), mac if isinstance(mac, str) else None)
+
+
+@dataclass(frozen=True)
+class RelayReport:
+    """A child's ack for its relay to send on (the frame's payload: the report's wire bytes, sealed by `mac`)."""
+    OP: ClassVar[str] = REPORT_OP
+    node_id: str
+    key: str                # the child's poll key, as in RelayPoll
+    mac: str                # protocol/relay.py's report_seal of the payload, under the child's token
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.OP, "node_id": self.node_id, "key": self.key, "mac": self.mac}
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> RelayReport:
+        node_id, key, mac = h.get("node_id"), h.get("key"), h.get("mac")
+        if not isinstance(node_id, str) or not isinstance(key, str) or not isinstance(mac, str):
+            raise ValueError("node_id, key and mac must be strings")
+        return cls(node_id, key, mac)
+
+
+@dataclass(frozen=True)
+class RelayReportReply:
+    """The relay's answer: the master's reply to that one report (protocol/replies.py's report reply, or
+    {"error", "reason"}: the master refused it)."""
+    reply: dict[str, Any]
+
+    def to_header(self) -> dict[str, Any]:
+        return {"reply": self.reply}
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> RelayReportReply:
+        reply = h.get("reply")
+        if not isinstance(reply, dict):
+            raise ValueError(f"reply must be an object, got {str(reply)[:40]!r}")
+        return cls(reply)
 
 
 @dataclass(frozen=True)

@@ -13,18 +13,36 @@ exchange so that a broadcast costs the master O(sqrt N) writes (the tree: contro
   get a member's directive (it carries the generation's rendezvous prefix) from a relay.
 - A child polls its relay over the agents' peer transport (agents/peer.py, op RELAY_OP); when the relay is
   unreachable it polls the master directly, which always holds every node's directive.
+
+Acks travel the tree the other way: a broadcast's acks (RELAYED_KINDS: `quiesced`, `resumed`, one from every
+agent at once) go to the child's relay (peer op REPORT_OP), which sends the master one request for all that
+reached it meanwhile (`/v1/reports`: {"node_id": the relay, "token": its own, "reports": [{"d": a report's wire
+bytes as text, "mac"}]}), and answers each child with the master's reply to its own report. Each report is sealed
+by its child (`report_seal`, under the child's token, which the relay does not hold), so a relay can neither
+forge nor alter one; it could replay one, which the master takes as the duplicate ack it is (a stale
+generation's is moot). The master takes no other kind through a relay: a fault report goes to it directly.
+A child whose relay fails or cannot reach the master sends the report to the master itself.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
+from typing import Any
 
 from phoenixrun.protocol.messages import MessageError
+from phoenixrun.protocol.names import ReportKind
 
 RELAY_OP = "directive"       # the peer-transport op a child polls its relay with
+REPORT_OP = "report"         # the peer-transport op a child sends its relay an ack with
 RELAY_POLL_S = 2.0           # a child's long-poll at its relay: short, so a hung relay is left within seconds
 FALLBACK_POLL_S = 5.0        # a child whose relay failed polls the master this long, then tries a relay again
 MAX_CHILDREN = 4096          # children one relay poll may speak for (sqrt of 16M members)
+MAX_BATCH_BYTES = 512 * 1024  # a relay's /v1/reports body stays under this (half the master's MAX_BODY); a
+                             # quiesce ack of a 4-rank node is ~0.5 KB, so ~1,000 children's fit one request
+ACK_TIMEOUT_S = 5.0          # a relay waits this long for the master's answer to its children's acks
+MAX_RELAYED_REPORT = MAX_BATCH_BYTES // 4   # a larger report goes to the master directly
+RELAYED_KINDS = frozenset({ReportKind.QUIESCED, ReportKind.RESUMED})   # the only reports a relay may carry
 
 
 def poll_key(token: str) -> str:
@@ -40,6 +58,51 @@ def seal(token: str, body: bytes) -> str:
 def sealed(token: str, body: bytes, mac: object) -> bool:
     """Did the master seal `body` for the node holding `token`?"""
     return isinstance(mac, str) and hmac.compare_digest(seal(token, body), mac)
+
+
+def report_seal(token: str, body: bytes) -> str:
+    """A child's MAC of its report's wire bytes, under its token: the master checks it (a relay cannot forge)."""
+    return hmac.new(token.encode(), b"phoenixrun report\0" + body, hashlib.sha256).hexdigest()
+
+
+def report_sealed(token: str, body: bytes, mac: object) -> bool:
+    return isinstance(mac, str) and hmac.compare_digest(report_seal(token, body), mac)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A relay's `/v1/reports` request, validated: who sends it (its own token) and its children's reports."""
+    relay: str
+    token: str
+    reports: tuple[tuple[bytes, str], ...]     # (a report's wire bytes, its child's seal)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node_id": self.relay, "token": self.token,
+                "reports": [{"d": body.decode(), "mac": mac} for body, mac in self.reports]}
+
+    @classmethod
+    def from_wire(cls, p: object) -> Batch:
+        if not isinstance(p, dict):
+            raise MessageError("a relayed batch must be an object")
+        relay, token, items = p.get("node_id"), p.get("token"), p.get("reports")
+        if not isinstance(relay, str) or not isinstance(token, str):
+            raise MessageError("a relayed batch needs node_id and token (the relay's own) as strings")
+        if not isinstance(items, list) or len(items) > MAX_CHILDREN:
+            raise MessageError(f"reports must be a list of at most {MAX_CHILDREN} {{d, mac}} objects")
+        out = []
+        for i, e in enumerate(items):
+            if not isinstance(e, dict) or not isinstance(e.get("d"), str) or not isinstance(e.get("mac"), str):
+                raise MessageError(f"reports[{i}]: want {{\"d\": the report as text, \"mac\": its seal}}")
+            out.append((e["d"].encode(), e["mac"]))
+        return cls(relay, token, tuple(out))
+
+
+def batch_replies(m: object) -> list[dict[str, Any]]:
+    """The master's answer to a Batch: its reply to each report, in order."""
+    replies = m.get("replies") if isinstance(m, dict) else None
+    if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
+        raise ValueError(f"the master's answer to relayed reports has no list of replies: {str(m)[:80]}")
+    return replies
 
 
 def parse_relay_state(value: object) -> dict[str, tuple[int, int]]:

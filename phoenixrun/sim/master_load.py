@@ -168,7 +168,7 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
 
         last_hb = victim.last_heartbeat
         m0 = master.cpu_times()
-        writes0, tree = swarm.relays.master_writes, _tree(swarm)
+        writes0, tree, acks0 = swarm.relays.master_writes, _tree(swarm), (swarm.acks.batches, swarm.acks.relayed)
         t_fail = await swarm.fail(victim, cfg.fault)
         survivors = [a for a in swarm.agents if a.slot is not None and a is not victim]
         await reached("quiesce", 1, len(survivors), "quiesce broadcast")
@@ -176,6 +176,8 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
         await reached("run", 1, cfg.nodes, "resume broadcast")
         m1, t_end = master.cpu_times(), time.time()
         writes = swarm.relays.master_writes - writes0
+        # the acks through the relays (sim/swarm_relay.py's SwarmAcks): requests the relays sent, acks they carried
+        tree.update(relayed_ack_requests=swarm.acks.batches - acks0[0], relayed_acks=swarm.acks.relayed - acks0[1])
     finally:
         await swarm.stop()
 

@@ -33,7 +33,8 @@ from phoenixrun.protocol.directives import Run, decode
 from phoenixrun.protocol import reports
 from phoenixrun.protocol.names import Command, Endpoint
 from phoenixrun.protocol.status import Status
-from phoenixrun.sim.swarm_relay import SwarmRelays
+from phoenixrun.protocol.relay import Batch
+from phoenixrun.sim.swarm_relay import SwarmAcks, SwarmRelays
 from phoenixrun.sim.swarm_watch import SwarmWatch
 from phoenixrun.topology import Layout, place_replicas
 
@@ -223,12 +224,13 @@ class Swarm:
         n = cfg.nnodes + cfg.spares
         self.agents = [SimAgent(i, f"sim{i:05d}") for i in range(n)]
         self.relays = SwarmRelays(self.agents)        # the directive fan-out (sim/swarm_relay.py)
+        self.errors: list[str] = []
+        self.acks = SwarmAcks(self.relays, self._send_batch, self._report_directly, self.errors)   # ... and fan-in
         self.watch = SwarmWatch()                     # the ring watch of silent neighbours (sim/swarm_watch.py)
         self.step = 1
         self.recovering = False       # from the first quiesce to the resume: no step completes (as in a job)
         self.heartbeats_ok = 0
         self.heartbeat_latency: list[float] = []
-        self.errors: list[str] = []
         self.stalls: list[tuple[float, float]] = []   # (when, seconds): the generator's own loop ran late
         self._stop = asyncio.Event()
         self._report_conns: list[Lane] = []
@@ -471,6 +473,14 @@ class Swarm:
             self._targets[key] = [w for w in waiting if not w[1].done()]
 
     def _report(self, a: SimAgent, ev: reports.Report) -> None:
+        """Send a report now: an ack through the agent's relay (sim/swarm_relay.py), anything else directly."""
+        self.acks.report(a, ev)
+
+    def _send_batch(self, relay: SimAgent, batch: Batch) -> Answer:
+        return self._report_conns[relay.index % len(self._report_conns)].send_within(
+            self._raw(Endpoint.REPORTS, batch.to_wire()))
+
+    def _report_directly(self, a: SimAgent, ev: reports.Report) -> None:
         """Send a report now, as an agent's own connection would (pipelined on a shared one: a slow
         reply must not hold up the reports queued behind it)."""
         conn = self._report_conns[a.index % len(self._report_conns)]

@@ -8,15 +8,21 @@ process cannot hold a peer connection per child next to the master's connections
 relay hop itself, one round trip on a LAN, is not in the figures). A child whose relay was killed polls the
 master directly at once (a real child's connection is reset); one whose relay hangs does so when its call to
 the relay times out (RELAY_POLL_S + 3 s, the agents' peer client's limit), as agents/master_link.py does.
+
+Acks go up the same way (`SwarmAcks`): a child hands its sealed `quiesced`/`resumed` report to its relay
+in-process, and the relay sends the master one `/v1/reports` request for all that reached it, and the next one
+when the master has answered it, as agents/relay.py's AckBatcher does; a child whose relay failed sends its own.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from phoenixrun.protocol.relay import FALLBACK_POLL_S, RELAY_POLL_S, sealed
+from phoenixrun.protocol import reports
+from phoenixrun.protocol.relay import (FALLBACK_POLL_S, MAX_BATCH_BYTES, RELAY_POLL_S, RELAYED_KINDS, Batch,
+                                       batch_replies, report_seal, sealed)
 
 if TYPE_CHECKING:
     from phoenixrun.sim.swarm import SimAgent
@@ -125,3 +131,64 @@ class SwarmRelays:
             for child, relay in self.parent.items():
                 if relay == a.node_id:
                     self._queue(child).put_nowait(None)
+
+
+Send = Callable[["SimAgent", Batch], "asyncio.Future[tuple[int, bytes]]"]     # a relay's request to the master
+Direct = Callable[["SimAgent", reports.Report], None]                         # a report sent to the master directly
+
+
+class SwarmAcks:
+    """The relays' batching of their children's acks (agents/relay.py's AckBatcher, in-process)."""
+
+    def __init__(self, relays: SwarmRelays, send: Send, direct: Direct, errors: list[str]) -> None:
+        self.relays, self.send, self.direct, self.errors = relays, send, direct, errors
+        self._queued: dict[str, list[tuple[SimAgent, reports.Report, bytes, str]]] = {}
+        self._in_flight: set[str] = set()
+        self.batches = 0           # /v1/reports requests sent
+        self.relayed = 0           # acks the master took through them
+
+    def report(self, a: SimAgent, ev: reports.Report) -> None:
+        """An agent's report: an ack goes through its relay when it has a live one, anything else directly."""
+        relay = self.relays.relay_of(a) if ev.kind in RELAYED_KINDS else None
+        if relay is None or relay in self.relays.failed or not a.token:
+            self.direct(a, ev)
+            return
+        body = json.dumps(ev.to_wire()).encode()
+        self._queued.setdefault(relay, []).append((a, ev, body, report_seal(a.token, body)))
+        if relay not in self._in_flight:
+            self._flush(relay)
+
+    def _flush(self, relay_id: str) -> None:
+        queued = self._queued.get(relay_id, [])
+        if not queued:
+            self._in_flight.discard(relay_id)
+            return
+        size, n = 0, 0
+        while n < len(queued) and (n == 0 or size + len(queued[n][2]) <= MAX_BATCH_BYTES):
+            size, n = size + len(queued[n][2]), n + 1
+        batch, self._queued[relay_id] = queued[:n], queued[n:]
+        relay = self.relays.by_id[relay_id]
+        self._in_flight.add(relay_id)
+        self.batches += 1
+        fut = self.send(relay, Batch(relay_id, relay.token or "", tuple((b, m) for _, _, b, m in batch)))
+
+        def done(f: asyncio.Future[tuple[int, bytes]]) -> None:
+            try:
+                if f.cancelled() or f.exception() is not None or f.result()[0] != 200:
+                    raise ValueError(f"{f.exception() if not f.cancelled() else 'cancelled'}")
+                replies = batch_replies(json.loads(f.result()[1]))
+                if len(replies) != len(batch):
+                    raise ValueError(f"{len(replies)} replies to {len(batch)} reports")
+            except (ValueError, KeyError) as e:
+                if relay_id not in self.relays.failed:
+                    self.errors.append(f"relayed acks of {relay_id}: {e}")
+                for a, ev, _, _ in batch:      # the relay could not: each child sends its own
+                    self.direct(a, ev)
+            else:
+                for (a, ev, _, _), r in zip(batch, replies):
+                    if "error" in r:
+                        self.errors.append(f"relayed {ev.kind} of {a.node_id}: {r['error']}")
+                    else:
+                        self.relayed += 1
+            self._flush(relay_id)
+        fut.add_done_callback(done)
