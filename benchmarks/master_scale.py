@@ -72,7 +72,8 @@ def main() -> int:
           f"{rec['master_directive_writes']} directive answers from the fault to the last resume "
           f"({rec['master_writes_per_broadcast']:g} per broadcast); the failed node "
           f"{'was' if rec['victim_was_relay'] else 'was not'} a relay; the relays carried {rec['relayed_acks']} "
-          f"acks in {rec['relayed_ack_requests']} requests")
+          f"acks in {rec['relayed_ack_requests']} requests; the generator made its last quiesce / restore ack "
+          f"{rec['quiesced_made_s']:.3f} / {rec['resumed_made_s']:.3f} s after the detection")
     if r["errors"]:
         print(f"errors: {r['errors']}")
     if r["generator_stalls"]:

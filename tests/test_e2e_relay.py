@@ -38,9 +38,10 @@ def test_a_relay_killed_mid_broadcast_and_the_job_recovers_bit_identical(tmp_pat
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    # the acks came up through the relays too (protocol/relay.py): the master took some in relayed batches
-    state = job.wait_for(lambda s: (s["step"] or 0) >= STEPS - 5, what="the job held after both recoveries")
-    assert state["relayed_reports"]["taken"] > 0, state["relayed_reports"]
+    # the acks came up through the relays too (protocol/relay.py): the master took some in relayed batches, by the
+    # second recovery's end at the latest (the first's may all have gone direct, from children of a held relay).
+    # Bounded well below the collective timeout (60 s): the job is held at d2h until the release below
+    job.wait_for(lambda s: s["relayed_reports"]["taken"] > 0, timeout=40, what="acks taken through a relay")
     (tmp_path / "release-d2h").touch()
     assert job.finish() == 0, job.log()[-3000:]
     ev = job.events()

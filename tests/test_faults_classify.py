@@ -70,6 +70,7 @@ COLLECTIVE_TEXTS = [
     "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.",
     "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for recv",
     "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection reset by peer",
+    "RuntimeError: Application timeout caused pair closure",       # gloo 2.13: every other op of a timed-out context
     "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1",
     "RuntimeError: [../gloo/transport/tcp/pair.cc:575] Read error [127.0.0.1]:29500: Connection reset",
     "RuntimeError: [../gloo/transport/tcp/pair.cc:444] write: Broken pipe",

@@ -67,6 +67,8 @@ def test_256_agents_failure_detected_and_every_agent_reached(tmp_path):
     # 257 agents are past the default --relay-threshold (256): the broadcasts went through ~16 relays, so the master
     # wrote far fewer directive answers than one per agent per broadcast (protocol/relay.py)
     assert rec["relays"] >= 8 and rec["master_writes_per_broadcast"] < 257 / 2, rec
+    # ... and their acks came back through them: most of the ~2 x 256 acks, in far fewer requests to the master
+    assert rec["relayed_acks"] > 256 and rec["relayed_ack_requests"] < rec["relayed_acks"] / 2, rec
 
 
 @pytest.mark.e2e

@@ -66,6 +66,9 @@ COLLECTIVE_ERROR_PATTERNS: tuple[str, ...] = (
     "Connection reset by peer",
     "Connection closed by peer",
     "Timed out waiting",
+    # gloo's unbound_buffer.cc: when one op's wait passes the group's timeout, gloo fails every other op pending on
+    # the context with this (a ZeRO rank's list of broadcasts once ended on it as a "user exception", the job exit 1)
+    "Application timeout caused pair closure",
     "Read error",
     "Broken pipe",
     "timed out",

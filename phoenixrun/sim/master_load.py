@@ -211,6 +211,10 @@ def _recovery(cfg: LoadTestConfig, swarm: Swarm, victim: SimAgent, last_hb: floa
         "resume_broadcast_s": round(latest("run") - done["t"], 4),
         "recovery_s": done["duration_s"],
         "fault_to_all_resumed_s": round(latest("run") - fault["t"], 4),
+        # when the generator had made its last quiesce and restore ack (after the detection): one process plays every
+        # agent, so its own pace bounds the ack phases from below (real agents answer in parallel)
+        "quiesced_made_s": round(swarm.acks.made.get("quiesced", fault["t"]) - fault["t"], 4),
+        "resumed_made_s": round(swarm.acks.made.get("resumed", fault["t"]) - fault["t"], 4),
         "master_cores_during": round(master_cpu / (t_end - t_fail), 3),
         "replaced_slots": done["replaced_slots"],
         # the fan-out (protocol/relay.py): what the master wrote from the fault until every agent resumed, over the

@@ -146,9 +146,11 @@ class SwarmAcks:
         self._in_flight: set[str] = set()
         self.batches = 0           # /v1/reports requests sent
         self.relayed = 0           # acks the master took through them
+        self.made: dict[str, float] = {}   # report kind -> when the generator made its latest (its own pace)
 
     def report(self, a: SimAgent, ev: reports.Report) -> None:
         """An agent's report: an ack goes through its relay when it has a live one, anything else directly."""
+        self.made[ev.kind] = time.time()
         relay = self.relays.relay_of(a) if ev.kind in RELAYED_KINDS else None
         if relay is None or relay in self.relays.failed or not a.token:
             self.direct(a, ev)
