@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from phoenixrun.protocol.peer_requests import RelayPoll, RelayReply, RelayReport, RelayReportReply
-from phoenixrun.protocol.relay import (ACK_TIMEOUT_S, MAX_BATCH_BYTES, MAX_RELAYED_REPORT, RELAY_POLL_S, Batch,
-                                       poll_key, report_seal, sealed)
+from phoenixrun.protocol.relay import (ACK_TIMEOUT_S, MAX_RELAYED_REPORT, RELAY_POLL_S, Batch, batch_size, poll_key,
+                                       report_seal, sealed)
 from phoenixrun.testing import pause_point
 from phoenixrun.agents.peer import PeerClient, PeerError
 
@@ -173,11 +173,8 @@ class AckBatcher:
 
 
 def _take(queue: list[_Pending]) -> list[_Pending]:
-    """The front of the queue up to MAX_BATCH_BYTES (at least one), removed from it."""
-    size, n = 0, 0
-    while n < len(queue) and (n == 0 or size + len(queue[n].body) <= MAX_BATCH_BYTES):
-        size += len(queue[n].body) + len(queue[n].mac)
-        n += 1
+    """The front of the queue that one request carries (protocol/relay.py's batch_size), removed from it."""
+    n = batch_size([len(p.body) + len(p.mac) for p in queue])
     out = queue[:n]
     del queue[:n]
     return out

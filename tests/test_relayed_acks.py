@@ -15,7 +15,7 @@ from phoenixrun.agents.relay import AckBatcher, RelayCache, UpLink
 from phoenixrun.control.master import Master, MasterConfig
 from phoenixrun.protocol.client import ControlClient, ControlError
 from phoenixrun.protocol.messages import MessageError
-from phoenixrun.protocol.relay import REPORT_OP, Batch, batch_replies, poll_key, report_seal, report_sealed
+from phoenixrun.protocol.relay import REPORT_OP, Batch, batch_replies, batch_size, poll_key, report_seal, report_sealed
 
 SECRET = "s3cret"
 
@@ -38,6 +38,14 @@ def test_a_report_seal_binds_the_bytes_and_the_token():
 def test_a_malformed_batch_is_refused_whole(wire):
     with pytest.raises(MessageError):
         Batch.from_wire(wire)
+
+
+@pytest.mark.parametrize("sizes, limit, n", [
+    ([], 10, 0), ([5], 10, 1), ([50], 10, 1), ([4, 6, 1], 10, 2), ([10, 1], 10, 1), ([3, 3, 3, 3], 10, 3),
+    ([1] * 20, 10, 10),
+])
+def test_a_request_carries_the_first_report_then_what_fits(sizes, limit, n):
+    assert batch_size(sizes, limit) == n
 
 
 def test_a_batch_round_trips():

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from phoenixrun.protocol.messages import MessageError
 from phoenixrun.protocol.names import ReportKind
@@ -95,6 +95,15 @@ class Batch:
                 raise MessageError(f"reports[{i}]: want {{\"d\": the report as text, \"mac\": its seal}}")
             out.append((e["d"].encode(), e["mac"]))
         return cls(relay, token, tuple(out))
+
+
+def batch_size(sizes: Sequence[int], limit: int = MAX_BATCH_BYTES) -> int:
+    """How many queued reports (their sizes, front first) the next request carries: the first always, then while
+    their total stays within `limit`."""
+    total, n = 0, 0
+    while n < len(sizes) and (n == 0 or total + sizes[n] <= limit):
+        total, n = total + sizes[n], n + 1
+    return n
 
 
 def batch_replies(m: object) -> list[dict[str, Any]]:

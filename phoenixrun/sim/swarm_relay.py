@@ -21,8 +21,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from phoenixrun.protocol import reports
-from phoenixrun.protocol.relay import (FALLBACK_POLL_S, MAX_BATCH_BYTES, RELAY_POLL_S, RELAYED_KINDS, Batch,
-                                       batch_replies, report_seal, sealed)
+from phoenixrun.protocol.relay import (FALLBACK_POLL_S, RELAY_POLL_S, RELAYED_KINDS, Batch, batch_replies, batch_size,
+                                       report_seal, sealed)
 
 if TYPE_CHECKING:
     from phoenixrun.sim.swarm import SimAgent
@@ -165,9 +165,7 @@ class SwarmAcks:
         if not queued:
             self._in_flight.discard(relay_id)
             return
-        size, n = 0, 0
-        while n < len(queued) and (n == 0 or size + len(queued[n][2]) <= MAX_BATCH_BYTES):
-            size, n = size + len(queued[n][2]), n + 1
+        n = batch_size([len(body) + len(mac) for _, _, body, mac in queued])
         batch, self._queued[relay_id] = queued[:n], queued[n:]
         relay = self.relays.by_id[relay_id]
         self._in_flight.add(relay_id)
