@@ -144,7 +144,8 @@ def _unread(sock: socket.socket) -> bool:
 class PeerServer:
     """Accepts other agents' requests; `handlers` maps op -> fn(header, payload) -> (reply, payload).
     max_payload(op) -> the most payload bytes an authenticated request of that op may carry (None: no limit);
-    by default only `put` carries a payload, and a relayed ack (REPORT_OP) one of up to MAX_RELAYED_REPORT. sinks: op -> where its payload is received (default: a new buffer)."""
+    by default only `put` carries a payload, and a relayed ack (REPORT_OP) one of up to MAX_RELAYED_REPORT.
+    sinks: op -> where its payload is received (default: a new buffer)."""
 
     def __init__(self, host: str, secret: str, handlers: dict[str, Handler], io_timeout: float = 10.0,
                  max_payload: Callable[[str], int | None] | None = None, sinks: dict[str, Sink] | None = None):

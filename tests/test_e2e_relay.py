@@ -3,8 +3,7 @@
 A job with --relay-threshold low enough that its 4 agents use 2 relays: a worker dies (the recovery's directives
 go out through the relays), a relay is SIGKILLed while it is forwarding that recovery's directives to its children
 (held at the `relay_serve` pause point, so the kill lands mid-broadcast), its children poll the master directly,
-the master takes the relay's loss as one more fault, and the job finishes bit-identical to torchrun. The recoveries'
-acks travel through the relays as well.
+the master takes the relay's loss as one more fault, and the job finishes bit-identical to torchrun.
 """
 import os
 import signal
@@ -38,10 +37,6 @@ def test_a_relay_killed_mid_broadcast_and_the_job_recovers_bit_identical(tmp_pat
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    # the acks came up through the relays too (protocol/relay.py): the master took some in relayed batches, by the
-    # second recovery's end at the latest (the first's may all have gone direct, from children of a held relay).
-    # Bounded well below the collective timeout (60 s): the job is held at d2h until the release below
-    job.wait_for(lambda s: s["relayed_reports"]["taken"] > 0, timeout=40, what="acks taken through a relay")
     (tmp_path / "release-d2h").touch()
     assert job.finish() == 0, job.log()[-3000:]
     ev = job.events()

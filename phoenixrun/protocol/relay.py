@@ -39,7 +39,8 @@ RELAY_POLL_S = 2.0           # a child's long-poll at its relay: short, so a hun
 FALLBACK_POLL_S = 5.0        # a child whose relay failed polls the master this long, then tries a relay again
 MAX_CHILDREN = 4096          # children one relay poll may speak for (sqrt of 16M members)
 MAX_BATCH_BYTES = 512 * 1024  # a relay's /v1/reports body stays under this (half the master's MAX_BODY); a
-                             # quiesce ack of a 4-rank node is ~0.5 KB, so ~1,000 children's fit one request
+                             # quiesce ack of a 4-rank node is ~0.3 KB (302 bytes with 4 snapshots and 4
+                             # replicas), so well over 1,000 children's fit one request
 ACK_TIMEOUT_S = 5.0          # a relay waits this long for the master's answer to its children's acks
 MAX_RELAYED_REPORT = MAX_BATCH_BYTES // 4   # a larger report goes to the master directly
 RELAYED_KINDS = frozenset({ReportKind.QUIESCED, ReportKind.RESUMED})   # the only reports a relay may carry
