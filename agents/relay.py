@@ -130,6 +130,12 @@ class AckBatcher:
         self._sending = False
         self.batches = 0          # requests sent to the master (tests, logs)
 
+    @property
+    def queued(self) -> int:
+        """Acks waiting for the next request (tests)."""
+        with self._lock:
+            return len(self._queue)
+
     def serve(self, header: dict[str, Any], payload: bytearray) -> tuple[dict[str, Any], bytes]:
         """The peer op REPORT_OP: a child's ack. Answers the master's reply to it; PeerError (the child then sends
         it to the master itself) if the master could not be reached."""
