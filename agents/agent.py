@@ -32,8 +32,10 @@ from phoenixrun.protocol.client import ControlError
 from phoenixrun.faults import InjectedHealthSource, NvmlHealthSource, poll_all
 from phoenixrun.protocol import messages, reports
 from phoenixrun.protocol.names import Endpoint
-from phoenixrun.protocol.relay import ACK_TIMEOUT_S, RELAY_OP, RELAY_POLL_S, REPORT_OP, batch_replies
+from phoenixrun.protocol.relay import (ACK_TIMEOUT_S, BEAT_CALL_S, BEAT_OP, RELAY_OP, RELAY_POLL_S, REPORT_OP,
+                                       batch_replies)
 from phoenixrun.protocol.replies import Admitted, TurnedAway
+from phoenixrun.agents.beats import BeatDesk, BeatLink
 from phoenixrun.agents.drills import FaultDrills
 from phoenixrun.agents.executor import DirectiveExecutor
 from phoenixrun.agents.ipc import WorkerChannelServer
@@ -111,9 +113,12 @@ class Agent:
         acks = AckBatcher(relay, lambda batch: batch_replies(self.client.post(Endpoint.REPORTS, batch.to_wire(),
                                                                                timeout=ACK_TIMEOUT_S)),
                           lambda: (self.node.node_id, self.node.token or ""))
+        beat_desk = BeatDesk(relay, lambda batch: batch_replies(self.client.post(
+            Endpoint.HEARTBEATS, batch.to_wire(), timeout=max(2.0, self.cfg.heartbeat_interval * 4))),
+            lambda: (self.node.node_id, self.node.token or ""))     # ... and its children's heartbeats
         self.peer_server = PeerServer(self.cfg.host, self.cfg.secret,
                                       {**self.replicator.peer_handlers(), RELAY_OP: relay.serve,
-                                       REPORT_OP: acks.serve, PING_OP: answer_ping},
+                                       REPORT_OP: acks.serve, BEAT_OP: beat_desk.serve, PING_OP: answer_ping},
                                       sinks=self.replicator.peer_sinks())
         self.drills = FaultDrills(self.node, self.life, self.supervisor, self.injected, self.cut, self.peer_server,
                                   self.peers)
@@ -126,7 +131,9 @@ class Agent:
                 nonce=secrets.token_hex(16)),
             heartbeat_interval=self.cfg.heartbeat_interval, node_state=self._heartbeat_state,
             rejoin_state=self._rejoin_state, on_inject=self.drills.inject,
-            parent=ParentLink(GatedPeerClient(self.cfg.secret, self.cut, io_timeout=RELAY_POLL_S + 3)), relay=relay)
+            parent=ParentLink(GatedPeerClient(self.cfg.secret, self.cut, io_timeout=RELAY_POLL_S + 3)), relay=relay,
+            beats=BeatLink(GatedPeerClient(self.cfg.secret, self.cut, connect_timeout=BEAT_CALL_S,
+                                           io_timeout=BEAT_CALL_S)), beat_desk=beat_desk)
         # its ring neighbours, pinged with a short timeout of their own (agents/neighbour_watch.py)
         pings = GatedPeerClient(self.cfg.secret, self.cut, connect_timeout=PING_IO_TIMEOUT_S,
                                 io_timeout=PING_IO_TIMEOUT_S)

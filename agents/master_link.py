@@ -24,6 +24,7 @@ from phoenixrun.protocol.constants import DIRECTIVE_POLL_S
 from phoenixrun.protocol.relay import FALLBACK_POLL_S
 from phoenixrun.agents.node import Lifecycle, NodeState
 from phoenixrun.agents.peer import PeerError
+from phoenixrun.agents.beats import BeatDesk, BeatLink
 from phoenixrun.agents.relay import ParentLink, RelayCache
 
 log = logging.getLogger("phoenixrun.agent")
@@ -34,12 +35,14 @@ class MasterLink:
                  registration: messages.Register, heartbeat_interval: float,
                  node_state: Callable[[], messages.Heartbeat], rejoin_state: Callable[[], messages.Rejoin],
                  on_inject: Callable[[str], None],
-                 parent: ParentLink | None = None, relay: RelayCache | None = None) -> None:
+                 parent: ParentLink | None = None, relay: RelayCache | None = None,
+                 beats: BeatLink | None = None, beat_desk: BeatDesk | None = None) -> None:
         """registration: what this node tells the master about itself (host, addresses, nproc_per_node...);
         node_state: the heartbeat's view of the node; rejoin_state: what a restarted master learns from us;
         on_inject: a fault the master asks this node to inject (`phoenixrun inject`); parent: how it polls a relay
         (agents/relay.py: the master's heartbeat replies say which; without one it always polls the master); relay:
-        what it holds for its children when it is a relay."""
+        what it holds for its children when it is a relay; beats: how it heartbeats through its relay, beat_desk:
+        its children's heartbeats when it is one (agents/beats.py; without them it heartbeats the master)."""
         self.node, self.life, self.client, self.registration = node, life, client, registration
         self.heartbeat_interval = heartbeat_interval
         self.node_state, self.rejoin_state, self.on_inject = node_state, rejoin_state, on_inject
@@ -47,6 +50,7 @@ class MasterLink:
         self._version = -1
         self.epoch = 0          # the highest master epoch seen (0: masters without a lease)
         self.parent, self.relay = parent, relay or RelayCache()
+        self.beats, self.beat_desk = beats, beat_desk
         self.parent_addr: str | None = None   # the relay this node polls (None: the master)
         self.serves = False                   # it is a relay: its polls speak for its children
         self._direct_until = 0.0              # its relay failed: poll the master directly until then
@@ -166,29 +170,63 @@ class MasterLink:
         if relay is None:
             return
         self.parent_addr, self.serves = relay.parent, relay.serves
+        if self.beats is not None:
+            self.beats.lag = relay.beats
 
     def heartbeat(self) -> None:
-        """Thread: tell the master this node is alive (and what it holds) until the agent stops."""
+        """Thread: tell the master this node is alive (and what it holds) until the agent stops; as a relay, pass
+        on its children's heartbeats right after its own (agents/beats.py)."""
         while not self.life.stopping:
-            payload = self.node_state().to_wire()
-            try:
-                raw = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
-                if self.current_master(raw):
-                    reply = heartbeat_reply(raw)
-                    if isinstance(reply, TurnedAway):    # replaced while it was away: never rejoin
-                        self.life.fenced(reply.reason, reply.exit_code or 0)
-                        return
-                    self.follow(reply.relay)
-                    self.on_watch(reply.watch)     # the ring neighbours to watch (agents/neighbour_watch.py)
-                    for fault in reply.inject:
-                        self.on_inject(fault)
-            except ValueError as e:          # a reply this agent cannot read: logged, the next heartbeat goes on
-                log.warning("heartbeat reply ignored: %s", e)
-            except ControlError as e:
-                if e.unknown_node:           # a restarted master (Status.UNKNOWN_NODE): it learns the job from us
-                    self.rejoin()
-                # the master may be restarting: keep going (training does not need it), keep trying
-                (log.warning if e.refused else log.debug)("heartbeat failed: %s", e)
+            if not self._beat():
+                return
+            if self.serves and self.beat_desk is not None:
+                self.beat_desk.flush()
             # jittered: agents that got their replies together (after a master stall, say) must not keep
             # heartbeating in step, which would load the master in bursts
             self.life.stopped.wait(self.heartbeat_interval * random.uniform(0.9, 1.1))
+
+    def _beat(self) -> bool:
+        """One heartbeat: through this node's relay while the master confirms those in time (protocol/relay.py's
+        beat_route), to the master directly otherwise. False: this node was fenced (heartbeat no more)."""
+        payload, token, now = self.node_state().to_wire(), self.node.token, time.monotonic()
+        addr = self.beats.route(self.relay_addr(), now) if self.beats is not None and token else None
+        if addr is not None and self.beats is not None and token:
+            try:
+                reply = self.beats.send(addr, self.node.node_id, token, payload)
+            except PeerError as e:
+                log.info("heartbeat through relay %s failed (%s): sending it to the master", addr, e)
+            else:
+                if reply is None:             # the master's reply to it comes with the next one
+                    return True
+                if "error" not in reply:
+                    return self._heard(reply)
+                log.info("the master refused a heartbeat through the relay (%s): sending it directly", reply["error"])
+        try:
+            raw = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
+            if self.beats is not None:
+                self.beats.confirmed(now)
+            return self._heard(raw)
+        except ControlError as e:
+            if e.unknown_node:           # a restarted master (Status.UNKNOWN_NODE): it learns the job from us
+                self.rejoin()
+            # the master may be restarting: keep going (training does not need it), keep trying
+            (log.warning if e.refused else log.debug)("heartbeat failed: %s", e)
+        return True
+
+    def _heard(self, raw: dict[str, Any]) -> bool:
+        """Act on the master's heartbeat reply. False: it fenced this node."""
+        if not self.current_master(raw):
+            return True
+        try:
+            reply = heartbeat_reply(raw)
+        except ValueError as e:          # a reply this agent cannot read: logged, the next heartbeat goes on
+            log.warning("heartbeat reply ignored: %s", e)
+            return True
+        if isinstance(reply, TurnedAway):    # replaced while it was away: never rejoin
+            self.life.fenced(reply.reason, reply.exit_code or 0)
+            return False
+        self.follow(reply.relay)
+        self.on_watch(reply.watch)     # the ring neighbours to watch (agents/neighbour_watch.py)
+        for fault in reply.inject:
+            self.on_inject(fault)
+        return True

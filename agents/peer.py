@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from phoenixrun.protocol.admission import Throttle, pick_eviction
 from phoenixrun.protocol.peer_requests import PeerRequest
-from phoenixrun.protocol.relay import MAX_RELAYED_REPORT, REPORT_OP
+from phoenixrun.protocol.relay import BEAT_OP, MAX_RELAYED_REPORT, REPORT_OP
 from phoenixrun.slot_format import checksum
 from phoenixrun.testing import pause_point
 
@@ -144,7 +144,8 @@ def _unread(sock: socket.socket) -> bool:
 class PeerServer:
     """Accepts other agents' requests; `handlers` maps op -> fn(header, payload) -> (reply, payload).
     max_payload(op) -> the most payload bytes an authenticated request of that op may carry (None: no limit);
-    by default only `put` carries a payload, and a relayed ack (REPORT_OP) one of up to MAX_RELAYED_REPORT.
+    by default only `put` carries a payload, and a relayed ack or heartbeat (REPORT_OP, BEAT_OP) one of up to
+    MAX_RELAYED_REPORT.
     sinks: op -> where its payload is received (default: a new buffer)."""
 
     def __init__(self, host: str, secret: str, handlers: dict[str, Handler], io_timeout: float = 10.0,
@@ -155,7 +156,7 @@ class PeerServer:
         self.io_timeout = io_timeout
         self.auth_timeout = min(io_timeout, AUTH_TIMEOUT_S)
         self.max_payload = max_payload or (lambda op: None if op == "put" else
-                                           MAX_RELAYED_REPORT if op == REPORT_OP else 0)
+                                           MAX_RELAYED_REPORT if op in (REPORT_OP, BEAT_OP) else 0)
         # unauthenticated connections, in the order they were accepted (guarded by _open_lock)
         self._waiting: dict[socket.socket, _Waiting] = {}
         self.refused = Throttle()      # new connections closed at accept: the room was full of busy ones

@@ -53,7 +53,8 @@ def main() -> int:
     print(f"{r['agents']} simulated agents ({args.nodes} active x {args.nproc} ranks + spare), "
           f"registered in {r['register_s']:.1f} s, all running {r['start_s']:.1f} s later")
     print(f"steady state ({s['window_s']} s): master {s['master_cores']:.2f} cores, RSS {s['master_rss_mb']} MB, "
-          f"{s['master_fds']} fds; {s['heartbeats_per_s']:.0f} heartbeats/s, latency p50 {s['heartbeat_p50_ms']} ms "
+          f"{s['master_fds']} fds; {s['heartbeats_per_s']:.0f} heartbeats/s ({s['relayed_heartbeats']} through the "
+          f"relays; {s['heartbeat_requests_per_s']:.0f} requests/s), direct latency p50 {s['heartbeat_p50_ms']} ms "
           f"p99 {s['heartbeat_p99_ms']} ms; load generator {s['swarm_cores']:.2f} cores")
     print(f"failure ({args.fault}) of {rec['failed_node']} (slot {rec['failed_slot']}): detected "
           f"{rec['detect_after_fault_s']:.3f} s after the fault, {rec['detect_s']:.3f} s after its last heartbeat "

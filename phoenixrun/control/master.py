@@ -72,12 +72,15 @@ class Master:
         self.rejections = Rejections(lambda **f: self.events.emit(RejectedRequest(**f), self.job.course.generation))
         self.handlers = Handlers(self.job, self.orders, self.events, self._inbox, self.rejections)
         # the broadcasts' acks through the relays (fan_in.py)
-        self.fan_in = FanIn(self.job, self.rejections, self.handlers.check_token, self.handlers.report)
+        self.fan_in = FanIn(self.job, self.rejections, self.handlers.check_token, self.handlers.report,
+                            self.heartbeat)
         self.recovery = Recoveries(self.job, self.orders, self.events, self._inbox, probe=unreachable)
         self.coordinator = Coordinator(self.job, self.orders, self.events, self._inbox, self.recovery,
                                        probe=unreachable)
         self.monitor = HeartbeatMonitor(self.job, self.events, self._inbox)
-        self.relays = RelayDesk(self.job, cfg.recovery.relay_threshold)   # the directive fan-out tree (relaying.py)
+        # the directive fan-out tree (relaying.py); children heartbeat through their relays while the master confirms
+        # those within half the node timeout (a relay that stops forwarding costs them at most that, plus a period)
+        self.relays = RelayDesk(self.job, cfg.recovery.relay_threshold, beat_lag=cfg.recovery.node_timeout / 2)
         self.watch = WatchDesk(self.job, cfg.recovery.relay_threshold)     # silent nodes found by their ring neighbours (watch_desk.py)
         self.watch.lost = self.monitor.declare_lost
         self.monitor.watch = self.watch
@@ -202,6 +205,9 @@ class Master:
     def relayed_reports(self, p: dict[str, Any]) -> dict[str, Any]:
         return self.fan_in.take(p)
 
+    def relayed_heartbeats(self, p: dict[str, Any]) -> dict[str, Any]:
+        return self.fan_in.take_beats(p)
+
     def inject(self, p: dict[str, Any]) -> dict[str, Any]:
         return self.handlers.inject(p).to_wire()
 
@@ -221,6 +227,7 @@ class Master:
         state = self.handlers.state()
         state["standbys"] = self.lease_dir.standbys() if self.lease_dir is not None else []
         state["relayed_reports"] = {"batches": self.fan_in.batches, "taken": self.fan_in.taken}
+        state["relayed_heartbeats"] = {"batches": self.fan_in.beat_batches, "taken": self.fan_in.beats}
         return state
 
     def store_prefix(self, generation: int) -> str:

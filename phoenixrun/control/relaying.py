@@ -1,7 +1,8 @@
 """The master's side of the directive fan-out (protocol/relay.py; the tree itself: control/relay_tree.py).
 
 The desk keeps the tree over the job's live members (re-planned at most every REFRESH_S, from the transport's
-heartbeat path), tells each agent its relay (in the heartbeat reply), answers a relay's long-poll with a bundle
+heartbeat path), tells each agent its relay (in the heartbeat reply; with `beat_lag`, that it heartbeats through
+it too: protocol/relay.py), answers a relay's long-poll with a bundle
 of its children's directives, each sealed with the child's token, and maps a wake-up for a node to its relay's
 parked poll as well as its own (a child whose relay failed polls the master directly meanwhile).
 Below `threshold` members (or with threshold 0) the tree is flat: every agent polls the master, as without it.
@@ -35,8 +36,9 @@ class Bundle(Directive):
 
 
 class RelayDesk:
-    def __init__(self, job: JobState, threshold: int):
+    def __init__(self, job: JobState, threshold: int, beat_lag: float | None = None):
         self.job, self.threshold = job, threshold
+        self.beat_lag = beat_lag          # RelayLink.beats: children heartbeat through their relays (None: not)
         self.tree = Tree()
         self.ever = False                 # the tree had relays once: agents must hear when it goes flat
         self._members: frozenset[str] = frozenset()
@@ -76,7 +78,8 @@ class RelayDesk:
             return None
         tree = self.tree
         parent = tree.parent.get(node_id)
-        return RelayLink(self._addr.get(parent) if parent else None, parent, node_id in self._addr)
+        addr = self._addr.get(parent) if parent else None
+        return RelayLink(addr, parent, node_id in self._addr, self.beat_lag if addr else None)
 
     def poll_timeout(self, node_id: str, asked: float) -> float:
         """How long to park a node's direct poll: short for a node that has a relay (it polls the master only

@@ -302,7 +302,7 @@ class ControlServer:
         # keyed by the path string (an Endpoint is one): a request's path looks its handler up as it arrived
         self._routes: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             Endpoint.REGISTER: master.register, Endpoint.HEARTBEAT: master.heartbeat, Endpoint.REPORT: master.report,
-            Endpoint.REPORTS: master.relayed_reports,
+            Endpoint.REPORTS: master.relayed_reports, Endpoint.HEARTBEATS: master.relayed_heartbeats,
             Endpoint.INJECT: master.inject, Endpoint.DRAIN: master.drain}
 
     def start(self) -> None:

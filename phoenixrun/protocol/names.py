@@ -143,6 +143,7 @@ class Endpoint(StrEnum):
     HEARTBEAT = "/v1/heartbeat"          # POST: liveness, inventories; the reply carries injected faults
     REPORT = "/v1/report"                # POST: a ReportKind
     REPORTS = "/v1/reports"              # POST: a relay's batch of its children's acks (protocol/relay.py)
+    HEARTBEATS = "/v1/heartbeats"        # POST: a relay's batch of its children's heartbeats (protocol/relay.py)
     DIRECTIVE = "/v1/directive"          # POST: the directive long-poll (answered with a Command)
     INJECT = "/v1/inject"                # POST: `phoenixrun inject`
     DRAIN = "/v1/drain"                  # POST: `phoenixrun drain`

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Protocol
 
 from phoenixrun.protocol.names import PeerOp
-from phoenixrun.protocol.relay import RELAY_OP, RELAY_POLL_S, REPORT_OP
+from phoenixrun.protocol.relay import BEAT_OP, RELAY_OP, RELAY_POLL_S, REPORT_OP
 
 SLOT_OPS = (PeerOp.PUT, PeerOp.GET_PRIVATE, PeerOp.GET_SHARED)
 
@@ -124,6 +124,46 @@ class RelayReportReply:
         if not isinstance(reply, dict):
             raise ValueError(f"reply must be an object, got {str(reply)[:40]!r}")
         return cls(reply)
+
+
+@dataclass(frozen=True)
+class RelayBeat:
+    """A child's heartbeat for its relay to send on (the payload: the heartbeat's wire bytes, `seq` in them)."""
+    OP: ClassVar[str] = BEAT_OP
+    node_id: str
+    key: str                # the child's poll key, as in RelayPoll
+    seq: int                # the payload's `seq` (the relay keeps the newest)
+    mac: str                # protocol/relay.py's beat_seal of the payload, under the child's token
+
+    def to_header(self) -> dict[str, Any]:
+        return {"op": self.OP, "node_id": self.node_id, "key": self.key, "seq": self.seq, "mac": self.mac}
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> RelayBeat:
+        node_id, key, seq, mac = h.get("node_id"), h.get("key"), h.get("seq"), h.get("mac")
+        if not isinstance(node_id, str) or not isinstance(key, str) or not isinstance(mac, str):
+            raise ValueError("node_id, key and mac must be strings")
+        if type(seq) is not int or seq < 0:
+            raise ValueError(f"seq must be a non-negative integer, got {str(seq)[:40]!r}")
+        return cls(node_id, key, seq, mac)
+
+
+@dataclass(frozen=True)
+class RelayBeatReply:
+    """The relay's answer, at once: the highest `seq` of this child's the master confirmed (-1: none yet) and the
+    master's reply to it if not handed over before (None otherwise; {"error", "reason"}: the master refused it)."""
+    confirmed: int
+    reply: dict[str, Any] | None = None
+
+    def to_header(self) -> dict[str, Any]:
+        return {"confirmed": self.confirmed, "reply": self.reply}
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> RelayBeatReply:
+        confirmed, reply = h.get("confirmed"), h.get("reply")
+        if type(confirmed) is not int or (reply is not None and not isinstance(reply, dict)):
+            raise ValueError("want confirmed (an integer) and reply (an object or null)")
+        return cls(confirmed, reply)
 
 
 @dataclass(frozen=True)

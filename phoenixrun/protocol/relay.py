@@ -22,6 +22,18 @@ by its child (`report_seal`, under the child's token, which the relay does not h
 forge nor alter one; it could replay one, which the master takes as the duplicate ack it is (a stale
 generation's is moot). The master takes no other kind through a relay: a fault report goes to it directly.
 A child whose relay fails or cannot reach the master sends the report to the master itself.
+
+Heartbeats travel the tree the same way, but without waiting: a child hands its relay its heartbeat (peer op
+BEAT_OP: the heartbeat's wire bytes without the token, with `seq`, a number that grows with each heartbeat of
+this registration, sealed by `beat_seal`) and gets back at once the master's reply to its latest heartbeat that
+the master has answered since (each reply handed over once) and the highest `seq` the master confirmed. The relay
+keeps each child's newest heartbeat and, once per heartbeat period, right after its own, sends the master one
+`/v1/heartbeats` request for all of them (a Batch, as above). So the master reads O(sqrt N) heartbeat requests a
+period instead of N. The master takes a relayed heartbeat only if its child sealed it and its `seq` is above the
+last it took (a relay cannot forge one, and it can replay each one it was given at most once). A child that has
+no relay, whose relay fails, or whose latest confirmed heartbeat was sent longer ago than the master allows
+(RelayLink.beats, half of --node-timeout) heartbeats the master directly (`beat_route`): a relay that stops
+forwarding delays its children's heartbeats, it never makes them silent.
 """
 from __future__ import annotations
 
@@ -35,6 +47,8 @@ from phoenixrun.protocol.names import ReportKind
 
 RELAY_OP = "directive"       # the peer-transport op a child polls its relay with
 REPORT_OP = "report"         # the peer-transport op a child sends its relay an ack with
+BEAT_OP = "beat"             # the peer-transport op a child hands its relay its heartbeat with
+BEAT_CALL_S = 1.0            # a child's heartbeat call to its relay gives up after this (then: the master directly)
 RELAY_POLL_S = 2.0           # a child's long-poll at its relay: short, so a hung relay is left within seconds
 FALLBACK_POLL_S = 5.0        # a child whose relay failed polls the master this long, then tries a relay again
 MAX_CHILDREN = 4096          # children one relay poll may speak for (sqrt of 16M members)
@@ -68,6 +82,24 @@ def report_seal(token: str, body: bytes) -> str:
 
 def report_sealed(token: str, body: bytes, mac: object) -> bool:
     return isinstance(mac, str) and hmac.compare_digest(report_seal(token, body), mac)
+
+
+def beat_seal(token: str, body: bytes) -> str:
+    """A child's MAC of a heartbeat's wire bytes (`seq` in them), under its token."""
+    return hmac.new(token.encode(), b"phoenixrun heartbeat\0" + body, hashlib.sha256).hexdigest()
+
+
+def beat_sealed(token: str, body: bytes, mac: object) -> bool:
+    return isinstance(mac, str) and hmac.compare_digest(beat_seal(token, body), mac)
+
+
+def beat_route(relay: str | None, lag: float | None, now: float, confirmed_sent_at: float) -> str | None:
+    """Where a child sends its next heartbeat: its relay's address, or None for the master directly. relay: the
+    relay it polls now (None: none, or it failed); lag: RelayLink.beats (None: the master wants them directly);
+    confirmed_sent_at: when it sent the latest heartbeat the master confirmed (by either path)."""
+    if relay is None or lag is None or now - confirmed_sent_at > lag:
+        return None
+    return relay
 
 
 @dataclass(frozen=True)

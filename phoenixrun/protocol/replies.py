@@ -145,13 +145,19 @@ def registration_reply(m: Any) -> Admitted | TurnedAway:
 @dataclass(frozen=True)
 class RelayLink:
     """This node's place in the directive tree (control/relaying.py): its relay's peer address (None: it polls
-    the master) and node id, and whether it serves children of its own."""
+    the master) and node id, and whether it serves children of its own. beats: how long a child may go without the
+    master confirming a heartbeat it sent through its relay before it heartbeats the master directly (None: it
+    heartbeats the master directly; protocol/relay.py's beat_route)."""
     parent: str | None
     via: str | None
     serves: bool
+    beats: float | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"parent": self.parent, "via": self.via, "serves": self.serves}
+        out: dict[str, Any] = {"parent": self.parent, "via": self.via, "serves": self.serves}
+        if self.beats is not None:
+            out["beats"] = self.beats
+        return out
 
     @classmethod
     def from_wire(cls, raw: Any) -> RelayLink | None:
@@ -160,7 +166,9 @@ class RelayLink:
         if m is None:
             return None
         parent = _typed(m, "parent", str, w, none=True)
-        return cls(parent or None, _typed(m, "via", str, w, none=True), m.get("serves") is True)
+        beats = _typed(m, "beats", (int, float), w, none=True)
+        return cls(parent or None, _typed(m, "via", str, w, none=True), m.get("serves") is True,
+                   float(beats) if beats is not None and beats > 0 else None)
 
 
 @dataclass(frozen=True)

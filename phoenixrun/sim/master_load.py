@@ -150,7 +150,7 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
         # steady state: every agent heartbeating and parked in a directive poll (a relay's child: at its relay,
         # once the master has answered the direct poll it made before it knew its relay, within FALLBACK_POLL_S)
         await asyncio.sleep(max(2.0, 2 * cfg.heartbeat_s) + (FALLBACK_POLL_S + 1 if swarm.relays.parent else 0))
-        hb0, lat0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency)
+        hb0, lat0, beats0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency), (swarm.beats.batches, swarm.beats.relayed)
         m0, s0, w0 = master.cpu_times(), me.cpu_times(), time.time()
         await asyncio.sleep(cfg.steady_s)
         m1, s1, w1 = master.cpu_times(), me.cpu_times(), time.time()
@@ -163,6 +163,11 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
             "swarm_cores": round((s1.user + s1.system - s0.user - s0.system) / (w1 - w0), 3),
             "heartbeats": swarm.heartbeats_ok - hb0,
             "heartbeats_per_s": round((swarm.heartbeats_ok - hb0) / (w1 - w0), 1),
+            # through the relays (sim/swarm_beats.py): the heartbeats they carried, in how many requests; the rest
+            # went to the master one request each
+            "relayed_heartbeats": swarm.beats.relayed - beats0[1],
+            "heartbeat_requests_per_s": round((swarm.heartbeats_ok - hb0 - (swarm.beats.relayed - beats0[1])
+                                               + swarm.beats.batches - beats0[0]) / (w1 - w0), 1),
             "heartbeat_p50_ms": round(1e3 * _pct(lat, 0.5), 2), "heartbeat_p99_ms": round(1e3 * _pct(lat, 0.99), 2),
         }
 

@@ -34,6 +34,7 @@ from phoenixrun.protocol import reports
 from phoenixrun.protocol.names import Command, Endpoint
 from phoenixrun.protocol.status import Status
 from phoenixrun.protocol.relay import Batch
+from phoenixrun.sim.swarm_beats import SwarmBeats
 from phoenixrun.sim.swarm_relay import SwarmAcks, SwarmRelays
 from phoenixrun.sim.swarm_watch import SwarmWatch
 from phoenixrun.topology import Layout, place_replicas
@@ -227,6 +228,7 @@ class Swarm:
         self.errors: list[str] = []
         self.acks = SwarmAcks(self.relays, self._send_batch, self._report_directly, self.errors)   # ... and fan-in
         self.watch = SwarmWatch()                     # the ring watch of silent neighbours (sim/swarm_watch.py)
+        self.beats = SwarmBeats(self.relays, self._send_beats, self._heard, self.errors)   # ... heartbeats relayed
         self.step = 1
         self.recovering = False       # from the first quiesce to the resume: no step completes (as in a job)
         self.heartbeats_ok = 0
@@ -369,6 +371,9 @@ class Swarm:
         snapshots, replicas = self._inventory(a)
         payload = {"node_id": a.node_id, "token": a.token, "worker_pids": list(range(self.cfg.nproc_per_node)),
                    "snapshots": snapshots, "replicas": replicas, "protection": {}, "api": True}
+        if self.beats.hand(a, payload):   # through its relay (sim/swarm_beats.py): the reply comes with a batch's
+            loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
+            return
         t0 = time.monotonic()
 
         def done(f: Answer) -> None:
@@ -382,6 +387,9 @@ class Swarm:
                 a.last_heartbeat = time.time()
                 self.heartbeats_ok += 1
                 self.heartbeat_latency.append(time.monotonic() - t0)
+                self.beats.confirmed(a, t0)
+                if a.node_id in self.relays.serves:    # a relay: its children's heartbeats, right after its own
+                    self.beats.flush(a)
             else:
                 self.errors.append(f"heartbeat {a.node_id}: HTTP {f.result()[0]}")
             loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
@@ -471,6 +479,17 @@ class Swarm:
                 if not fut.done():
                     fut.set_result(True)
             self._targets[key] = [w for w in waiting if not w[1].done()]
+
+    def _send_beats(self, relay: SimAgent, batch: Batch) -> Answer:
+        return self._hb_conns[relay.index % len(self._hb_conns)].send_within(
+            self._raw(Endpoint.HEARTBEATS, batch.to_wire()))
+
+    def _heard(self, a: SimAgent, reply: dict[str, Any]) -> None:
+        """A child's heartbeat reply, from its relay's batch."""
+        self.relays.follow_reply(a, reply)
+        self.watch.follow_reply(a.node_id, reply)
+        a.last_heartbeat = time.time()
+        self.heartbeats_ok += 1
 
     def _report(self, a: SimAgent, ev: reports.Report) -> None:
         """Send a report now: an ack through the agent's relay (sim/swarm_relay.py), anything else directly."""

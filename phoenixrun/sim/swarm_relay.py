@@ -40,6 +40,7 @@ class SwarmRelays:
         self.inbox: dict[str, asyncio.Queue[Relayed | None]] = {}
         self.direct_until: dict[str, float] = {}          # child -> polls the master directly until (monotonic)
         self.failed: dict[str, str] = {}                  # failed agent -> how (kill | silent)
+        self.beat_lag: dict[str, float | None] = {}       # child -> RelayLink.beats (its heartbeats through its relay)
         self._seen: dict[str, bytes] = {}                 # agent -> its latest heartbeat reply
         self.master_writes = 0     # directive answers the master wrote that carried something new (a bundle: one)
         self.relayed = 0           # directives relays handed to children
@@ -51,9 +52,15 @@ class SwarmRelays:
         if b'"relay"' not in reply or self._seen.get(a.node_id) == reply:   # mostly the same bytes each period
             return
         self._seen[a.node_id] = reply
-        link = json.loads(reply).get("relay")
+        self.follow_reply(a, json.loads(reply))
+
+    def follow_reply(self, a: SimAgent, reply: dict[str, Any]) -> None:
+        """The same, from a reply already decoded (one of a relayed batch's)."""
+        link = reply.get("relay")
         if not isinstance(link, dict):
             return
+        beats = link.get("beats")
+        self.beat_lag[a.node_id] = float(beats) if type(beats) in (int, float) and beats > 0 else None
         via = link.get("via") if link.get("parent") else None
         if isinstance(via, str) and via in self.by_id:
             self.parent[a.node_id] = via

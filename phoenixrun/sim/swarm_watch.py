@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from phoenixrun.control.ring_watch import PING_S, is_suspect
 from phoenixrun.protocol.reports import Suspect
@@ -37,10 +37,16 @@ class SwarmWatch:
         if b'"watch"' not in reply or self._seen.get(node_id) == reply:
             return
         self._seen[node_id] = reply
-        got = json.loads(reply).get("watch")
+        self.follow_reply(node_id, json.loads(reply))
+
+    def follow_reply(self, node_id: str, reply: dict[str, Any]) -> None:
+        """The same, from a reply already decoded (one of a relayed batch's)."""
+        got = reply.get("watch")
         if not isinstance(got, list):
             return
         now = tuple(str(w[0]) for w in got if isinstance(w, list) and w)
+        if self.watching.get(node_id) == now:
+            return
         for old in self.watching.get(node_id, ()):
             self.watchers.get(old, set()).discard(node_id)
         self.watching[node_id] = now
