@@ -136,6 +136,7 @@ class MasterLink:
                 continue
             if d.get("bundle") == 1:          # a relay's answer: its children's directives, and its own
                 self.relay.store(d)
+                self.serves = True            # (its next poll speaks for them, even before a heartbeat says so)
                 d = d.get("own") or {}
             self._take(d)
 

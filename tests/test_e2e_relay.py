@@ -1,7 +1,7 @@
 """The directive fan-out with real processes (issue 32 item 2; the tree: tests/test_relay_tree.py).
 
 A job with --relay-threshold low enough that its 4 agents use 2 relays: a worker dies (the recovery's directives
-go out through the relays), a relay is SIGKILLed while it is forwarding that recovery's directives to its children
+go out through the relays, and the children's heartbeats go through them too), a relay is SIGKILLed while it is forwarding that recovery's directives to its children
 (held at the `relay_serve` pause point, so the kill lands mid-broadcast), its children poll the master directly,
 the master takes the relay's loss as one more fault, and the job finishes bit-identical to torchrun.
 """
@@ -23,9 +23,11 @@ def test_a_relay_killed_mid_broadcast_and_the_job_recovers_bit_identical(tmp_pat
     # exited 0 between the relay's pause and the test's next state query)
     job = launch(tmp_path, "relay", nnodes=3, nproc=1, spares=1, steps=STEPS, extra_flags=["--relay-threshold", "2"],
                  PHOENIXRUN_TEST_PAUSE=f"relay_serve:1,d2h:{STEPS - 5}+")
+    # ... and the relays' children heartbeating through them (agents/beats.py)
     state = job.wait_for(lambda s: (s["step"] or 0) >= 8 and len(s["nodes"]) == 4
-                         and all(n["worker_pids"] for n in s["nodes"] if n["role"] == "active"),
-                         what="training with 4 agents")
+                         and all(n["worker_pids"] for n in s["nodes"] if n["role"] == "active")
+                         and s["relayed_heartbeats"]["taken"] > 0,
+                         what="training with 4 agents, heartbeats through the relays")
     victim_worker = next(n for n in state["nodes"] if n["slot"] == 0)["worker_pids"][0]
     os.kill(victim_worker, signal.SIGKILL)                  # the first fault: its recovery goes out via the relays
     relay_pid = int(job.wait_file(tmp_path / "paused-relay_serve"))

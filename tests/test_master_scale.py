@@ -81,9 +81,13 @@ def test_a_run_longer_than_the_read_timeout_completes_and_loses_no_live_node(tmp
     cfg = LoadTestConfig(run_dir=tmp_path, nodes=384, nproc_per_node=4, heartbeat_s=1.0, node_timeout_s=5.0,
                          steady_s=READ_TIMEOUT_S + 2.0, phase_timeout_s=120.0)
     r = run_load_test(cfg)   # raises LoadTestError naming the step if any agent is not reached
-    rec = r["recovery"]
+    s, rec = r["steady"], r["recovery"]
     assert rec["lost_nodes"] == [rec["failed_node"]], "a live node was declared lost"
     assert not [e for e in r["errors"] if "report" in e], r["errors"]      # every ack got through
+    # the relays' children heartbeat through them (agents/beats.py): fewer requests reach the master than
+    # heartbeats, and nobody was declared lost for it (above). How many fewer is the benchmark's figure: a child
+    # whose relay's batch comes late on a loaded machine sends its own.
+    assert s["relayed_heartbeats"] > 0 and s["heartbeat_requests_per_s"] < s["heartbeats_per_s"], s
     assert list(rec["replaced_slots"]) == [str(rec["failed_slot"])]
     # a killed agent: its closed connection and refusing port, confirmed, are the evidence - not 5 s of silence
     assert rec["detect_after_fault_s"] < cfg.node_timeout_s and "refuses" in rec["detected_by"], rec

@@ -172,3 +172,19 @@ def test_a_dead_relays_children_are_handed_to_another_and_it_is_woken():
     desk.refresh(now=2e9)
     new = {desk.tree.parent[c] for c in orphans}
     assert dead not in desk.tree.parent and None not in new and set(woken) == new
+
+
+def test_a_relay_polling_before_it_knows_it_serves_gets_its_children_at_once():
+    """Its poll carries no `relay` field (it was sent before a heartbeat reply said it serves): parked, it would
+    learn its children only when the poll expired (15-30 s after a real job's start, refusing them meanwhile)."""
+    job, desk = job_with(9, 4)
+    relay = desk.tree.relays[0]
+    board = DirectiveBoard(first_version=100)
+    board.set(job.members.nodes, command="run", generation=0)
+    board.answer(relay, -1)
+    (b,) = desk.answer([Ask(relay, 101)], answerer(board))   # its own directive held already: nothing new for it
+    assert isinstance(b, Bundle)
+    got = json.loads(b.body)
+    assert got["own"] is None and set(got["keys"]) == set(desk.tree.children(relay)) == set(got["children"])
+    child = desk.tree.children(relay)[0]
+    assert desk.answer([Ask(child, 101)], answerer(board)) == [None]     # a child's plain poll: parked, as before

@@ -95,14 +95,18 @@ class RelayDesk:
     def answer(self, asks: list[Ask], answer: Answer) -> list[Directive | None]:
         """Directive polls, some of them relays' (`relay` set): plain ones as `answer` answers them, a relay's
         with a Bundle (None: nothing new for it or its children: park it)."""
-        if all(a.relay is None for a in asks):
+        kids = self._kids
+        if all(a.relay is None and a.node_id not in kids for a in asks):
             return answer(asks)
         out: list[Directive | None] = []
         for a in asks:
-            if a.relay is None:
+            if a.relay is None and a.node_id not in kids:
                 out.extend(answer([a]))
                 continue
-            out.append(self._bundle(a.node_id, a.version, a.relay, answer))
+            # a relay whose poll does not speak for children yet (sent before it heard it serves) is answered at
+            # once with all of theirs and their keys: parked, it would learn them only when the poll expires, and
+            # its children would be refused meanwhile (measured: 15-30 s after a job's start, a real job)
+            out.append(self._bundle(a.node_id, a.version, a.relay if a.relay is not None else {}, answer))
         return out
 
     def _bundle(self, relay: str, known: int, state: Mapping[str, tuple[int, int]],

@@ -80,6 +80,7 @@ class SwarmRelays:
     # ------------------------------------------------------------------ a relay's bundle
     def forward(self, relay: SimAgent, bundle: dict[str, Any], at: float) -> dict[str, Any]:
         """Hand each child its directive (checked as the child checks it); returns the relay's own directive."""
+        self.serves.add(relay.node_id)      # as the agent: its next poll speaks for its children
         held = self.held.setdefault(relay.node_id, {})
         keys = bundle.get("keys")
         if isinstance(keys, dict):
