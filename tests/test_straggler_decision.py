@@ -83,3 +83,45 @@ def test_a_steady_slow_node_is_flagged_within_n_windows(data, n, base, factor):
     # and not before it had been slow for N windows' worth of samples (persistence)
     if before:
         assert flagged({s: v[:before + N * W - (W // 2) - 1] for s, v in series.items()}) == {}
+
+
+# ------------------------------------------------------------------ the peers' median, without O(nodes^2)
+from phoenixrun.control.decide import median_without  # noqa: E402
+import statistics  # noqa: E402
+
+
+@given(st.lists(st.floats(min_value=0, max_value=100, allow_nan=False), min_size=2, max_size=40), st.data())
+def test_the_median_of_the_others_is_the_median_of_the_list_without_one(values, data):
+    x = data.draw(st.sampled_from(values))
+    others = list(values)
+    others.remove(x)
+    assert median_without(sorted(values), x) == pytest.approx(statistics.median(others))
+
+
+def _naive(samples, ratio, window, windows=N, margin=3.0):
+    """The definition (the docstring of decide.stragglers), each node's peers taken afresh: O(nodes^2)."""
+    need = window * windows
+    judged = {s: list(v[-need:]) for s, v in samples.items() if len(v) >= need}
+    slow, newest = {s: 0 for s in judged}, {}
+    for w in range(windows):
+        lo = need - (w + 1) * window
+        med = {s: statistics.median(v[lo:lo + window]) for s, v in judged.items()}
+        mad = {s: statistics.median(abs(x - med[s]) for x in v[lo:lo + window]) for s, v in judged.items()}
+        for s in judged:
+            peers = [t for t in judged if t != s]
+            if slow[s] != w or not peers:
+                continue
+            base = statistics.median(med[t] for t in peers)
+            spread = max(mad[s], statistics.median(mad[t] for t in peers))
+            if base > 0 and med[s] / base >= ratio and med[s] - base > margin * spread:
+                slow[s] += 1
+                if w == 0:
+                    newest[s] = round(med[s] / base, 2)
+    return {s: newest[s] for s, n in slow.items() if n == windows}
+
+
+@settings(max_examples=200)
+@given(st.dictionaries(st.integers(0, 12), st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.1, 2.0, 2.5, 3.0, 9.0]),
+                                                    min_size=10, max_size=14), max_size=8))
+def test_the_fast_decision_is_the_definition(samples):
+    assert stragglers(samples, R, W, windows=N) == _naive(samples, R, W)

@@ -369,8 +369,12 @@ class Swarm:
             loop.call_later(self.cfg.heartbeat_s, self._heartbeat, a, conn)
             return
         snapshots, replicas = self._inventory(a)
+        # each rank's figures as a real worker's (protocol/figures.py): the master's straggler check and throughput
+        # sample read them every heartbeat, so the load must carry them (a step ~1 s here, compute within 5%)
+        protection = {r: {"every": 1, "committed_step": self.step - 1, "step_s": 1.0,
+                          "compute_s": round(random.uniform(0.76, 0.84), 4)} for r in snapshots}
         payload = {"node_id": a.node_id, "token": a.token, "worker_pids": list(range(self.cfg.nproc_per_node)),
-                   "snapshots": snapshots, "replicas": replicas, "protection": {}, "api": True}
+                   "snapshots": snapshots, "replicas": replicas, "protection": protection, "api": True}
         if self.beats.hand(a, payload):   # through its relay (sim/swarm_beats.py): the reply comes with a batch's
             loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
             return
