@@ -7,7 +7,8 @@ are the control plane's own times) - each broadcast both until the master sent i
 agent and until the load generator read it there. Goal: <= 1 core in steady state, plan +
 broadcast < 1 s.
 
-    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--fault kill|silent] [--relay-threshold N] [--json out.json]
+    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--fault kill|silent] [--relay-threshold N]
+        [--direct-heartbeats] [--json out.json]
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def main() -> int:
                         "silent: a hung host, connections open, it just stops answering")
     p.add_argument("--relay-threshold", type=int, default=None,
                    help="the master's --relay-threshold (default: its own; 0: every agent polls the master)")
+    p.add_argument("--direct-heartbeats", action="store_true",
+                   help="every simulated agent heartbeats the master directly, not through its relay (A/B)")
     p.add_argument("--json", default=None)
     p.add_argument("--run-dir", default=None, help="keep the master's log and events here (default: a temp dir)")
     args = p.parse_args()
@@ -43,7 +46,7 @@ def main() -> int:
         cfg = LoadTestConfig(run_dir=Path(args.run_dir or tmp), nodes=args.nodes, nproc_per_node=args.nproc,
                              heartbeat_s=args.heartbeat, node_timeout_s=args.node_timeout, steady_s=args.steady,
                              hb_connections=args.hb_connections, fault=args.fault,
-                             relay_threshold=args.relay_threshold)
+                             relay_threshold=args.relay_threshold, relay_heartbeats=not args.direct_heartbeats)
         try:
             r = run_load_test(cfg)
         except LoadTestError as e:

@@ -41,6 +41,7 @@ class LoadTestConfig:
     phase_timeout_s: float = 300.0
     fault: str = "kill"           # swarm.FAULTS: a killed agent (its connections close) or a silent (hung) host
     relay_threshold: int | None = None   # the master's --relay-threshold (None: its default; 0: no relays)
+    relay_heartbeats: bool = True        # children heartbeat through their relays (False: each the master directly)
 
 
 MasterProcess = subprocess.Popen[bytes]   # the master under test (its output goes to a log file)
@@ -127,7 +128,7 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
     me = psutil.Process()
     swarm = Swarm(SwarmConfig(endpoint=info["endpoint"], secret=secret, nnodes=cfg.nodes,
                               nproc_per_node=cfg.nproc_per_node, spares=cfg.spares, heartbeat_s=cfg.heartbeat_s,
-                              hb_connections=cfg.hb_connections))
+                              hb_connections=cfg.hb_connections, relay_heartbeats=cfg.relay_heartbeats))
     victim = swarm.agents[1]
     await swarm.give_own_peer_port(victim)
     out: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},

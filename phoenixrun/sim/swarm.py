@@ -59,6 +59,7 @@ class SwarmConfig:
     hb_connections: int = 1024
     report_connections: int = 256
     peer_host: str = "127.0.0.1"
+    relay_heartbeats: bool = True     # children heartbeat through their relays when the master says so
 
 
 @dataclass
@@ -228,7 +229,8 @@ class Swarm:
         self.errors: list[str] = []
         self.acks = SwarmAcks(self.relays, self._send_batch, self._report_directly, self.errors)   # ... and fan-in
         self.watch = SwarmWatch()                     # the ring watch of silent neighbours (sim/swarm_watch.py)
-        self.beats = SwarmBeats(self.relays, self._send_beats, self._heard, self.errors)   # ... heartbeats relayed
+        self.beats = SwarmBeats(self.relays, self._send_beats, self._heard, self.errors,   # ... heartbeats relayed
+                                on=cfg.relay_heartbeats)
         self.step = 1
         self.recovering = False       # from the first quiesce to the resume: no step completes (as in a job)
         self.heartbeats_ok = 0

@@ -24,8 +24,9 @@ Heard = Callable[["SimAgent", dict[str, Any]], None]   # a child's heartbeat rep
 
 
 class SwarmBeats:
-    def __init__(self, relays: SwarmRelays, send: Send, heard: Heard, errors: list[str]) -> None:
+    def __init__(self, relays: SwarmRelays, send: Send, heard: Heard, errors: list[str], on: bool = True) -> None:
         self.relays, self.send, self.heard, self.errors = relays, send, heard, errors
+        self.on = on               # False: every agent heartbeats the master directly (the A/B's other arm)
         self._newest: dict[str, dict[str, tuple[SimAgent, int, bytes, str, float]]] = {}   # relay -> child -> beat
         self._seq: dict[str, int] = {}
         self.confirmed_at: dict[str, float] = {}   # child -> when it sent its latest heartbeat the master confirmed
@@ -34,7 +35,7 @@ class SwarmBeats:
 
     def hand(self, a: SimAgent, payload: dict[str, Any]) -> bool:
         """The agent's heartbeat: True if its relay took it, False: it sends this one to the master directly."""
-        relay = self.relays.relay_of(a)
+        relay = self.relays.relay_of(a) if self.on else None
         if relay is not None and (self.relays.failed.get(relay) == "kill" or not a.token):
             relay = None
         now = time.monotonic()
