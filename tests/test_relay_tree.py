@@ -147,3 +147,18 @@ def test_changed_relays_are_those_whose_children_changed():
     assert changed_relays(t, after) == sorted(moved_to)
     assert changed_relays(t, t) == []
     assert changed_relays(Tree({"a": None, "b": None}), plan(members(4), 4)) == list(plan(members(4), 4).relays)
+
+
+# ------------------------------------------------------------------ how often the tree and ring follow the membership
+from phoenixrun.control.pacing import paced  # noqa: E402
+
+
+@pytest.mark.parametrize("cost, floor, next_in", [
+    (0.001, 0.25, 0.25),     # cheap: the floor
+    (0.025, 0.25, 0.25),     # exactly a tenth of the floor
+    (0.1, 0.25, 1.0),        # 0.1 s a walk (16K nodes): one a second, a tenth of the master
+    (2.0, 0.25, 5.0),        # timed across a long wait for the lock: capped
+    (0.0, 0.25, 0.25),
+])
+def test_an_expensive_walk_waits_ten_times_its_cost(cost, floor, next_in):
+    assert paced(cost, floor) == pytest.approx(next_in)
