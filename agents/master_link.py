@@ -170,6 +170,8 @@ class MasterLink:
         relaying was never on - as it was)."""
         if relay is None:
             return
+        if self.parent_addr is not None and relay.parent != self.parent_addr and self.parent is not None:
+            self.parent.leave(self.parent_addr)    # its poll there (hung, maybe) ends: it polls the master at once
         self.parent_addr, self.serves = relay.parent, relay.serves
         if self.beats is not None:
             self.beats.lag = relay.beats

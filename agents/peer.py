@@ -380,6 +380,17 @@ class PeerClient:
         for addr in list(self._conns):
             self._drop(addr)
 
+    def interrupt(self, addr: str) -> None:
+        """End a call to addr in flight on another thread now (it raises PeerError there): its peer is known to be
+        gone or replaced. Any thread."""
+        with self._guard:
+            sock = self._conns.get(addr)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def _drop(self, addr: str) -> None:
         sock = self._conns.pop(addr, None)
         if sock is not None:

@@ -86,6 +86,11 @@ class ParentLink:
     def __init__(self, peers: PeerClient) -> None:
         self.peers = peers
 
+    def leave(self, addr: str) -> None:
+        """The master moved this node off the relay at addr (it was lost, or the tree changed): a poll waiting
+        there ends now, not when a hung relay's call would time out (RELAY_POLL_S + 3 s)."""
+        self.peers.interrupt(addr)
+
     def poll(self, addr: str, node_id: str, token: str, version: int) -> dict[str, Any] | None:
         """The directive the relay at addr holds for this node if newer than `version` and sealed by the master
         for it; None if none came. PeerError if the relay is unreachable (the caller polls the master) or

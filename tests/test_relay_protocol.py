@@ -188,3 +188,47 @@ def test_a_relay_polling_before_it_knows_it_serves_gets_its_children_at_once():
     assert got["own"] is None and set(got["keys"]) == set(desk.tree.children(relay)) == set(got["children"])
     child = desk.tree.children(relay)[0]
     assert desk.answer([Ask(child, 101)], answerer(board)) == [None]     # a child's plain poll: parked, as before
+
+
+def test_a_relay_reported_lost_relays_no_more_before_its_recovery_replaces_it():
+    """Its role is still active until the recovery promotes a spare (after the quiesce acks): the tree must not
+    wait for that, or a hung relay's children miss the quiesce until their calls to it time out (3-5 s)."""
+    job, desk = job_with(9, 4)
+    woken: list[str] = []
+    desk.wake = woken.extend
+    hung = desk.tree.relays[0]
+    orphans = desk.tree.children(hung)
+    job.members.lost.add(hung)                     # control/monitor.py, as it reports the loss
+    desk.refresh(now=2e9)
+    assert hung not in desk.tree.parent and hung not in desk.tree.relays
+    new = {desk.tree.parent[c] for c in orphans}
+    assert None not in new and set(woken) >= new
+    assert desk.link(orphans[0]).via in new        # what the orphan's next heartbeat reply says
+
+
+def test_a_poll_at_a_relay_the_child_left_ends_at_once():
+    """agents/master_link.py's follow: moved off a (hung) relay, the child's poll there ends now (ParentLink.leave),
+    not when the call would time out."""
+    release, entered = threading.Event(), threading.Event()
+
+    def hang(header, payload):
+        entered.set()
+        release.wait(30)
+        return {}, b""
+    server = PeerServer("127.0.0.1", "s", {RELAY_OP: hang})
+    link = ParentLink(PeerClient("s", io_timeout=30))
+    failed: list[str] = []
+
+    def poll() -> None:
+        try:
+            link.poll(server.addr, "c1", "tok1", -1)
+        except PeerError as e:
+            failed.append(str(e))
+    t = threading.Thread(target=poll)
+    t.start()
+    assert entered.wait(10)                        # the call is in flight: the relay holds it
+    link.leave(server.addr)
+    t.join(10)
+    release.set()
+    server.close()
+    assert not t.is_alive() and failed

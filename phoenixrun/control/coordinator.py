@@ -326,6 +326,7 @@ class Coordinator:
                 for n in gone:
                     slot = slot_of[n.node_id]
                     lost.add(slot)
+                    job.members.lost.add(n.node_id)
                     loss = reported.get(n.node_id) or r.NodeLost(node_id=n.node_id, detail="agent unreachable")
                     c = loss_verdict(loss, slot, self.cfg.recovery.max_local_resets)
                     n.last_fault = fault_text(c, loss)

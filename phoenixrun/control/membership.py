@@ -27,12 +27,15 @@ class Membership:
         self.fenced: set[str] = set()            # replaced nodes already told to go (one event each)
         self.injections: dict[str, list[str]] = {}
         self.done_nodes: set[str] = set()
+        # nodes reported lost (control/monitor.py), whose recovery may not have replaced them yet: no longer relays
+        self.lost: set[str] = set()
         # a restarted master: what the rejoining agents told it
         self.peer_hint: dict[int, str] = {}       # slot -> peer address, as the rejoining agents knew it
         self.rejoin_generation: dict[str, int] = {}   # node -> generation it reported when rejoining
 
     def add_node(self, node: NodeRecord) -> None:
         self.nodes[node.node_id] = node
+        self.lost.discard(node.node_id)
         self.heard[node.node_id] = None
         self.heard.move_to_end(node.node_id)
         if node.api:

@@ -68,6 +68,7 @@ class HeartbeatMonitor:
                 for nid in stale:
                     n = job.members.nodes[nid]
                     if n.role not in GONE:
+                        job.members.lost.add(n.node_id)
                         self.inbox.put(NodeLost(node_id=n.node_id, t=now,
                                                 detail=f"no heartbeat for {seen - n.last_heartbeat:.1f}s"))
                     n.last_heartbeat = now  # report once per timeout period
@@ -80,6 +81,7 @@ class HeartbeatMonitor:
         if n is None or n.role in GONE:
             return
         now = time.time()
+        self.job.members.lost.add(node_id)
         self.inbox.put(NodeLost(node_id=node_id, t=now, detail=detail))
         n.last_heartbeat = now
         self.job.members.heard.move_to_end(node_id)
@@ -121,6 +123,7 @@ class HeartbeatMonitor:
                 elif verdict == Link.PROBE:
                     ask.append((nid, closed_at, n.peer_addr))
                 elif verdict == Link.LOST:
+                    job.members.lost.add(nid)
                     self.inbox.put(NodeLost(node_id=nid, t=now,
                                             detail=f"its connection to the master closed {now - closed_at:.2f}s ago "
                                                    f"and its agent's port {n.peer_addr} refuses connections"))

@@ -66,7 +66,11 @@ class RelayDesk:
 
     def _follow(self) -> None:
         with self.job.cv:
-            live = [n for n in self.job.members.nodes.values() if n.role in (Role.ACTIVE, Role.SPARE)]
+            # a node reported lost relays no more at once, before its recovery replaces it (its children would
+            # wait out their calls to a hung relay, 3-5 s, and miss the recovery's first broadcast meanwhile)
+            lost = self.job.members.lost
+            live = [n for n in self.job.members.nodes.values()
+                    if n.role in (Role.ACTIVE, Role.SPARE) and n.node_id not in lost]
             ids = frozenset(n.node_id for n in live)
             if ids == self._members:
                 return

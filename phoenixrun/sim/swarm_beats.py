@@ -4,17 +4,18 @@ A child hands its relay its heartbeat in-process (numbered, without its token, s
 child's bytes), and a relay sends the master its children's newest in one `/v1/heartbeats` request right after
 its own heartbeat, as agents/master_link.py does; the master's reply to each child's is the child's heartbeat
 reply. A child heartbeats the master directly when it has no relay, when its relay was killed (a real child's
-call is refused at once) and when its latest confirmed heartbeat is older than the master allows (a hung relay:
-protocol/relay.py's beat_route), as the real child does.
+call is refused at once) or hangs (after its call's BEAT_CALL_S timeout), and when its latest confirmed heartbeat
+is older than the master allows (protocol/relay.py's beat_route), as the real child does.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from phoenixrun.protocol.relay import Batch, batch_replies, batch_size, beat_route, beat_seal
+from phoenixrun.protocol.relay import BEAT_CALL_S, Batch, batch_replies, batch_size, beat_route, beat_seal
 from phoenixrun.sim.swarm_relay import Send, SwarmRelays
 
 if TYPE_CHECKING:
@@ -33,19 +34,23 @@ class SwarmBeats:
         self.batches = 0           # /v1/heartbeats requests sent
         self.relayed = 0           # heartbeats the master took through them
 
-    def hand(self, a: SimAgent, payload: dict[str, Any]) -> bool:
-        """The agent's heartbeat: True if its relay took it, False: it sends this one to the master directly."""
+    def hand(self, a: SimAgent, prefix: bytes) -> float | None:
+        """The agent's heartbeat (its wire bytes without the token, up to the value of `seq`): None if its relay
+        took it; else it sends this one to the master directly, after this many seconds (a call to a hung relay
+        times out first, BEAT_CALL_S)."""
         relay = self.relays.relay_of(a) if self.on else None
+        if relay is not None and self.relays.failed.get(relay) == "silent":
+            return BEAT_CALL_S
         if relay is not None and (self.relays.failed.get(relay) == "kill" or not a.token):
             relay = None
         now = time.monotonic()
         if beat_route(relay, self.relays.beat_lag.get(a.node_id), now, self.confirmed_at.get(a.node_id, 0.0)) is None:
-            return False
+            return 0.0
         assert relay is not None and a.token is not None
         seq = self._seq[a.node_id] = self._seq.get(a.node_id, 0) + 1
-        body = json.dumps({**{k: v for k, v in payload.items() if k != "token"}, "seq": seq}).encode()
+        body = prefix + str(seq).encode() + b"}"
         self._newest.setdefault(relay, {})[a.node_id] = (a, seq, body, beat_seal(a.token, body), now)
-        return True
+        return None
 
     def confirmed(self, a: SimAgent, sent_at: float) -> None:
         """The master answered the agent's direct heartbeat sent at `sent_at` (monotonic)."""
@@ -59,7 +64,7 @@ class SwarmBeats:
             part, queued = queued[:n], queued[n:]
             self.batches += 1
             fut = self.send(relay, Batch(relay.node_id, relay.token or "", tuple((b, m) for _, _, b, m, _ in part)))
-            fut.add_done_callback(lambda f, part=part: self._answered(relay, part, f))
+            fut.add_done_callback(functools.partial(self._answered, relay, part))
 
     def _answered(self, relay: SimAgent, part: list[tuple[SimAgent, int, bytes, str, float]],
                   f: asyncio.Future[tuple[int, bytes]]) -> None:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from phoenixrun.sim.swarm import SimAgent
 
 RELAY_CALL_LIMIT_S = RELAY_POLL_S + 3     # agents/agent.py: the peer client's io timeout for relay polls
+IN_PROCESS_POLL_S = 5 * RELAY_POLL_S      # a child's in-process wait at its relay: a real child polls again every
+                                          # RELAY_POLL_S, which costs only the generator here (a timer per child),
+                                          # not the master - 8,000 a second at 16K agents
 Relayed = tuple[dict[str, Any], float]    # a directive and when its bytes reached the relay
 
 
@@ -37,9 +40,10 @@ class SwarmRelays:
         self.parent: dict[str, str] = {}                  # child -> its relay's node id (heartbeat replies)
         self.serves: set[str] = set()
         self.held: dict[str, dict[str, int]] = {}         # relay -> child -> version it holds for the child
-        self.inbox: dict[str, asyncio.Queue[Relayed | None]] = {}
+        self.inbox: dict[tuple[str, str], asyncio.Queue[Relayed | None]] = {}   # (relay, child) -> what it holds
         self.direct_until: dict[str, float] = {}          # child -> polls the master directly until (monotonic)
         self.failed: dict[str, str] = {}                  # failed agent -> how (kill | silent)
+        self._waiting_since: dict[str, float] = {}        # child -> when its in-process wait at its relay began
         self.beat_lag: dict[str, float | None] = {}       # child -> RelayLink.beats (its heartbeats through its relay)
         self._seen: dict[str, bytes] = {}                 # agent -> its latest heartbeat reply
         self.master_writes = 0     # directive answers the master wrote that carried something new (a bundle: one)
@@ -60,12 +64,18 @@ class SwarmRelays:
         if not isinstance(link, dict):
             return
         beats = link.get("beats")
-        self.beat_lag[a.node_id] = float(beats) if type(beats) in (int, float) and beats > 0 else None
+        self.beat_lag[a.node_id] = float(beats) if isinstance(beats, (int, float)) and beats > 0 else None
         via = link.get("via") if link.get("parent") else None
+        old = self.parent.get(a.node_id)
         if isinstance(via, str) and via in self.by_id:
             self.parent[a.node_id] = via
         else:
             self.parent.pop(a.node_id, None)
+        if old is not None and old != self.parent.get(a.node_id):
+            # moved off its relay: as agents/master_link.py's follow, its poll there ends now and it polls the
+            # master directly for a while (a hung relay's children are not held until their calls time out)
+            self.direct_until[a.node_id] = time.monotonic() + FALLBACK_POLL_S
+            self._queue(old, a.node_id).put_nowait(None)
         (self.serves.add if link.get("serves") is True else self.serves.discard)(a.node_id)
 
     def state(self, a: SimAgent) -> dict[str, list[int]] | None:
@@ -99,14 +109,15 @@ class SwarmRelays:
                 self.refused += 1
                 continue
             self.relayed += 1
-            self._queue(c).put_nowait((json.loads(body), at))
+            self._queue(relay.node_id, c).put_nowait((json.loads(body), at))
         own = bundle.get("own")
         return own if isinstance(own, dict) else {}
 
-    def _queue(self, node_id: str) -> asyncio.Queue[Relayed | None]:
-        q = self.inbox.get(node_id)
+    def _queue(self, relay: str, child: str) -> asyncio.Queue[Relayed | None]:
+        """What `relay` holds for `child`: a child polling one relay gets nothing another holds for it."""
+        q = self.inbox.get((relay, child))
         if q is None:
-            q = self.inbox[node_id] = asyncio.Queue()
+            q = self.inbox[(relay, child)] = asyncio.Queue()
         return q
 
     # ------------------------------------------------------------------ a child's side
@@ -123,9 +134,10 @@ class SwarmRelays:
         if how == "kill":
             self.direct_until[a.node_id] = time.monotonic() + FALLBACK_POLL_S
             return None
-        try:
-            got = await asyncio.wait_for(self._queue(a.node_id).get(),
-                                         RELAY_CALL_LIMIT_S if how == "silent" else RELAY_POLL_S)
+        self._waiting_since[a.node_id] = time.monotonic()
+        try:   # a hung relay's children are woken when their calls to it would time out (fail, below)
+            got = await asyncio.wait_for(self._queue(relay, a.node_id).get(),
+                                         RELAY_CALL_LIMIT_S if how == "silent" else IN_PROCESS_POLL_S)
         except asyncio.TimeoutError:
             got = None
         if got is None and relay in self.failed:
@@ -133,12 +145,19 @@ class SwarmRelays:
         return got
 
     def fail(self, a: SimAgent, fault: str) -> None:
-        """`a` failed: a killed relay's children find out at once (their connections are reset)."""
+        """`a` failed: a killed relay's children find out at once (their connections are reset), a hung one's when
+        their calls to it time out."""
         self.failed[a.node_id] = fault
+        children = [child for child, relay in self.parent.items() if relay == a.node_id]
         if fault == "kill":
-            for child, relay in self.parent.items():
-                if relay == a.node_id:
-                    self._queue(child).put_nowait(None)
+            for child in children:
+                self._queue(a.node_id, child).put_nowait(None)
+        else:   # hung: each child's call to it times out RELAY_CALL_LIMIT_S after it began; a real child calls
+            # again every RELAY_POLL_S, so its call in flight began (time waiting) mod RELAY_POLL_S ago
+            loop, now = asyncio.get_running_loop(), time.monotonic()
+            for child in children:
+                began = (now - self._waiting_since.get(child, now)) % RELAY_POLL_S
+                loop.call_later(RELAY_CALL_LIMIT_S - began, self._queue(a.node_id, child).put_nowait, None)
 
 
 Send = Callable[["SimAgent", Batch], "asyncio.Future[tuple[int, bytes]]"]     # a relay's request to the master
