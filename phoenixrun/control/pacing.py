@@ -2,7 +2,7 @@
 
 Each walk is timed, and the next one waits until the walk's cost is at most `share` of the time in between: at
 16,384 simulated nodes registering, the two refreshes at their fixed 0.25 s took most of the master's loop
-(py-spy: ~35% of its samples), and heartbeats went unanswered for 5 s. A membership that settles is followed
+(py-spy: ~27% of its samples), and heartbeats went unanswered for 5 s. A membership that settles is followed
 within the floor again."""
 from __future__ import annotations
 
