@@ -7,8 +7,8 @@ are the control plane's own times) - each broadcast both until the master sent i
 agent and until the load generator read it there. Goal: <= 1 core in steady state, plan +
 broadcast < 1 s.
 
-    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--fault kill|silent] [--relay-threshold N]
-        [--direct-heartbeats] [--json out.json]
+    python benchmarks/master_scale.py [--nodes 16384] [--nproc 4] [--steady 10] [--fault kill|silent]
+        [--relay-threshold N] [--direct-heartbeats] [--json out.json]
 """
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ FROZEN = {
             "directive_sent", "fault_injected", "fault_detected", "protection_mode", "recovery_started",
             "recovery_plan", "recovery_done", "recovery_failed", "restore_refused", "restart", "fallback_restart", "fallback_done",
             "checkpoint_rejected", "rejected_request", "drain_requested", "straggler", "job_shrunk", "job_grown"},
-    Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/reports", "/v1/heartbeats", "/v1/directive", "/v1/inject",
-               "/v1/drain", "/v1/state", "/metrics"},
+    Endpoint: {"/v1/register", "/v1/heartbeat", "/v1/report", "/v1/reports", "/v1/heartbeats", "/v1/directive",
+               "/v1/inject", "/v1/drain", "/v1/state", "/metrics"},
 }
 
 

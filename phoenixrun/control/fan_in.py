@@ -50,7 +50,8 @@ class FanIn:
         """A relay's batch of acks: {"replies": [the reply to each report, in order]}; refused whole (MessageError)
         if the caller is not a member with its own token."""
         batch, host = self._batch(p, "relayed reports")
-        replies = [self._one(body, mac, batch.relay, host, Endpoint.REPORTS, self._report) for body, mac in batch.reports]
+        replies = [self._one(body, mac, batch.relay, host, Endpoint.REPORTS, self._report)
+                   for body, mac in batch.reports]
         self.batches += 1
         self.taken += sum(1 for r in replies if "error" not in r)
         return {"replies": replies}

@@ -151,7 +151,8 @@ async def _drive(cfg: LoadTestConfig, proc: MasterProcess, info: dict[str, Any],
         # steady state: every agent heartbeating and parked in a directive poll (a relay's child: at its relay,
         # once the master has answered the direct poll it made before it knew its relay, within FALLBACK_POLL_S)
         await asyncio.sleep(max(2.0, 2 * cfg.heartbeat_s) + (FALLBACK_POLL_S + 1 if swarm.relays.parent else 0))
-        hb0, lat0, beats0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency), (swarm.beats.batches, swarm.beats.relayed)
+        hb0, lat0 = swarm.heartbeats_ok, len(swarm.heartbeat_latency)
+        beats0 = swarm.beats.batches, swarm.beats.relayed
         m0, s0, w0 = master.cpu_times(), me.cpu_times(), time.time()
         await asyncio.sleep(cfg.steady_s)
         m1, s1, w1 = master.cpu_times(), me.cpu_times(), time.time()
