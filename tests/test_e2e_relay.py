@@ -2,8 +2,9 @@
 
 A job with --relay-threshold low enough that its 4 agents use 2 relays (the children heartbeat through them): a
 worker dies (the recovery's directives go out through the relays), a relay is SIGKILLed while it is forwarding that
-recovery's directives to its children (held at the `relay_serve` pause point, so the kill lands mid-broadcast), its children poll the master directly,
-the master takes the relay's loss as one more fault, and the job finishes bit-identical to torchrun.
+recovery's directives to its children (held at the `relay_serve` pause point, so the kill lands mid-broadcast), its
+children poll the master directly, the master takes the relay's loss as one more fault, and the job finishes
+bit-identical to torchrun.
 """
 import os
 import signal
