@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -162,3 +164,20 @@ from phoenixrun.control.pacing import paced  # noqa: E402
 ])
 def test_an_expensive_walk_waits_ten_times_its_cost(cost, floor, next_in):
     assert paced(cost, floor) == pytest.approx(next_in)
+
+
+def test_a_walk_that_took_long_is_not_run_again_until_it_is_due():
+    from phoenixrun.control.pacing import Pacer
+    ran: list[float] = []
+    pacer = Pacer(0.25)
+
+    def slow() -> None:             # 50 ms of work: the next walk 0.5 s later, not at the 0.25 s floor
+        ran.append(time.perf_counter())
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            pass
+    pacer.run(slow, now=100.0)
+    pacer.run(slow, now=100.3)      # due at the floor, not after this walk's cost
+    assert len(ran) == 1
+    pacer.run(slow, now=100.0 + 5.01)
+    assert len(ran) == 2

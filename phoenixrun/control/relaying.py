@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Mapping
 from phoenixrun.control import relay_tree
 from phoenixrun.control.directives import Ask, Directive
 from phoenixrun.control.jobstate import JobState
-from phoenixrun.control.pacing import paced
+from phoenixrun.control.pacing import Pacer
 from phoenixrun.control.relay_tree import Member, Tree
 from phoenixrun.control.state import Role
 from phoenixrun.protocol.names import Command
@@ -46,23 +46,15 @@ class RelayDesk:
         self._addr: dict[str, str] = {}   # relay -> its peer address
         self._kids: dict[str, tuple[str, ...]] = {}   # relay -> its children (Tree.children is O(N) a call)
         self._keys: dict[str, tuple[str, str]] = {}   # node -> (token, poll key)
-        self._at = 0.0
-        self._every = REFRESH_S
+        self._pacer = Pacer(REFRESH_S)
         self.wake: Callable[[list[str]], None] = lambda node_ids: None   # the transport's, unrouted
 
     # ------------------------------------------------------------------ the tree
     def refresh(self, now: float | None = None) -> None:
         """Follow the membership (at most every REFRESH_S, less often while a walk costs more than a tenth of
         that; any thread)."""
-        now = time.monotonic() if now is None else now
-        if self.threshold <= 0 or now - self._at < self._every:
-            return
-        self._at = now
-        t0 = time.perf_counter()
-        try:
-            self._follow()
-        finally:   # an O(nodes) walk: paced so that it takes at most a tenth of the master (control/pacing.py)
-            self._every = paced(time.perf_counter() - t0, REFRESH_S)
+        if self.threshold > 0:      # an O(nodes) walk: at most a tenth of the master (control/pacing.py)
+            self._pacer.run(self._follow, time.monotonic() if now is None else now)
 
     def _follow(self) -> None:
         with self.job.cv:

@@ -20,7 +20,7 @@ from typing import Callable
 
 from phoenixrun.control import ring_watch
 from phoenixrun.control.jobstate import JobState
-from phoenixrun.control.pacing import paced
+from phoenixrun.control.pacing import Pacer
 from phoenixrun.control.ring_watch import RingMember, Suspicion, Verdict
 from phoenixrun.control.state import Role
 from phoenixrun.protocol.messages import MessageError, UnknownNode
@@ -39,22 +39,14 @@ class WatchDesk:
         self._index: dict[str, int] = {}                  # node -> its place in it
         self._addr: dict[str, str] = {}                   # node -> its peer address
         self._suspicions: dict[str, dict[str, Suspicion]] = {}   # suspect -> watcher -> its report
-        self._at = 0.0
-        self._every = REFRESH_S
+        self._pacer = Pacer(REFRESH_S)
         self.lost: Lost = lambda node_id, detail: None   # the monitor's (set by the master)
 
     def refresh(self, now: float | None = None) -> None:
         """Follow the membership (at most every REFRESH_S, less often while a walk costs more than a tenth of
         that). Called with the job's lock held or not."""
-        now = time.monotonic() if now is None else now
-        if now - self._at < self._every:
-            return
-        self._at = now
-        t0 = time.perf_counter()
-        try:
-            self._follow()
-        finally:   # an O(nodes) walk: paced so that it takes at most a tenth of the master (control/pacing.py)
-            self._every = paced(time.perf_counter() - t0, REFRESH_S)
+        # an O(nodes) walk: at most a tenth of the master (control/pacing.py)
+        self._pacer.run(self._follow, time.monotonic() if now is None else now)
 
     def _follow(self) -> None:
         with self.job.cv:
