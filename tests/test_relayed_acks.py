@@ -10,11 +10,9 @@ import time
 
 import pytest
 
-from phoenixrun import auth
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
 from phoenixrun.agents.relay import AckBatcher, RelayCache, UpLink
-from phoenixrun.control.master import Master, MasterConfig
-from phoenixrun.protocol.client import ControlClient, ControlError
+from phoenixrun.protocol.client import ControlError
 from phoenixrun.protocol.messages import MessageError
 from phoenixrun.protocol.relay import REPORT_OP, Batch, batch_replies, batch_size, poll_key, report_seal, report_sealed
 
@@ -133,30 +131,14 @@ def test_a_stranger_is_not_relayed(batcher):
     assert not posts
 
 
-# ------------------------------------------------------------------ the master's side, a real master
-@pytest.fixture
-def master(tmp_path):
-    secret = auth.new_secret()
-    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=3, nproc_per_node=1, node_timeout=1e6), secret)
-    m.start()
-    client = ControlClient(m.endpoint, secret)
-    tokens = {}
-    for i in range(1, 4):
-        reply = client.post("/v1/register", {"node_id": f"n{i}", "host": "127.0.0.1", "agent_pid": 1,
-                                              "peer_addr": f"127.0.0.1:{i}"})
-        tokens[f"n{i}"] = reply["token"]
-    yield m, client, tokens
-    m._finish(0, "test over")
-    m.http.shutdown()
-
-
+# ------------------------------------------------------------------ the master's side, a real master (conftest.py)
 def _entry(token: str, report: dict) -> tuple[bytes, str]:
     body = json.dumps(report).encode()
     return body, report_seal(token, body)
 
 
-def test_the_master_takes_each_sealed_ack_and_refuses_the_rest_in_place(master):
-    m, client, tokens = master
+def test_the_master_takes_each_sealed_ack_and_refuses_the_rest_in_place(three_node_master):
+    m, client, tokens = three_node_master
     ack = {"kind": "resumed", "node_id": "n2", "generation": 0, "slot": 1}
     good = _entry(tokens["n2"], ack)
     forged = _entry(tokens["n1"], {**ack, "node_id": "n3"})               # the relay's own token: not n3's seal
@@ -172,8 +154,8 @@ def test_the_master_takes_each_sealed_ack_and_refuses_the_rest_in_place(master):
     assert state["rejected_requests"]["by_reason"] == {"bad_seal": 2, "not_relayed": 1}
 
 
-def test_a_relay_must_carry_its_own_token(master):
-    m, client, tokens = master
+def test_a_relay_must_carry_its_own_token(three_node_master):
+    m, client, tokens = three_node_master
     good = _entry(tokens["n2"], {"kind": "resumed", "node_id": "n2", "generation": 0, "slot": 1})
     with pytest.raises(ControlError, match="403"):
         client.post("/v1/reports", Batch("n1", tokens["n2"], (good,)).to_wire())    # n2's token, not n1's

@@ -14,8 +14,6 @@ import pytest
 from phoenixrun.agents.beats import BeatDesk, BeatLink
 from phoenixrun.agents.peer import PeerClient, PeerError, PeerServer
 from phoenixrun.agents.relay import RelayCache
-from phoenixrun.control.master import Master, MasterConfig
-from phoenixrun.protocol.client import ControlClient
 from phoenixrun.protocol.relay import (BEAT_OP, Batch, batch_replies, beat_route, beat_seal, beat_sealed, poll_key,
                                        report_seal)
 from phoenixrun.protocol.replies import RelayLink
@@ -62,22 +60,7 @@ def test_the_link_says_how_long_relayed_heartbeats_may_go_unconfirmed():
     assert RelayLink.from_wire({"parent": "r:1", "via": "n1", "serves": False}).beats is None   # an older master
 
 
-# ------------------------------------------------------------------ a real master
-@pytest.fixture
-def master(tmp_path):
-    m = Master(MasterConfig.build(run_dir=tmp_path, nnodes=3, nproc_per_node=1, node_timeout=1e6), SECRET)
-    m.start()
-    client = ControlClient(m.endpoint, SECRET)
-    tokens = {}
-    for i in range(1, 4):
-        reply = client.post("/v1/register", {"node_id": f"n{i}", "host": "127.0.0.1", "agent_pid": 1,
-                                              "peer_addr": f"127.0.0.1:{i}"})
-        tokens[f"n{i}"] = reply["token"]
-    yield m, client, tokens
-    m._finish(0, "test over")
-    m.http.shutdown()
-
-
+# ------------------------------------------------------------------ a real master (conftest.py: n1-n3)
 def _beat(token: str, node_id: str, seq: int | None, **extra: object) -> tuple[bytes, str]:
     p: dict = {"node_id": node_id, "worker_pids": [7], "snapshots": {}, "replicas": {}, "protection": {},
                "api": True, **extra}
@@ -87,8 +70,8 @@ def _beat(token: str, node_id: str, seq: int | None, **extra: object) -> tuple[b
     return body, beat_seal(token, body)
 
 
-def test_the_master_takes_each_sealed_fresh_heartbeat_and_refuses_the_rest_in_place(master):
-    m, client, tokens = master
+def test_the_master_takes_each_sealed_fresh_heartbeat_and_refuses_the_rest_in_place(three_node_master):
+    m, client, tokens = three_node_master
     before = m.job.members.nodes["n2"].last_heartbeat
     good = _beat(tokens["n2"], "n2", 5)
     forged = _beat(tokens["n1"], "n3", 1)                   # the relay's own token: not n3's seal
@@ -111,8 +94,8 @@ def test_the_master_takes_each_sealed_fresh_heartbeat_and_refuses_the_rest_in_pl
     assert state["rejected_requests"]["by_reason"] == {"bad_seal": 2, "invalid": 1}
 
 
-def test_a_relay_must_carry_its_own_token(master):
-    m, client, tokens = master
+def test_a_relay_must_carry_its_own_token(three_node_master):
+    m, client, tokens = three_node_master
     with pytest.raises(Exception, match="token"):
         client.post("/v1/heartbeats", Batch("n1", tokens["n2"], (_beat(tokens["n2"], "n2", 1),)).to_wire())
     assert client.get_json("/v1/state")["relayed_heartbeats"] == {"batches": 0, "taken": 0}
@@ -120,9 +103,9 @@ def test_a_relay_must_carry_its_own_token(master):
 
 # ------------------------------------------------------------------ relay and child, over real sockets
 @pytest.fixture
-def relay(master):
+def relay(three_node_master):
     """n1 relays for n2 and n3: its BeatDesk posts to the real master, its peer server takes the children's."""
-    m, client, tokens = master
+    m, client, tokens = three_node_master
     cache = RelayCache()
     cache.store({"keys": {c: poll_key(tokens[c]) for c in ("n2", "n3")}, "children": {}})
     desk = BeatDesk(cache, lambda batch: batch_replies(client.post("/v1/heartbeats", batch.to_wire())),

@@ -26,7 +26,7 @@ import secrets
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 from phoenixrun.protocol.constants import CLIENT_TIMEOUT_S, DIRECTIVE_POLL_S
 from phoenixrun.protocol.directives import Run, decode
@@ -371,7 +371,7 @@ class Swarm:
         if not a.role:                    # not registered yet
             loop.call_later(self.cfg.heartbeat_s, self._heartbeat, a, conn)
             return
-        prefix, raw = self._beat_bytes(a)
+        prefix, raw = beat_bytes(a, self.step, lambda: self._inventory(a), self.cfg.nproc_per_node, self._raw)
         late = self.beats.hand(a, prefix)
         if late is None:                  # through its relay (sim/swarm_beats.py): the reply comes with a batch's
             loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
@@ -405,25 +405,6 @@ class Swarm:
                 self.errors.append(f"heartbeat {a.node_id}: HTTP {f.result()[0]}")
             loop.call_later(self.cfg.heartbeat_s * random.uniform(0.9, 1.1), self._heartbeat, a, conn)
         conn.send_within(raw).add_done_callback(done)
-
-    def _beat_bytes(self, a: SimAgent) -> tuple[bytes, bytes]:
-        """The agent's heartbeat as its relay gets it (without the token, up to its `seq`) and as a direct request,
-        built once a step, when what it says changes (one process plays thousands of agents: its time is not the
-        master's, and what it spends on building bytes is not spent answering)."""
-        key = (self.step, a.slot, a.token)
-        if a.beat_cache is not None and a.beat_cache[0] == key:
-            return a.beat_cache[1], a.beat_cache[2]
-        snapshots, replicas = self._inventory(a)
-        # each rank's figures as a real worker's (protocol/figures.py): the master's straggler check and throughput
-        # sample read them every heartbeat, so the load must carry them (a step ~1 s here, compute within 5%)
-        protection = {r: {"every": 1, "committed_step": self.step - 1, "step_s": 1.0,
-                          "compute_s": round(random.uniform(0.76, 0.84), 4)} for r in snapshots}
-        payload = {"node_id": a.node_id, "worker_pids": list(range(self.cfg.nproc_per_node)),
-                   "snapshots": snapshots, "replicas": replicas, "protection": protection, "api": True}
-        prefix = json.dumps(payload).encode()[:-1] + b', "seq": '
-        raw = self._raw(Endpoint.HEARTBEAT, {**payload, "token": a.token})
-        a.beat_cache = (key, prefix, raw)
-        return prefix, raw
 
     async def _poll_loop(self, a: SimAgent) -> None:
         conn, relays = self._polls[a.index], self.relays
@@ -577,3 +558,24 @@ class Swarm:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def beat_bytes(a: SimAgent, step: int, inventory: Callable[[], tuple[dict[int, list[int]], dict[int, list[int]]]],
+               nproc: int, render: Callable[[str, dict[str, Any]], bytes]) -> tuple[bytes, bytes]:
+    """The agent's heartbeat as its relay gets it (without the token, up to its `seq`) and as a direct request,
+    built once a step, when what it says changes (one process plays thousands of agents: its time is not the
+    master's, and what it spends on building bytes is not spent answering)."""
+    key = (step, a.slot, a.token)
+    if a.beat_cache is not None and a.beat_cache[0] == key:
+        return a.beat_cache[1], a.beat_cache[2]
+    snapshots, replicas = inventory()
+    # each rank's figures as a real worker's (protocol/figures.py): the master's straggler check and throughput
+    # sample read them every heartbeat, so the load must carry them (a step ~1 s here, compute within 5%)
+    protection = {r: {"every": 1, "committed_step": step - 1, "step_s": 1.0,
+                      "compute_s": round(random.uniform(0.76, 0.84), 4)} for r in snapshots}
+    payload = {"node_id": a.node_id, "worker_pids": list(range(nproc)), "snapshots": snapshots, "replicas": replicas,
+               "protection": protection, "api": True}
+    prefix = json.dumps(payload).encode()[:-1] + b', "seq": '
+    raw = render(Endpoint.HEARTBEAT, {**payload, "token": a.token})
+    a.beat_cache = (key, prefix, raw)
+    return prefix, raw
