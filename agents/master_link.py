@@ -191,11 +191,11 @@ class MasterLink:
     def _beat(self) -> bool:
         """One heartbeat: through this node's relay while the master confirms those in time (protocol/relay.py's
         beat_route), to the master directly otherwise. False: this node was fenced (heartbeat no more)."""
-        payload, token, now = self.node_state().to_wire(), self.node.token, time.monotonic()
-        addr = self.beats.route(self.relay_addr(), now) if self.beats is not None and token else None
-        if addr is not None and self.beats is not None and token:
+        payload, token, now, beats = self.node_state().to_wire(), self.node.token, time.monotonic(), self.beats
+        addr = beats.route(self.relay_addr(), now) if beats is not None and token else None
+        if addr is not None and beats is not None and token:     # (the last two: for the type checker)
             try:
-                reply = self.beats.send(addr, self.node.node_id, token, payload)
+                reply = beats.send(addr, self.node.node_id, token, payload)
             except PeerError as e:
                 log.info("heartbeat through relay %s failed (%s): sending it to the master", addr, e)
             else:
@@ -206,8 +206,8 @@ class MasterLink:
                 log.info("the master refused a heartbeat through the relay (%s): sending it directly", reply["error"])
         try:
             raw = self.client.post("/v1/heartbeat", payload, timeout=max(2.0, self.heartbeat_interval * 4))
-            if self.beats is not None:
-                self.beats.confirmed(now)
+            if beats is not None:
+                beats.confirmed(now)
             return self._heard(raw)
         except ControlError as e:
             if e.unknown_node:           # a restarted master (Status.UNKNOWN_NODE): it learns the job from us
